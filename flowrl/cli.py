@@ -1,0 +1,156 @@
+"""`flowrl run | check | plan | render | nodes`.
+
+check, plan, render and nodes import neither torch nor ray; `run` imports the runtime lazily.
+A bad graph file exits with code 2 and a list of its problems, never a traceback.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import attrs
+
+from flowrl import compiler, dsl, graph, registry, render
+from flowrl.errors import GraphErrors
+
+
+def load_plan(file: str, overrides=()):
+    """(GraphSpec, Graph, ExecutionPlan) of a graph file; raises GraphErrors."""
+    spec = dsl.load(file, list(overrides))
+    built = graph.build(spec)
+    return spec, built, compiler.compile_graph(built)
+
+
+def cmd_check(args) -> int:
+    status = 0
+    for file in args.files:
+        try:
+            spec, built, plan = load_plan(file, args.overrides)
+        except GraphErrors as e:
+            print(e.report(), file=sys.stderr)
+            status = 2
+            continue
+        pools = f"{len(spec.pools)} pool{'s' * (len(spec.pools) != 1)}"
+        print(
+            f"{file}: ok ({len(spec.nodes)} nodes, {len(spec.models)} models, {pools}, "
+            f"{plan.batch['rows']} rows per step)"
+        )
+        print(node_table(spec, built))
+        for warning in plan.warnings:
+            print(f"  warning: {warning}")
+    return status
+
+
+def node_table(spec, built) -> str:
+    rows = [("node", "uses", "model", "mode", "reads -> writes")]
+    for node in built.order:
+        d = spec.nodes[node]
+        rows.append(
+            (
+                node,
+                d.uses,
+                d.model or "-",
+                d.mode or "controller",
+                f"{', '.join(d.reads)} -> {', '.join(d.writes) or '(update)'}",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join(
+        "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[4]
+        for r in rows
+    )
+
+
+def cmd_plan(args) -> int:
+    _, _, plan = load_plan(args.file, args.overrides)
+    print(plan.to_json() if args.json else plan.text(), end="")
+    return 0
+
+
+def cmd_render(args) -> int:
+    _, built, plan = load_plan(args.file, args.overrides)
+    dot = plan.to_dot() if args.plan else render.graph_dot(built)
+    out = args.output or str(Path(args.file).with_suffix(".plan.svg" if args.plan else ".svg"))
+    if out.endswith(".dot"):
+        Path(out).write_text(dot)
+        print(f"wrote {out}")
+        return 0
+    ok, message = render.write_svg(dot, out)
+    print(message, file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
+
+
+def cmd_nodes(args) -> int:
+    for name in registry.builtin_names():
+        ref = registry.resolve(name)
+        spec = ref.spec
+        where = f"model, {spec.mode}, head {spec.head}" if spec.uses_model else "controller"
+        print(f"{name}  ({where})  {ref.location}")
+        if ref.doc:
+            print(f"    {ref.doc}")
+        print(f"    reads:  {', '.join(spec.reads)}")
+        print(f"    writes: {', '.join(spec.writes) or '(none)'}")
+        for field in attrs.fields(spec.params):
+            default = (
+                field.default.factory()
+                if isinstance(field.default, attrs.Factory)
+                else field.default
+            )
+            print(f"    {field.name} = {default!r}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    spec, built, plan = load_plan(args.file, args.overrides)
+    from flowrl.runtime.controller import run  # torch and ray load from here on
+
+    run(spec, built, plan, backend=args.backend, resume=args.resume)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flowrl", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    over = "dotted overrides, e.g. run.steps=50 nodes.advantage.lam=0.9"
+
+    r = sub.add_parser("run", help="train with a graph")
+    r.add_argument("file")
+    r.add_argument("overrides", nargs="*", help=over)
+    r.add_argument("--backend", choices=["ray", "local"], help="default: run.backend")
+    r.add_argument("--resume", metavar="RUN_DIR", help="continue from RUN_DIR's last checkpoint")
+    r.set_defaults(func=cmd_run)
+
+    c = sub.add_parser("check", help="validate graph files without loading any model")
+    c.add_argument("files", nargs="+")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    c.set_defaults(func=cmd_check)
+
+    pl = sub.add_parser("plan", help="print the compiled plan of one step")
+    pl.add_argument("file")
+    pl.add_argument("overrides", nargs="*", help=over)
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plan)
+
+    rd = sub.add_parser("render", help="draw the graph (or, with --plan, the plan) as SVG")
+    rd.add_argument("file")
+    rd.add_argument("overrides", nargs="*", help=over)
+    rd.add_argument("-o", "--output", help="output .svg (or .dot)")
+    rd.add_argument("--plan", action="store_true", help="draw the compiled plan")
+    rd.set_defaults(func=cmd_render)
+
+    n = sub.add_parser("nodes", help="list the built-in nodes")
+    n.set_defaults(func=cmd_nodes)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except GraphErrors as e:
+        print(e.report(), file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Errors a user can act on: each names the file, the table, the key and the fix.
+
+Checks collect every problem of a file and raise them together (`GraphErrors`), so one run of
+`flowrl check` shows all that is wrong, not the first thing.
+"""
+
+import difflib
+from collections.abc import Iterable
+
+import attrs
+
+
+@attrs.frozen
+class Problem:
+    """One thing wrong with a graph file."""
+
+    file: str
+    where: str  # the table, e.g. "[nodes.values]" or "command line"
+    message: str  # what is wrong, naming the key
+    fix: str = ""  # what to do about it
+
+    def __str__(self) -> str:
+        text = f"{self.file}: {self.where}: {self.message}"
+        return f"{text}\n    fix: {self.fix}" if self.fix else text
+
+
+class GraphErrors(Exception):
+    """All the problems found in one graph file."""
+
+    def __init__(self, problems: Iterable[Problem]):
+        self.problems = list(problems)
+        super().__init__(self.report())
+
+    def report(self) -> str:
+        n = len(self.problems)
+        head = f"{n} error{'s' if n != 1 else ''}:"
+        return "\n".join([head, *(f"  {p}" for p in self.problems)])
+
+
+class Collector:
+    """Gathers problems for one file; `raise_if_any()` raises them together."""
+
+    def __init__(self, file: str):
+        self.file = file
+        self.problems: list[Problem] = []
+
+    def add(self, where: str, message: str, fix: str = "") -> None:
+        self.problems.append(Problem(self.file, where, message, fix))
+
+    def raise_if_any(self) -> None:
+        if self.problems:
+            raise GraphErrors(self.problems)
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """' (did you mean "x"?)' for the closest choice, or ''."""
+    close = difflib.get_close_matches(word, sorted(choices), n=1, cutoff=0.6)
+    return f' (did you mean "{close[0]}"?)' if close else ""
+
+
+def one_of(choices: Iterable[str]) -> str:
+    return ", ".join(f'"{c}"' for c in sorted(choices))

@@ -1,0 +1,158 @@
+"""GraphSpec -> a checked networkx DAG of the step.
+
+Edges come from names, never from lists of wires:
+- data edges: a node that reads key k runs after the one node that writes k (or k comes from
+  the dataset);
+- state edges: a node that trains model M runs after every other node of the step that uses M,
+  so the whole step sees one version of M's weights; the next step sees the update.
+No torch or ray here.
+"""
+
+import attrs
+import networkx as nx
+
+from flowrl import registry
+from flowrl.dsl import GraphSpec
+from flowrl.errors import Collector, did_you_mean
+
+# What a prompt batch holds before any node runs (flowrl/data/loader.py builds it).
+DATASET_KEYS = (
+    "prompts",
+    "prompt_mask",
+    "uid",
+    "prompt_text",
+    "ground_truth",
+    "data_source",
+    "extra_info",
+)
+DATASET = "dataset"
+
+
+@attrs.frozen
+class Graph:
+    spec: GraphSpec
+    dag: nx.DiGraph  # node ids; edge attrs: kind ("data" | "state"), keys (tuple)
+    writers: dict[str, str]  # key -> node id, or "dataset"
+    order: tuple[str, ...]  # a topological order, file order among equals
+    warnings: tuple[str, ...]
+
+    def readers(self, key: str) -> list[str]:
+        return [n for n, d in self.spec.nodes.items() if key in d.reads]
+
+
+def build(spec: GraphSpec) -> Graph:
+    """Wire and check the graph; raises GraphErrors with every problem found."""
+    errors = Collector(spec.file)
+    writers = _writers(spec, errors)
+    dag = nx.DiGraph()
+    dag.add_nodes_from(spec.nodes)
+    for node_id, decl in spec.nodes.items():
+        for key in decl.reads:
+            source = writers.get(key)
+            if source is None:
+                errors.add(
+                    f"[nodes.{node_id}]",
+                    f'reads "{key}", which no node writes and the '
+                    f"dataset does not provide{did_you_mean(key, writers)}",
+                    _fix_for(key),
+                )
+            elif source == node_id:
+                errors.add(
+                    f"[nodes.{node_id}]",
+                    f'reads "{key}", which it writes itself',
+                    f'rename one of them: rename = {{ {key} = "..." }}',
+                )
+            elif source != DATASET:
+                _add_edge(dag, source, node_id, "data", key)
+    _add_state_edges(spec, dag)
+    _check_cycles(dag, errors)
+    errors.raise_if_any()
+    index = {n: i for i, n in enumerate(spec.nodes)}
+    order = tuple(nx.lexicographical_topological_sort(dag, key=index.__getitem__))
+    return Graph(spec, dag, writers, order, tuple(_warnings(spec, writers)))
+
+
+def _writers(spec: GraphSpec, errors: Collector) -> dict[str, str]:
+    by_key: dict[str, list[str]] = {k: [DATASET] for k in DATASET_KEYS}
+    for node_id, decl in spec.nodes.items():
+        for key in decl.writes:
+            by_key.setdefault(key, []).append(node_id)
+    for key, nodes in by_key.items():
+        if len(nodes) > 1:
+            names = " and ".join(f"[nodes.{n}]" if n != DATASET else "the dataset" for n in nodes)
+            errors.add(
+                f"[nodes.{nodes[-1]}]",
+                f'"{key}" is written by {names}',
+                f'keep one writer, or rename one output: rename = {{ {key} = "..." }}',
+            )
+    return {key: nodes[0] for key, nodes in by_key.items()}
+
+
+def _fix_for(key: str) -> str:
+    """Suggest the built-in nodes that write `key`."""
+    makers = []
+    for name in registry.builtin_names():
+        try:
+            if key in registry.resolve(name).spec.writes:
+                makers.append(name)
+        except Exception:
+            continue
+    if makers:
+        return (
+            f'add a node that writes it, e.g. uses = "{makers[0]}" (writers: {", ".join(makers)})'
+        )
+    return f'add a node that writes "{key}", or rename another node\'s output to it'
+
+
+def _add_edge(dag: nx.DiGraph, source: str, target: str, kind: str, key: str | None) -> None:
+    if dag.has_edge(source, target):
+        data = dag.edges[source, target]
+        if key:
+            data["keys"] = tuple(sorted({*data["keys"], key}))
+        if kind == "data":
+            data["kind"] = "data"
+    else:
+        dag.add_edge(source, target, kind=kind, keys=(key,) if key else ())
+
+
+def _add_state_edges(spec: GraphSpec, dag: nx.DiGraph) -> None:
+    for trainer, decl in spec.nodes.items():
+        if decl.mode != "train":
+            continue
+        for user, other in spec.nodes.items():
+            if user != trainer and other.model == decl.model and other.mode != "train":
+                _add_edge(dag, user, trainer, "state", None)
+
+
+def _check_cycles(dag: nx.DiGraph, errors: Collector) -> None:
+    try:
+        cycle = nx.find_cycle(dag)
+    except nx.NetworkXNoCycle:
+        return
+    steps = []
+    for source, target in cycle:
+        data = dag.edges[source, target]
+        why = ", ".join(data["keys"]) if data["kind"] == "data" else "model state"
+        steps.append(f"{source} -> {target} ({why})")
+    errors.add(
+        f"[nodes.{cycle[0][0]}]",
+        "the nodes form a cycle: " + "; ".join(steps),
+        "a step must be acyclic: rename a key so no node (indirectly) reads its own output",
+    )
+
+
+def _warnings(spec: GraphSpec, writers: dict[str, str]) -> list[str]:
+    read = {k for d in spec.nodes.values() for k in d.reads}
+    out = [
+        f'[nodes.{node}] writes "{key}", which no node reads'
+        for key, node in sorted(writers.items())
+        if node != DATASET and key not in read
+    ]
+    used = {d.model for d in spec.nodes.values()}
+    trained = {d.model for d in spec.nodes.values() if d.mode == "train"}
+    for name, model in spec.models.items():
+        if name not in used:
+            out.append(f"[models.{name}] is not used by any node")
+        elif model.trainable and name not in trained:
+            out.append(f"[models.{name}] is trainable but no node trains it")
+    return out

@@ -1,0 +1,93 @@
+"""The tables of a graph file, as attrs classes: the only place their defaults live.
+
+`[run]`, `[data]`, `[models.<name>]` and `[pools.<name>]` map onto the classes here; a node's
+own parameters live in its module's `Params` class. docs/graph-file.md documents every field.
+"""
+
+import attrs
+
+BACKENDS = ("ray", "local")
+HEADS = ("lm", "value")
+SCHEDULES = ("constant", "cosine")
+OFFLOAD = ("never", "always", "auto")
+DEVICES = ("cpu", "cuda")
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _choice(*choices):
+    return attrs.validators.in_(choices)
+
+
+def _positive(instance, attribute, value):
+    if value <= 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value}")
+
+
+def _non_negative(instance, attribute, value):
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+
+
+@attrs.frozen
+class RunConfig:
+    steps: int = attrs.field(default=20, validator=_positive)  # training steps (one batch each)
+    seed: int = 0
+    backend: str = attrs.field(default="ray", validator=_choice(*BACKENDS))
+    out_dir: str = "runs"  # run directories go under it
+    num_cpus: int = attrs.field(default=0, validator=_non_negative)  # for Ray; 0 = all cores
+    val_every: int = attrs.field(default=0, validator=_non_negative)  # 0 = first and last only
+    val_size: int = attrs.field(default=64, validator=_non_negative)  # held-out prompts; 0 = off
+    save_every: int = attrs.field(default=0, validator=_non_negative)  # 0 = at the end only
+    keep_checkpoints: int = attrs.field(default=2, validator=_positive)
+    log_samples: int = attrs.field(default=2, validator=_non_negative)  # generations per step
+
+
+@attrs.frozen
+class DataConfig:
+    source: str = "arithmetic"  # "arithmetic", or a .parquet / .jsonl file in verl's format
+    val_source: str = ""  # default: the validation split of `source`
+    batch_size: int = attrs.field(default=4, validator=_positive)  # prompts per step
+    max_prompt_len: int = attrs.field(default=256, validator=_positive)  # longer are dropped
+    train_size: int = attrs.field(default=4096, validator=_positive)  # synthetic task only
+    shuffle: bool = True
+
+
+@attrs.frozen
+class ModelConfig:
+    path: str = "smollm2-135m-instruct"  # alias, local HF directory, or "tiny" (tests)
+    trainable: bool = False
+    head: str = attrs.field(default="lm", validator=_choice(*HEADS))  # "value" for critics
+    pool: str = ""  # which pool hosts it; may be left out when there is one pool
+    dtype: str = attrs.field(default="float32", validator=_choice(*DTYPES))
+    lr: float = attrs.field(default=1e-6, validator=_positive)
+    weight_decay: float = 0.0
+    betas: list[float] = attrs.field(factory=lambda: [0.9, 0.999])
+    warmup_steps: int = attrs.field(default=0, validator=_non_negative)
+    schedule: str = attrs.field(default="constant", validator=_choice(*SCHEDULES))
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    micro_tokens: int = attrs.field(default=4096, validator=_positive)  # tokens per micro-batch
+    n_params: int = attrs.field(default=0, validator=_non_negative)  # 0 = known from the path
+
+
+@attrs.frozen
+class PoolConfig:
+    workers: int = attrs.field(default=1, validator=_positive)  # ranks (one process each)
+    device: str = attrs.field(default="cpu", validator=_choice(*DEVICES))
+    devices_per_worker: int = attrs.field(default=1, validator=_positive)  # GPUs per rank
+    cpus_per_worker: int = attrs.field(default=1, validator=_positive)
+    offload: str = attrs.field(default="auto", validator=_choice(*OFFLOAD))
+    device_memory_gb: float = attrs.field(default=0.0, validator=_non_negative)  # 0 = per device
+    nodes: int = attrs.field(default=1, validator=_positive)  # machines the pool spans
+    strategy: str = attrs.field(default="PACK", validator=_choice(*STRATEGIES))  # placement group
+
+
+TABLES = {"run": RunConfig, "data": DataConfig}
+
+# Sizes of the aliases, for memory estimates without loading anything: parameters, layers and
+# the width of one layer's keys (kv heads x head dim). Other paths are read from config.json.
+KNOWN_SIZES = {
+    "smollm2-135m-instruct": {"params": 134_515_008, "layers": 30, "kv_dim": 192},
+    "tiny": {"params": 40_000, "layers": 2, "kv_dim": 32},
+}
