@@ -144,13 +144,17 @@ def _offload_policy(pool: schema.PoolConfig, memory: dict) -> tuple[str, str]:
     if any(not parts for parts in memory.values()):
         return "always", "auto: a model's size is unknown"
     verdict = "never" if need <= 0.9 * budget else "always"
-    return verdict, f"auto: estimate {need / GB:.1f} GB vs {budget / GB:.0f} GB on the device"
+    return verdict, f"auto: estimate {_size(need)} vs {_size(budget)} on the device"
 
 
 def _model_line(config: schema.ModelConfig, memory: dict) -> str:
     role = "trainable" if config.trainable else "frozen"
-    size = ", ".join(f"{p} {b / GB:.2f} GB" for p, b in memory.items()) or "size unknown"
+    size = ", ".join(f"{p} {_size(b)}" for p, b in memory.items()) or "size unknown"
     return f"{config.path} ({config.head} head, {role}; {size})"
+
+
+def _size(n: float) -> str:
+    return f"{n / GB:.2f} GB" if n >= GB / 10 else f"{n / 1024**2:.1f} MB"
 
 
 def _model_bytes(name: str, config: schema.ModelConfig, graph: Graph, batch: dict) -> dict:
@@ -285,7 +289,7 @@ class _Builder:
                 self.pool_deps(pool),
                 pool=pool,
                 model=model,
-                note="the next step's generation sees this update",
+                note="for the next step's generate",
             )
         if self.pools[pool]["offload"] == "always":
             later = self.calls_on[pool][self.calls_on[pool].index(node) + 1 :]

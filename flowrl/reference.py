@@ -1,0 +1,91 @@
+"""The TOML reference tables, generated from the attrs classes that own the defaults.
+
+`python -m flowrl.reference --write` refreshes the generated part of docs/graph-file.md
+(between the BEGIN/END markers); a test fails when the file is stale. No torch or ray here.
+"""
+
+import inspect
+import re
+import sys
+from pathlib import Path
+
+import attrs
+
+from flowrl import registry, schema
+
+BEGIN = "<!-- BEGIN GENERATED: python -m flowrl.reference --write -->"
+END = "<!-- END GENERATED -->"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "graph-file.md"
+
+
+def field_comments(cls) -> dict[str, str]:
+    """The trailing `# comment` of each field line in the class's source."""
+    out = {}
+    for line in inspect.getsource(cls).splitlines():
+        match = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.*)$", line)
+        if match:
+            out[match.group(1)] = match.group(2).strip()
+    return out
+
+
+def table(cls) -> list[str]:
+    attrs.resolve_types(cls)
+    comments = field_comments(cls)
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for field in attrs.fields(cls):
+        default = field.default
+        if isinstance(default, attrs.Factory):
+            default = default.factory()
+        kind = getattr(field.type, "__name__", str(field.type))
+        rows.append(f"| `{field.name}` | {kind} | `{default!r}` | {comments.get(field.name, '')} |")
+    return rows
+
+
+def markdown() -> str:
+    parts = []
+    sections = [
+        ("[run]", schema.RunConfig),
+        ("[data]", schema.DataConfig),
+        ("[models.<name>]", schema.ModelConfig),
+        ("[pools.<name>]", schema.PoolConfig),
+    ]
+    for title, cls in sections:
+        parts += [f"### {title}", "", *table(cls), ""]
+    parts += [
+        "### Node parameters",
+        "",
+        "Besides `uses`, `model` and `rename`, a `[nodes.<id>]` table takes the "
+        "parameters of the node it uses:",
+        "",
+    ]
+    for name in registry.builtin_names():
+        ref = registry.resolve(name)
+        parts += [
+            f'#### `uses = "{name}"`',
+            "",
+            f"{ref.doc}  ",
+            f"Source: `nodes/"
+            f"{name.replace('.', '/')}.py`; reads {_keys(ref.spec.reads)}; writes "
+            f"{_keys(ref.spec.writes)}.",
+            "",
+        ]
+        parts += [*table(ref.spec.params), ""] if attrs.fields(ref.spec.params) else []
+    return "\n".join(parts)
+
+
+def _keys(keys) -> str:
+    return ", ".join(f"`{k}`" for k in keys) or "nothing"
+
+
+def refreshed(text: str) -> str:
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    return f"{head}{BEGIN}\n\n{markdown()}\n{END}{tail}"
+
+
+if __name__ == "__main__":
+    if "--write" in sys.argv:
+        DOC.write_text(refreshed(DOC.read_text()))
+        print(f"wrote {DOC}")
+    else:
+        print(markdown())

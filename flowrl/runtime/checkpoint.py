@@ -1,0 +1,52 @@
+"""Checkpoint directories, written atomically: a temp directory renamed into place.
+
+    run_dir/checkpoints/step_000010/{controller.pt, pool-<name>.pt}
+
+A run killed while writing leaves only a `.tmp-` directory, which `latest` ignores, so the
+previous checkpoint stays the one a `--resume` continues from.
+"""
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+
+PREFIX = "step_"
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
+    return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def latest(run_dir: Path) -> Path | None:
+    found = checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+@contextlib.contextmanager
+def writing(run_dir: Path, step: int, keep: int):
+    """Yield a temp directory to fill; on success rename it to step_NNNNNN, drop old ones."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:06d}"
+    temp = root / f".tmp-{PREFIX}{step:06d}-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir()
+    try:
+        yield temp
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    for path in temp.iterdir():  # the data must be on disk before the rename publishes it
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    if final.exists():  # a re-run of this step after a resume: replace it
+        shutil.rmtree(final)
+    os.rename(temp, final)
+    for old in checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,207 @@
+"""One rank of a pool: hosts the pool's models (colocated) and runs its nodes' workers.
+
+The same class runs in-process (local executor) or as a Ray actor (one per rank). It receives
+only plain data (model configs, node `uses` and params as dicts) so it pickles anywhere.
+`call` and `transition` return tuples whose last element is the (start, end) wall time, which
+the executor turns into the step's timings and trace.
+"""
+
+import os
+import time
+from pathlib import Path
+
+import attrs
+import torch
+
+from flowrl import registry, schema
+from flowrl.nodespec import split_output
+from flowrl.protocol import DataProto
+
+
+@attrs.frozen
+class NodeSetup:
+    id: str
+    uses: str
+    params: dict
+    model: str
+    rename: dict
+
+
+@attrs.frozen
+class PoolSetup:
+    """What a rank needs to build itself: plain data, picklable for Ray."""
+
+    pool: str
+    device: str
+    threads: int
+    seed: int
+    base_dir: str
+    models: dict  # name -> schema.ModelConfig
+    total_steps: dict  # trainable model name -> optimizer steps in the run
+    rollout_models: tuple  # models used in rollout mode (get a rollout engine)
+    nodes: tuple  # NodeSetup for every node that runs on this pool
+
+
+class PoolWorker:
+    def __init__(self, setup: PoolSetup, rank: int = 0, world_size: int = 1, dist_url: str = ""):
+        from flowrl.engines import RolloutEngine, TrainEngine
+        from flowrl.models import load_model
+
+        torch.set_num_threads(setup.threads)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self.setup, self.rank, self.world_size = setup, rank, world_size
+        group = None
+        if world_size > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group(
+                "gloo" if setup.device == "cpu" else "nccl",
+                init_method=dist_url,
+                rank=rank,
+                world_size=world_size,
+            )
+            group = dist.group.WORLD
+        device = _device(setup.device, rank)
+        self.train, self.rollout, self.tokenizers = {}, {}, {}
+        for name, config in setup.models.items():
+            torch.manual_seed(setup.seed)  # the same initial value head on every rank
+            module, tokenizer = load_model(config.path, head=config.head, dtype=config.dtype)
+            module.to(device)
+            self.tokenizers[name] = tokenizer
+            self.train[name] = TrainEngine(
+                module,
+                tokenizer,
+                trainable=config.trainable,
+                lr=config.lr,
+                weight_decay=config.weight_decay,
+                betas=tuple(config.betas),
+                warmup_steps=config.warmup_steps,
+                schedule=config.schedule,
+                min_lr_ratio=config.min_lr_ratio,
+                total_steps=setup.total_steps.get(name, 1),
+                grad_clip=config.grad_clip,
+                micro_tokens=config.micro_tokens,
+                device=device,
+                rank=rank,
+                world_size=world_size,
+                group=group,
+            )
+            if name in setup.rollout_models:
+                self.rollout[name] = RolloutEngine(module, tokenizer, device)
+        self.workers = {}
+        for node in setup.nodes:
+            spec = registry.resolve(node.uses, Path(setup.base_dir)).spec
+            params = spec.params(**node.params)
+            engine = (self.rollout if spec.mode == "rollout" else self.train)[node.model]
+            self.workers[node.id] = (spec.worker(engine, params), node.rename, spec)
+
+    def call(self, node_id: str, batch: DataProto, overrides: dict | None = None):
+        """Run a node on this rank's rows: (writes as DataProto, metrics, (start, end) times)."""
+        start = time.time()
+        worker, rename, spec = self.workers[node_id]
+        if overrides:  # e.g. greedy decoding for validation
+            worker = spec.worker(worker.engine, attrs.evolve(worker.params, **overrides))
+        inverse = {new: old for old, new in rename.items()}
+        local = DataProto.from_dict(
+            {inverse.get(k, k): batch[k] for k in batch.keys() if k not in batch.non_tensor},
+            {inverse.get(k, k): batch[k] for k in batch.non_tensor},
+            dict(batch.meta, rank=self.rank, world_size=self.world_size),
+        )
+        writes, metrics = split_output(worker(local))
+        missing = set(spec.writes) - set(writes)
+        if missing or set(writes) - set(spec.writes):
+            raise RuntimeError(
+                f"node {node_id} returned keys {sorted(writes)}, but declares {sorted(spec.writes)}"
+            )
+        tensors = {rename.get(k, k): v for k, v in writes.items() if isinstance(v, torch.Tensor)}
+        other = {rename.get(k, k): v for k, v in writes.items() if not isinstance(v, torch.Tensor)}
+        out = DataProto.from_dict(tensors, other) if writes else DataProto.from_dict({})
+        return out, metrics, (start, time.time())
+
+    def transition(self, kind: str, model: str, parts: tuple):
+        """Move model parts on or off the device, or sync weights: (None, (start, end))."""
+        start = time.time()
+        if kind == "sync":
+            if model in self.rollout:
+                self.rollout[model].sync_weights(self.train[model].module)
+        else:
+            train_parts = tuple(p for p in parts if p != "kv_cache")
+            getattr(self.train[model], kind)(train_parts)
+            if "kv_cache" in parts and model in self.rollout:
+                getattr(self.rollout[model], kind)()
+        return None, (start, time.time())
+
+    def state_dict(self) -> dict:
+        return {
+            name: engine.state_dict() for name, engine in self.train.items() if engine.trainable
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, engine_state in state.items():
+            self.train[name].load_state_dict(engine_state)
+
+    def save(self, directory: str) -> None:
+        """Rank 0 writes the trainable models' state (all ranks hold the same after each step)."""
+        if self.rank == 0:
+            torch.save(self.state_dict(), Path(directory) / f"pool-{self.setup.pool}.pt")
+
+    def load(self, directory: str) -> None:
+        path = Path(directory) / f"pool-{self.setup.pool}.pt"
+        if path.exists():
+            self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+
+    def parameters(self, model: str) -> dict:
+        """The model's parameters as CPU tensors (for tests and weight-sync checks)."""
+        return {
+            k: v.detach().cpu().clone() for k, v in self.train[model].module.state_dict().items()
+        }
+
+    def ping(self) -> int:
+        return self.rank
+
+
+def _device(kind: str, rank: int) -> str:
+    if kind == "cuda":
+        return "cuda:0" if os.environ.get("CUDA_VISIBLE_DEVICES") else f"cuda:{rank}"
+    return "cpu"
+
+
+def pool_setups(spec, plan) -> dict[str, PoolSetup]:
+    """The PoolSetup of every pool that hosts a model."""
+    rows = plan.batch["rows_per_node"]
+    out = {}
+    for pool_name, pool in spec.pools.items():
+        models = {m: c for m, c in spec.models.items() if c.pool == pool_name}
+        if not models:
+            continue
+        nodes = tuple(
+            NodeSetup(n, d.uses, attrs.asdict(d.params), d.model, d.rename)
+            for n, d in spec.nodes.items()
+            if d.model in models
+        )
+        total = {}
+        for n, d in spec.nodes.items():
+            if d.mode == "train" and d.model in models:
+                mini = getattr(d.params, "mini_batch_size", 0) or rows[n]
+                updates = getattr(d.params, "epochs", 1) * -(-rows[n] // mini)
+                total[d.model] = total.get(d.model, 0) + updates * spec.run.steps
+        rollout = tuple(
+            sorted(
+                {d.model for d in spec.nodes.values() if d.mode == "rollout" and d.model in models}
+            )
+        )
+        out[pool_name] = PoolSetup(
+            pool_name,
+            pool.device,
+            pool.cpus_per_worker,
+            spec.run.seed,
+            str(spec.base_dir),
+            models,
+            total,
+            rollout,
+            nodes,
+        )
+    return out
+
+
+__all__ = ["PoolWorker", "PoolSetup", "NodeSetup", "pool_setups", "schema"]

@@ -1,0 +1,114 @@
+"""The Ray executor: each pool a placement group, one PoolWorker actor per rank.
+
+Ranks of a multi-rank pool form a torch.distributed group (gloo on CPU, nccl on GPU) for
+data-parallel training. Calls are submitted without waiting, so independent items overlap.
+"""
+
+import socket
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from flowrl.runtime.executor import Executor, NodeFailure
+from flowrl.runtime.pool_worker import PoolWorker, pool_setups
+
+READY_TIMEOUT_S = 120
+
+
+class RayExecutor(Executor):
+    def __init__(self, spec, plan, num_cpus: int | None = None):
+        super().__init__(spec, plan)
+        if not ray.is_initialized():
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
+                     configure_logging=False)
+        actor_class = ray.remote(PoolWorker)
+        self.groups, self.actors = {}, {}
+        for name, setup in pool_setups(spec, plan).items():
+            pool = spec.pools[name]
+            bundle = {"CPU": pool.cpus_per_worker}
+            if pool.device == "cuda":
+                bundle["GPU"] = pool.devices_per_worker
+            group = placement_group([bundle] * pool.workers, strategy=pool.strategy)
+            ready, _ = ray.wait([group.ready()], timeout=READY_TIMEOUT_S)
+            if not ready:
+                raise NodeFailure(
+                    f"pool {name} needs {pool.workers} x {bundle} but Ray has "
+                    f"{ray.available_resources()}: lower pools.{name}.workers or "
+                    f"cpus_per_worker, or raise run.num_cpus"
+                )
+            url = f"tcp://{_address()}:{_free_port()}" if pool.workers > 1 else ""
+            self.groups[name] = group
+            self.actors[name] = [
+                actor_class.options(
+                    num_cpus=pool.cpus_per_worker,
+                    num_gpus=bundle.get("GPU", 0),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        group, placement_group_bundle_index=rank
+                    ),
+                ).remote(setup, rank, pool.workers, url)
+                for rank in range(pool.workers)
+            ]
+        for name in self.actors:  # wait until every rank has loaded its models
+            self.results([a.ping.remote() for a in self.actors[name]], pool=name)
+
+    def pools(self):
+        return list(self.actors)
+
+    def ranks(self, pool):
+        return len(self.actors[pool])
+
+    def submit(self, pool, method, per_rank_args):
+        refs = [getattr(actor, method).remote(*args)
+                for actor, args in zip(self.actors[pool], per_rank_args, strict=True)]
+        return _Handle(pool, method, per_rank_args[0][0] if per_rank_args[0] else "", refs)
+
+    def finished(self, handles):
+        refs = [r for h in handles for r in h.refs]
+        while True:
+            ready = [h for h in handles if not ray.wait(h.refs, num_returns=len(h.refs),
+                                                        timeout=0)[1]]
+            if ready:
+                return ready
+            ray.wait(refs, num_returns=1)
+
+    def results(self, handle, pool: str | None = None):
+        refs = handle.refs if isinstance(handle, _Handle) else handle
+        pool = handle.pool if isinstance(handle, _Handle) else pool
+        out = []
+        for rank, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref))
+            except Exception as e:
+                what = f"{handle.method} {handle.name}" if isinstance(handle, _Handle) else "start"
+                raise NodeFailure(f"{what} failed on pool {pool}, rank {rank}: {_reason(e)}") from e
+        return out
+
+    def shutdown(self):
+        for name, actors in self.actors.items():
+            for actor in actors:
+                ray.kill(actor)
+            remove_placement_group(self.groups[name])
+        ray.shutdown()
+
+
+class _Handle:
+    def __init__(self, pool, method, name, refs):
+        self.pool, self.method, self.name, self.refs = pool, method, name, refs
+
+
+def _reason(error: Exception) -> str:
+    if isinstance(error, ray.exceptions.RayActorError):
+        return "the rank's process died (killed, or out of memory)"
+    cause = getattr(error, "cause", None)
+    return f"{type(cause).__name__}: {cause}" if cause else str(error)
+
+
+def _address() -> str:
+    return ray.util.get_node_ip_address()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

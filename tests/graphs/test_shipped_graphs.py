@@ -1,0 +1,176 @@
+"""Every file in graphs/ checks and compiles; the checks users rely on hold on the real graphs."""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flowrl import compiler, dsl, graph, registry
+from flowrl.cli import main
+from flowrl.errors import GraphErrors
+
+ROOT = Path(__file__).resolve().parents[2]
+GRAPHS = sorted((ROOT / "graphs").glob("*.toml"))
+
+
+def compile_file(path, overrides=()):
+    return compiler.compile_graph(graph.build(dsl.load(path, list(overrides))))
+
+
+@pytest.mark.parametrize("path", GRAPHS, ids=[p.stem for p in GRAPHS])
+def test_graph_checks_and_compiles(path):
+    plan = compile_file(path)
+    calls = {i.node for i in plan.items if i.kind in ("call", "controller")}
+    assert calls == set(dsl.load(path).nodes)
+
+
+def test_ppo_and_grpo_are_shipped():
+    assert {"ppo", "grpo"} <= {p.stem for p in GRAPHS}
+
+
+def test_ppo_node_ids_and_colocation():
+    spec = dsl.load(ROOT / "graphs/ppo.toml")
+    assert list(spec.nodes) == ["generate", "reward", "old_logprob", "ref_logprob", "values",
+                                "kl_penalty", "advantage", "update_critic", "update_policy"]
+    assert {m.pool for m in spec.models.values()} == {"main"}
+    assert spec.pools["main"].offload == "always"
+
+
+def test_ppo_plan_lists_step_in_order_with_transitions():
+    plan = compile_file(ROOT / "graphs/ppo.toml")
+    text = plan.text()
+    order = [i.name for i in plan.items]
+    position = order.index
+    # rollout first (policy weights + KV cache reloaded before it), the updates last
+    assert plan.items[0].kind == "reload" and plan.items[0].parts == ("weights", "kv_cache")
+    assert position("generate") < position("old_logprob") < position("update_critic")
+    assert position("update_critic") < position("update_policy") < position("sync:policy")
+    kinds = [i.kind for i in plan.items]
+    assert kinds.count("dispatch") == kinds.count("call") == kinds.count("collect") == 6
+    assert "offload" in kinds and "reload" in kinds
+    assert "sync       main       policy: weights train -> rollout" in text
+    # each model leaves the device when the next call on the pool needs another
+    ref_reload = plan.item(next(n for n in order if n.startswith("reload:ref")))
+    assert any(i.kind == "offload" and i.model == "policy" and i.id < ref_reload.id
+               for i in plan.items)
+
+
+def test_grpo_reads_ref_logprobs_in_the_loss_and_has_no_critic():
+    spec = dsl.load(ROOT / "graphs/grpo.toml")
+    assert "critic" not in spec.models
+    assert "ref_logprobs" in spec.nodes["update_policy"].reads
+    assert spec.nodes["advantage"].uses == "advantage.grpo"
+
+
+def test_deleting_values_names_the_key_and_its_reader(tmp_path):
+    text = (ROOT / "graphs/ppo.toml").read_text()
+    text = re.sub(r"\[nodes\.values\]\n(.+\n)+?\n", "", text)
+    path = tmp_path / "ppo.toml"
+    path.write_text(text)
+    with pytest.raises(GraphErrors) as info:
+        compile_file(path)
+    messages = [f"{p.where} {p.message}" for p in info.value.problems]
+    assert any('"values"' in m and "[nodes.advantage]" in m for m in messages)
+
+
+def test_second_writer_of_advantages_names_both(tmp_path):
+    path = tmp_path / "ppo.toml"
+    path.write_text((ROOT / "graphs/ppo.toml").read_text()
+                    + '\n[nodes.advantage2]\nuses = "advantage.gae"\n')
+    with pytest.raises(GraphErrors) as info:
+        compile_file(path)
+    (p,) = [p for p in info.value.problems if '"advantages"' in p.message]
+    assert "[nodes.advantage]" in p.message and "[nodes.advantage2]" in p.message
+
+
+def test_check_exit_2_and_no_traceback_on_bad_graph(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text((ROOT / "graphs/grpo.toml").read_text().replace('uses = "advantage.grpo"',
+                                                                   'uses = "advantage.grp"'))
+    result = subprocess.run([sys.executable, "-m", "flowrl.cli", "check", str(path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert 'did you mean "advantage.grpo"' in result.stderr
+
+
+BLOCK = (
+    "import sys; sys.modules['torch'] = None; sys.modules['ray'] = None\n"
+    "from flowrl.cli import main\n"
+    "code = main(sys.argv[1:])\n"
+    "assert 'torch' not in [m.split('.')[0] for m in sys.modules if sys.modules[m] is not None]\n"
+    "sys.exit(code)\n"
+)
+
+
+@pytest.mark.parametrize("command", [["check", *map(str, GRAPHS)], ["plan", "graphs/ppo.toml"],
+                                     ["render", "graphs/ppo.toml", "-o", "{tmp}/x.dot"],
+                                     ["nodes"]])
+def test_commands_run_with_torch_and_ray_unimportable(command, tmp_path):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in command]
+    result = subprocess.run([sys.executable, "-c", BLOCK, *args], capture_output=True, text=True,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz's dot is not installed")
+def test_render_svg_shows_every_node(tmp_path):
+    out = tmp_path / "ppo.svg"
+    assert main(["render", str(ROOT / "graphs/ppo.toml"), "-o", str(out)]) == 0
+    svg = out.read_text()
+    for node in dsl.load(ROOT / "graphs/ppo.toml").nodes:
+        assert f">{node}</text>" in svg
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz's dot is not installed")
+def test_render_plan_svg_shows_transitions_and_dispatch(tmp_path):
+    out = tmp_path / "plan.svg"
+    assert main(["render", str(ROOT / "graphs/ppo.toml"), "--plan", "-o", str(out)]) == 0
+    svg = out.read_text()
+    for word in ("reload", "offload", "dispatch", "collect", "sync"):
+        assert word in svg
+
+
+def test_render_without_dot_writes_dot_file_and_says_how(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    out = tmp_path / "ppo.svg"
+    assert main(["render", str(ROOT / "graphs/ppo.toml"), "-o", str(out)]) == 1
+    assert (tmp_path / "ppo.dot").exists() and not out.exists()
+    assert "apt-get install -y graphviz" in capsys.readouterr().err
+
+
+def test_dot_output_is_deterministic():
+    plan = compile_file(ROOT / "graphs/ppo.toml")
+    assert plan.to_dot() == compile_file(ROOT / "graphs/ppo.toml").to_dot()
+    assert plan.to_json() == compile_file(ROOT / "graphs/ppo.toml").to_json()
+
+
+def test_keys_glossary_covers_every_key():
+    glossary = (ROOT / "docs/keys.md").read_text()
+    documented = set(re.findall(r"^\| `(\w+)` \|", glossary, flags=re.M))
+    used = set(graph.DATASET_KEYS)
+    for name in registry.builtin_names():
+        spec = registry.resolve(name).spec
+        used |= set(spec.reads) | set(spec.writes)
+        if spec.extra_reads:
+            used |= _all_extra_reads(spec)
+    for path in GRAPHS:
+        for decl in dsl.load(path).nodes.values():
+            used |= set(decl.reads) | set(decl.writes)
+    assert used - documented == set(), "add these keys to docs/keys.md"
+
+
+def _all_extra_reads(spec):
+    import attrs
+
+    keys = set()
+    for field in attrs.fields(spec.params):  # flip each param to find conditional reads
+        for value in (True, 1.0, "group"):
+            try:
+                keys |= set(spec.extra_reads(attrs.evolve(spec.params(), **{field.name: value})))
+            except Exception:
+                continue
+    return keys

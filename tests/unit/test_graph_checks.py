@@ -1,0 +1,244 @@
+"""The DSL, graph checks and compiler on toy graphs with deliberate faults (no torch needed)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flowrl import compiler, dsl, graph
+from flowrl.errors import GraphErrors
+
+TOY = Path(__file__).parent / "toy"
+
+GOOD = """
+[run]
+steps = 3
+
+[data]
+batch_size = 2
+
+[models.policy]
+trainable = true
+path = "tiny"
+
+[models.ref]
+path = "tiny"
+
+[pools.main]
+workers = 1
+offload = "always"
+
+[nodes.generate]
+uses = "{toy}/gen.py"
+model = "policy"
+n = 4
+
+[nodes.score]
+uses = "{toy}/score.py"
+
+[nodes.old_logprob]
+uses = "{toy}/lp.py"
+model = "policy"
+rename = {{ logprobs = "old_logprobs" }}
+
+[nodes.ref_logprob]
+uses = "{toy}/lp.py"
+model = "ref"
+rename = {{ logprobs = "ref_logprobs" }}
+
+[nodes.advantage]
+uses = "{toy}/adv.py"
+
+[nodes.update]
+uses = "{toy}/train.py"
+model = "policy"
+"""
+
+
+def write(tmp_path, text, name="g.toml"):
+    path = tmp_path / name
+    path.write_text(text.format(toy=TOY))
+    return path
+
+
+def compile_text(tmp_path, text, overrides=()):
+    spec = dsl.load(write(tmp_path, text), list(overrides))
+    return compiler.compile_graph(graph.build(spec))
+
+
+def problems(tmp_path, text, overrides=()):
+    with pytest.raises(GraphErrors) as info:
+        compile_text(tmp_path, text, overrides)
+    return info.value.problems
+
+
+def test_good_graph_compiles_in_order(tmp_path):
+    plan = compile_text(tmp_path, GOOD)
+    calls = [i.name for i in plan.items if i.kind in ("call", "controller")]
+    assert calls == ["generate", "score", "old_logprob", "ref_logprob", "advantage", "update"]
+    assert plan.batch["rows"] == 8  # 2 prompts x 4 samples
+
+
+def test_state_edge_puts_update_after_every_reader_of_its_model(tmp_path):
+    spec = dsl.load(write(tmp_path, GOOD))
+    built = graph.build(spec)
+    assert built.dag.edges["old_logprob", "update"]["kind"] == "data"
+    assert built.dag.edges["generate", "update"]["kind"] == "data"
+    # ref_logprob writes nothing the update reads; it uses another model, so no edge either
+    assert not built.dag.has_edge("ref_logprob", "update")
+
+
+def test_offload_always_moves_parts_around_calls(tmp_path):
+    plan = compile_text(tmp_path, GOOD)
+    kinds = [(i.kind, i.model, i.parts) for i in plan.items if i.kind in ("reload", "offload")]
+    assert kinds[0] == ("reload", "policy", ("weights", "kv_cache"))
+    # after generate only the KV cache leaves: old_logprob needs the policy's weights next
+    assert kinds[1] == ("offload", "policy", ("kv_cache",))
+    # before the update: the policy's weights left for ref_logprob and come back with grads, optim
+    assert ("reload", "policy", ("weights", "grads", "optimizer")) in kinds
+    assert kinds[-1] == ("offload", "policy", ("weights", "grads", "optimizer"))
+    sync = plan.item("sync:policy")
+    assert sync.id > plan.item("update").id and sync.id < plan.items[-1].id
+
+
+def test_offload_never_has_no_moves(tmp_path):
+    plan = compile_text(tmp_path, GOOD.replace('offload = "always"', 'offload = "never"'))
+    assert not [i for i in plan.items if i.kind in ("reload", "offload")]
+    assert plan.item("sync:policy").kind == "sync"
+
+
+def test_every_call_has_dispatch_before_and_collect_after(tmp_path):
+    plan = compile_text(tmp_path, GOOD)
+    for item in plan.items:
+        if item.kind == "call":
+            dispatch, collect = plan.item(f"dispatch:{item.node}"), plan.item(f"collect:{item.node}")
+            assert dispatch.id in item.deps and item.id in collect.deps
+            assert collect.keys == tuple(
+                {"generate": ("responses", "response_mask"), "update": ()}.get(
+                    item.node, ("old_logprobs",) if item.node == "old_logprob" else ("ref_logprobs",)
+                )
+            )
+
+
+def test_plan_text_is_deterministic_and_readable(tmp_path):
+    first = compile_text(tmp_path, GOOD).text()
+    second = compile_text(tmp_path, GOOD).text()
+    assert first == second
+    assert "call       main       generate  (policy, rollout)" in first
+    assert "sync       main       policy: weights train -> rollout" in first
+    # the controller's score may run while the pool computes log-probs
+    assert "score || old_logprob" in first
+
+
+def test_missing_writer_names_key_and_reader(tmp_path):
+    text = GOOD.replace("[nodes.score]", "[nodes.unused]").replace(
+        'uses = "{toy}/score.py"', 'uses = "{toy}/score.py"\nrename = {{ scores = "other" }}'
+    )
+    found = problems(tmp_path, text)
+    assert any('reads "scores"' in p.message and p.where == "[nodes.advantage]" for p in found)
+
+
+def test_two_writers_named_together(tmp_path):
+    text = GOOD + '\n[nodes.score2]\nuses = "{toy}/score.py"\n'
+    (p,) = problems(tmp_path, text)
+    assert "[nodes.score]" in p.message and "[nodes.score2]" in p.message
+
+
+def test_cycle_is_reported_with_its_path(tmp_path):
+    # score reads responses; rename generate's input so it needs scores: a loop
+    text = GOOD.replace("n = 4", 'n = 4\nrename = {{ prompts = "advantages" }}')
+    found = problems(tmp_path, text)
+    assert any("cycle" in p.message and "generate" in p.message for p in found)
+
+
+def test_unknown_uses_suggests_a_name(tmp_path):
+    text = GOOD.replace('uses = "{toy}/score.py"', 'uses = "advantage.gea"')
+    found = problems(tmp_path, text)
+    assert any('unknown node "advantage.gea"' in p.message for p in found)
+    assert any('did you mean "advantage.gae"' in p.message for p in found)
+
+
+def test_unknown_and_mistyped_params_reported_together(tmp_path):
+    text = GOOD.replace("scale = ", "x = ").replace(
+        '[nodes.score]\nuses = "{toy}/score.py"',
+        '[nodes.score]\nuses = "{toy}/score.py"\nscal = 2.0',
+    ).replace("n = 4", 'n = "four"')
+    found = problems(tmp_path, text)
+    messages = " | ".join(p.message for p in found)
+    assert 'unknown key "scal"' in messages and 'did you mean "scale"' in messages
+    assert '"n" = \'four\' should be an integer' in messages
+    assert len(found) == 2
+
+
+def test_param_validator_error_is_reported(tmp_path):
+    text = GOOD.replace('uses = "{toy}/adv.py"', 'uses = "{toy}/adv.py"\nmode = "median"')
+    (p,) = problems(tmp_path, text)
+    assert p.where == "[nodes.advantage]" and "mode" in p.message
+
+
+def test_unknown_model_and_pool(tmp_path):
+    text = GOOD.replace('model = "ref"', 'model = "reff"').replace(
+        'path = "tiny"\n\n[pools', 'path = "tiny"\npool = "gpu"\n\n[pools'
+    )
+    found = problems(tmp_path, text)
+    assert any('unknown model "reff"' in p.message and '"ref"' in p.message for p in found)
+    assert any('pool "gpu" is not defined' in p.message for p in found)
+
+
+def test_training_a_frozen_model_is_an_error(tmp_path):
+    text = GOOD.replace('model = "policy"\n"""', 'model = "ref"\n"""')
+    text = text.replace('[nodes.update]\nuses = "{toy}/train.py"\nmodel = "policy"',
+                        '[nodes.update]\nuses = "{toy}/train.py"\nmodel = "ref"')
+    found = problems(tmp_path, text)
+    assert any('trains model "ref", which is frozen' in p.message for p in found)
+
+
+def test_group_node_needs_several_samples(tmp_path):
+    found = problems(tmp_path, GOOD, ["nodes.generate.n=1"])
+    assert any("1 sample" in p.message and p.where == "[nodes.advantage]" for p in found)
+
+
+def test_mini_batch_larger_than_step_is_an_error(tmp_path):
+    found = problems(tmp_path, GOOD, ["nodes.update.mini_batch_size=64"])
+    assert any("exceeds the 8 rows" in p.message for p in found)
+
+
+def test_overrides_are_validated(tmp_path):
+    found = problems(tmp_path, GOOD, ["run.stepz=5", "nodes.advantag.eps=0.1", "bad"])
+    messages = [p.message for p in found]
+    assert any('unknown key "stepz" (from the command line)' in m for m in messages)
+    assert any('no [nodes.advantag]' in m and 'did you mean "advantage"' in m for m in messages)
+    assert any("is not table.key=value" in m for m in messages)
+
+
+def test_override_changes_value(tmp_path):
+    spec = dsl.load(write(tmp_path, GOOD), ["run.steps=50", "nodes.generate.n=8"])
+    assert spec.run.steps == 50 and spec.nodes["generate"].params.n == 8
+
+
+def test_toml_syntax_error_names_line(tmp_path):
+    (p,) = problems(tmp_path, GOOD.replace("steps = 3", "steps = = 3"))
+    assert p.where.startswith("line ") and "not valid TOML" in p.message
+
+
+def test_unread_output_is_a_warning(tmp_path):
+    plan = compile_text(tmp_path, GOOD)
+    assert any('"ref_logprobs", which no node reads' in w for w in plan.warnings)
+
+
+def test_auto_offload_decides_from_memory(tmp_path):
+    text = GOOD.replace('offload = "always"', 'offload = "auto"\ndevice = "cuda"')
+    roomy = compile_text(tmp_path, text.replace('device = "cuda"', 'device = "cuda"\ndevice_memory_gb = 80.0'))
+    assert roomy.pools["main"]["offload"] == "never"
+    big = text.replace('path = "tiny"', 'path = "tiny"\nn_params = 7_000_000_000')
+    cramped = compile_text(tmp_path, big.replace('device = "cuda"', 'device = "cuda"\ndevice_memory_gb = 24.0'))
+    assert cramped.pools["main"]["offload"] == "always"
+
+
+def test_cli_exits_2_without_traceback(tmp_path):
+    path = write(tmp_path, GOOD.replace("n = 4", 'n = "x"'))
+    result = subprocess.run([sys.executable, "-m", "flowrl.cli", "check", str(path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and '"n"' in result.stderr and str(path) in result.stderr
