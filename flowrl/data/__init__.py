@@ -1,0 +1,8 @@
+"""Data: the synthetic arithmetic task, verl-format files, prompt batches."""
+
+from flowrl.data.arithmetic import arithmetic_rows
+from flowrl.data.loader import PromptDataset, PromptLoader, make_rows
+from flowrl.data.verl_format import DataError, load_rows
+
+__all__ = ["DataError", "PromptDataset", "PromptLoader", "arithmetic_rows", "load_rows",
+           "make_rows"]

@@ -1,0 +1,47 @@
+"""Rows in verl's dataset format, from .parquet or .jsonl files.
+
+Each row: `prompt` (a list of {role, content} chat messages, or a plain string),
+`data_source`, `reward_model.ground_truth`, and optional `extra_info`.
+"""
+
+import json
+from pathlib import Path
+
+
+class DataError(ValueError):
+    pass
+
+
+def load_rows(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such data file (data.source takes \"arithmetic\" or a "
+                        ".parquet / .jsonl path relative to the graph file)")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    elif path.suffix in (".jsonl", ".json"):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    else:
+        raise DataError(f"{path}: unknown data format {path.suffix!r}; use .parquet or .jsonl")
+    return [_check(row, path, i) for i, row in enumerate(rows)]
+
+
+def _check(row: dict, path: Path, index: int) -> dict:
+    where = f"{path}, row {index}"
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in prompt
+    ):
+        raise DataError(f'{where}: "prompt" must be a list of {{"role", "content"}} messages '
+                        "or a string")
+    reward = row.get("reward_model") or {}
+    if not isinstance(reward, dict) or "ground_truth" not in reward:
+        raise DataError(f'{where}: missing "reward_model.ground_truth" (write '
+                        '"reward_model": {"ground_truth": "..."})')
+    return {"prompt": [dict(m) for m in prompt], "data_source": row.get("data_source") or "unknown",
+            "reward_model": dict(reward), "extra_info": row.get("extra_info") or {}}

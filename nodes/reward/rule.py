@@ -1,0 +1,48 @@
+"""Rule-based reward: a scorer function per row (verl's `compute_score` signature).
+
+reads: response_text, ground_truth, data_source, extra_info -> writes: scores
+`scorer = "auto"` picks by each row's data_source (arithmetic, gsm8k); a path
+"my_scorer.py:compute_score" is resolved against the working directory.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from flowrl.lazy import torch
+from flowrl.nodespec import NodeSpec
+from flowrl.rewards import resolve_scorer, score_value
+
+
+@attrs.frozen
+class Params:
+    scorer: str = "auto"  # "auto", "arithmetic", "gsm8k", or "file.py:function"
+
+
+_SCORERS: dict[str, object] = {}  # resolved once per spec, not every step
+
+
+def rule_scores(texts, truths, sources, infos, scorer) -> tuple[list[float], dict]:
+    """One score per row, and the mean of any extra numbers scorers return in dicts."""
+    scores, extras = [], {}
+    for text, truth, source, info in zip(texts, truths, sources, infos, strict=True):
+        score, extra = score_value(scorer(source, text, truth, info))
+        scores.append(score)
+        for key, value in extra.items():
+            extras.setdefault(key, []).append(value)
+    return scores, {k: sum(v) / len(v) for k, v in extras.items()}
+
+
+def run(batch, params):
+    if params.scorer not in _SCORERS:
+        _SCORERS[params.scorer] = resolve_scorer(params.scorer)
+    scores, extra = rule_scores(batch["response_text"], batch["ground_truth"],
+                                batch["data_source"], batch["extra_info"],
+                                _SCORERS[params.scorer])
+    values = torch.tensor(scores, dtype=torch.float32)  # (b,)
+    mean = float(values.mean()) if len(scores) else 0.0
+    return {"scores": values}, {"score": mean, **extra}
+
+
+SPEC = NodeSpec(reads=("response_text", "ground_truth", "data_source", "extra_info"),
+                writes=("scores",), params=Params, fn=run)
