@@ -31,8 +31,11 @@ def tiny_tokenizer():
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
-                                        eos_token="<|im_end|>", pad_token="<pad>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -45,10 +48,16 @@ def tiny_model(seed: int | None = None, layers: int = 2, hidden: int = 32):
         torch.manual_seed(seed)
     tokenizer = tiny_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
-        max_position_embeddings=1024, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.eos_token_id,
     )
     return LlamaForCausalLM(config)

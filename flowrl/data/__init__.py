@@ -4,5 +4,11 @@ from flowrl.data.arithmetic import arithmetic_rows
 from flowrl.data.loader import PromptDataset, PromptLoader, make_rows
 from flowrl.data.verl_format import DataError, load_rows
 
-__all__ = ["DataError", "PromptDataset", "PromptLoader", "arithmetic_rows", "load_rows",
-           "make_rows"]
+__all__ = [
+    "DataError",
+    "PromptDataset",
+    "PromptLoader",
+    "arithmetic_rows",
+    "load_rows",
+    "make_rows",
+]

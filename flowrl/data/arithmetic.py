@@ -9,12 +9,14 @@ import random
 QUESTION = "What is {a} {op} {b}? Answer with just the number."
 
 
-def arithmetic_rows(split: str, size: int, seed: int = 0, max_operand: int = 50,
-                    ops: tuple[str, ...] = ("+",)) -> list[dict]:
+def arithmetic_rows(
+    split: str, size: int, seed: int = 0, max_operand: int = 50, ops: tuple[str, ...] = ("+",)
+) -> list[dict]:
     """`size` rows of the split ("train" or "validation"); validation takes the first 1024
     pairs of the shuffle (or a quarter, if fewer exist), train the rest."""
-    pairs = [(a, b, op) for op in ops for a in range(max_operand + 1)
-             for b in range(max_operand + 1)]
+    pairs = [
+        (a, b, op) for op in ops for a in range(max_operand + 1) for b in range(max_operand + 1)
+    ]
     random.Random(seed).shuffle(pairs)
     cut = min(1024, len(pairs) // 4)
     pool = pairs[:cut] if split == "validation" else pairs[cut:]
@@ -23,10 +25,12 @@ def arithmetic_rows(split: str, size: int, seed: int = 0, max_operand: int = 50,
     rows = []
     for i, (a, b, op) in enumerate(pool[:size]):
         answer = a + b if op == "+" else a - b
-        rows.append({
-            "prompt": [{"role": "user", "content": QUESTION.format(a=a, op=op, b=b)}],
-            "data_source": "arithmetic",
-            "reward_model": {"ground_truth": str(answer), "style": "rule"},
-            "extra_info": {"index": i, "split": split},
-        })
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": QUESTION.format(a=a, op=op, b=b)}],
+                "data_source": "arithmetic",
+                "reward_model": {"ground_truth": str(answer), "style": "rule"},
+                "extra_info": {"index": i, "split": split},
+            }
+        )
     return rows

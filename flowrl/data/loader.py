@@ -11,7 +11,7 @@ from flowrl.protocol import DataProto
 
 
 def make_rows(source: str, split: str, size: int, seed: int, base_dir=".") -> list[dict]:
-    """"arithmetic" -> the synthetic task; else a data file relative to base_dir."""
+    """ "arithmetic" -> the synthetic task; else a data file relative to base_dir."""
     if source == "arithmetic":
         return arithmetic_rows(split, size, seed)
     path = Path(source) if Path(source).is_absolute() else Path(base_dir) / source
@@ -23,12 +23,14 @@ class PromptDataset:
 
     def __init__(self, rows: list[dict], tokenizer, max_prompt_len: int):
         self.tokenizer = tokenizer
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
-            else tokenizer.eos_token_id
+        self.pad = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
         self.items = []
         for index, row in enumerate(rows):
-            text = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
-                                                 tokenize=False)
+            text = tokenizer.apply_chat_template(
+                row["prompt"], add_generation_prompt=True, tokenize=False
+            )
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) <= max_prompt_len:
                 self.items.append((index, text, ids, row))
@@ -43,15 +45,20 @@ class PromptDataset:
         prompts = torch.full((len(items), width), self.pad, dtype=torch.long)
         mask = torch.zeros((len(items), width), dtype=torch.long)
         for row, (_, _, ids, _) in enumerate(items):  # left padding: prompts end together
-            prompts[row, width - len(ids):] = torch.tensor(ids)
-            mask[row, width - len(ids):] = 1
+            prompts[row, width - len(ids) :] = torch.tensor(ids)
+            mask[row, width - len(ids) :] = 1
         return DataProto.from_dict(
-            {"prompts": prompts, "prompt_mask": mask,
-             "uid": torch.tensor([index for index, _, _, _ in items], dtype=torch.long)},
-            {"prompt_text": [text for _, text, _, _ in items],
-             "ground_truth": [row["reward_model"]["ground_truth"] for *_, row in items],
-             "data_source": [row["data_source"] for *_, row in items],
-             "extra_info": [row.get("extra_info", {}) for *_, row in items]},
+            {
+                "prompts": prompts,
+                "prompt_mask": mask,
+                "uid": torch.tensor([index for index, _, _, _ in items], dtype=torch.long),
+            },
+            {
+                "prompt_text": [text for _, text, _, _ in items],
+                "ground_truth": [row["reward_model"]["ground_truth"] for *_, row in items],
+                "data_source": [row["data_source"] for *_, row in items],
+                "extra_info": [row.get("extra_info", {}) for *_, row in items],
+            },
         )
 
 
@@ -60,9 +67,11 @@ class PromptLoader:
 
     def __init__(self, dataset: PromptDataset, batch_size: int, seed: int, shuffle: bool = True):
         if batch_size > len(dataset):
-            raise DataError(f"data.batch_size = {batch_size} but only {len(dataset)} prompts "
-                            f"remain ({dataset.filtered} longer than max_prompt_len were dropped)"
-                            ": lower batch_size or raise data.max_prompt_len")
+            raise DataError(
+                f"data.batch_size = {batch_size} but only {len(dataset)} prompts "
+                f"remain ({dataset.filtered} longer than max_prompt_len were dropped)"
+                ": lower batch_size or raise data.max_prompt_len"
+            )
         self.dataset, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
         self.epoch, self.position = 0, 0
 

@@ -15,8 +15,10 @@ class DataError(ValueError):
 def load_rows(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{path}: no such data file (data.source takes \"arithmetic\" or a "
-                        ".parquet / .jsonl path relative to the graph file)")
+        raise DataError(
+            f'{path}: no such data file (data.source takes "arithmetic" or a '
+            ".parquet / .jsonl path relative to the graph file)"
+        )
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -37,11 +39,18 @@ def _check(row: dict, path: Path, index: int) -> dict:
     if not isinstance(prompt, list) or not all(
         isinstance(m, dict) and "role" in m and "content" in m for m in prompt
     ):
-        raise DataError(f'{where}: "prompt" must be a list of {{"role", "content"}} messages '
-                        "or a string")
+        raise DataError(
+            f'{where}: "prompt" must be a list of {{"role", "content"}} messages or a string'
+        )
     reward = row.get("reward_model") or {}
     if not isinstance(reward, dict) or "ground_truth" not in reward:
-        raise DataError(f'{where}: missing "reward_model.ground_truth" (write '
-                        '"reward_model": {"ground_truth": "..."})')
-    return {"prompt": [dict(m) for m in prompt], "data_source": row.get("data_source") or "unknown",
-            "reward_model": dict(reward), "extra_info": row.get("extra_info") or {}}
+        raise DataError(
+            f'{where}: missing "reward_model.ground_truth" (write '
+            '"reward_model": {"ground_truth": "..."})'
+        )
+    return {
+        "prompt": [dict(m) for m in prompt],
+        "data_source": row.get("data_source") or "unknown",
+        "reward_model": dict(reward),
+        "extra_info": row.get("extra_info") or {},
+    }

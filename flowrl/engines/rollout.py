@@ -21,9 +21,19 @@ class RolloutEngine:
         self.last_seconds = 0.0
 
     @torch.no_grad()
-    def generate(self, prompts, prompt_mask, *, n: int = 1, max_new_tokens: int = 32,
-                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 do_sample: bool = True, generator: torch.Generator | None = None) -> dict:
+    def generate(
+        self,
+        prompts,
+        prompt_mask,
+        *,
+        n: int = 1,
+        max_new_tokens: int = 32,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        do_sample: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> dict:
         """prompts, prompt_mask (b, p) left-padded -> responses, response_mask (b*n, t).
 
         Samples are interleaved (prompt 0's n samples first). The mask covers the response up
@@ -65,8 +75,14 @@ class RolloutEngine:
         return {"responses": out[:, :t], "response_mask": response_mask}
 
     def _forward(self, ids, mask, positions) -> torch.Tensor:
-        out = self.module(input_ids=ids, attention_mask=mask, position_ids=positions,
-                          past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.module(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         return out.logits[:, -1].float()  # (a, v)
 
     def offload(self) -> None:

@@ -9,17 +9,30 @@ import math
 import torch
 import torch.distributed as dist
 
-
-
 HOST = "cpu"
 
 
 class TrainEngine:
-    def __init__(self, module, tokenizer, *, trainable: bool = True, lr: float = 1e-6,
-                 weight_decay: float = 0.0, betas=(0.9, 0.999), warmup_steps: int = 0,
-                 schedule: str = "constant", min_lr_ratio: float = 0.0, total_steps: int = 1,
-                 grad_clip: float = 1.0, micro_tokens: int = 4096, device: str = "cpu",
-                 rank: int = 0, world_size: int = 1, group=None):
+    def __init__(
+        self,
+        module,
+        tokenizer,
+        *,
+        trainable: bool = True,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        betas=(0.9, 0.999),
+        warmup_steps: int = 0,
+        schedule: str = "constant",
+        min_lr_ratio: float = 0.0,
+        total_steps: int = 1,
+        grad_clip: float = 1.0,
+        micro_tokens: int = 4096,
+        device: str = "cpu",
+        rank: int = 0,
+        world_size: int = 1,
+        group=None,
+    ):
         self.module, self.tokenizer, self.trainable = module, tokenizer, trainable
         self.device, self.rank, self.world_size, self.group = device, rank, world_size, group
         self.grad_clip, self.micro_tokens = grad_clip, micro_tokens
@@ -27,8 +40,9 @@ class TrainEngine:
         self.optimizer = self.scheduler = None
         self.resident = {"weights"}
         if trainable:
-            self.optimizer = torch.optim.AdamW(module.parameters(), lr=lr, betas=tuple(betas),
-                                               weight_decay=weight_decay)
+            self.optimizer = torch.optim.AdamW(
+                module.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay
+            )
             factor = _schedule(schedule, warmup_steps, total_steps, min_lr_ratio)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
             self.resident |= {"grads", "optimizer"}
@@ -44,8 +58,7 @@ class TrainEngine:
         width = int(rows["prompt_mask"].sum(-1).max()) + int(rows["response_mask"].sum(-1).max())
         return rows.split(max(1, self.micro_tokens // max(width, 1)))
 
-    def forward(self, rows, *, grad: bool, entropy: bool = False,
-                temperature: float = 1.0) -> dict:
+    def forward(self, rows, *, grad: bool, entropy: bool = False, temperature: float = 1.0) -> dict:
         """Per response token: {"logprobs" (b, t)[, "entropy" (b, t)]} or {"values" (b, t)}."""
         responses, response_mask = rows["responses"], rows["response_mask"]
         b, t = responses.shape
@@ -62,8 +75,9 @@ class TrainEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         p = prompts.shape[1]
         with torch.set_grad_enabled(grad):
-            hidden = self.module.model(input_ids=ids, attention_mask=mask,
-                                       position_ids=positions).last_hidden_state
+            hidden = self.module.model(
+                input_ids=ids, attention_mask=mask, position_ids=positions
+            ).last_hidden_state
             hidden = hidden[:, p - 1 : p - 1 + length]  # (b, t, h): the states predicting responses
             if self.is_value:
                 out = {"values": self.module.value_head(hidden).squeeze(-1).float()}
@@ -110,8 +124,9 @@ class TrainEngine:
 
     def reload(self, parts) -> None:
         self._move(parts, self.device)
-        self.resident |= set(parts) & ({"weights", "grads", "optimizer"} if self.trainable
-                                       else {"weights"})
+        self.resident |= set(parts) & (
+            {"weights", "grads", "optimizer"} if self.trainable else {"weights"}
+        )
 
     def _move(self, parts, device) -> None:
         if "weights" in parts:
@@ -130,8 +145,10 @@ class TrainEngine:
     def state_dict(self) -> dict:
         out = {"module": self.module.state_dict()}
         if self.trainable:
-            out |= {"optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict()}
+            out |= {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+            }
         return out
 
     def load_state_dict(self, state: dict) -> None:

@@ -44,8 +44,9 @@ def ensure_cached() -> Path:
 
     source = gguf_file()
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    quantized = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name,
-                                                     dtype=torch.float32)
+    quantized = AutoModelForCausalLM.from_pretrained(
+        source.parent, gguf_file=source.name, dtype=torch.float32
+    )
     config = quantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config

@@ -33,7 +33,7 @@ def load_tokenizer(path: str):
 def load_model(path: str, *, head: str = "lm", dtype: str = "float32"):
     """(module, tokenizer); head "value" wraps the LM's backbone in a ValueModel."""
     if path == "tiny":
-        from flowrl.testing import tiny_model, tiny_tokenizer
+        from flowrl.testing import tiny_model
 
         module = tiny_model()
     else:

@@ -20,6 +20,7 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                            position_ids=position_ids).last_hidden_state
+        hidden = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
         return self.value_head(hidden).squeeze(-1)  # (b, s)

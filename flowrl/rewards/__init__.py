@@ -17,15 +17,17 @@ class ScorerError(ValueError):
 
 
 def resolve_scorer(spec: str, base_dir: str | Path = "."):
-    """"auto" (by each row's data_source), a built-in name, or "path/to/file.py:function"."""
+    """ "auto" (by each row's data_source), a built-in name, or "path/to/file.py:function"."""
     if spec == "auto":
         return auto_score
     if spec in BY_NAME:
         return BY_NAME[spec]
     file, _, name = spec.rpartition(":")
     if not file.endswith(".py") or not name:
-        raise ScorerError(f'unknown scorer "{spec}": use "auto", {", ".join(BY_NAME)}, or '
-                          '"path/to/file.py:function"')
+        raise ScorerError(
+            f'unknown scorer "{spec}": use "auto", {", ".join(BY_NAME)}, or '
+            '"path/to/file.py:function"'
+        )
     path = Path(file) if Path(file).is_absolute() else Path(base_dir) / file
     if not path.is_file():
         raise ScorerError(f'scorer file "{path}" not found')
@@ -43,8 +45,10 @@ def resolve_scorer(spec: str, base_dir: str | Path = "."):
 def auto_score(data_source, solution_str, ground_truth, extra_info=None):
     name = BY_SOURCE.get(str(data_source))
     if name is None:
-        raise ScorerError(f'no built-in scorer for data_source "{data_source}": set '
-                          'scorer = "path/to/file.py:compute_score" on the reward node')
+        raise ScorerError(
+            f'no built-in scorer for data_source "{data_source}": set '
+            'scorer = "path/to/file.py:compute_score" on the reward node'
+        )
     return BY_NAME[name](data_source, solution_str, ground_truth, extra_info)
 
 
@@ -53,7 +57,10 @@ def score_value(result) -> tuple[float, dict]:
     if isinstance(result, dict):
         if "score" not in result:
             raise ScorerError(f'a scorer returned a dict without "score": {result}')
-        extra = {k: float(v) for k, v in result.items()
-                 if k != "score" and isinstance(v, int | float | bool)}
+        extra = {
+            k: float(v)
+            for k, v in result.items()
+            if k != "score" and isinstance(v, int | float | bool)
+        }
         return float(result["score"]), extra
     return float(result), {}

@@ -17,8 +17,15 @@ def extract_answer(text: str, method: str = "strict") -> str | None:
     return None
 
 
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, method="strict",
-                  format_score=0.0, score=1.0) -> float:
+def compute_score(
+    data_source,
+    solution_str,
+    ground_truth,
+    extra_info=None,
+    method="strict",
+    format_score=0.0,
+    score=1.0,
+) -> float:
     answer = extract_answer(solution_str, method)
     if answer is None:
         return 0.0

@@ -20,7 +20,7 @@ def checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
-    return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
+    return sorted(done, key=lambda p: int(p.name[len(PREFIX) :]))
 
 
 def latest(run_dir: Path) -> Path | None:

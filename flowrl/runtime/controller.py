@@ -52,10 +52,12 @@ class Trainer:
         self.val_batch = None
         if spec.run.val_size:
             source = data.val_source or data.source
-            val_rows = make_rows(source, "validation", spec.run.val_size, spec.run.seed,
-                                 spec.base_dir)
-            val_set = PromptDataset(val_rows[: spec.run.val_size], self.tokenizer,
-                                    data.max_prompt_len)
+            val_rows = make_rows(
+                source, "validation", spec.run.val_size, spec.run.seed, spec.base_dir
+            )
+            val_set = PromptDataset(
+                val_rows[: spec.run.val_size], self.tokenizer, data.max_prompt_len
+            )
             self.val_batch = val_set.collate(list(range(len(val_set))))
         if backend == "ray":
             from flowrl.runtime.ray_executor import RayExecutor
@@ -84,12 +86,19 @@ class Trainer:
             metrics_file.write(json.dumps({"event": "resume", "step": start_step}) + "\n")
         elif self.val_batch is not None:
             _log(metrics_file, {"step": 0, **self.validate()})
-        bar = tqdm(range(start_step + 1, run.steps + 1), initial=start_step, total=run.steps,
-                   desc=Path(self.spec.file).stem, dynamic_ncols=True)
+        bar = tqdm(
+            range(start_step + 1, run.steps + 1),
+            initial=start_step,
+            total=run.steps,
+            desc=Path(self.spec.file).stem,
+            dynamic_ncols=True,
+        )
         for step in bar:
             metrics, batch = self.step(step)
             last = step == run.steps
-            if self.val_batch is not None and (last or (run.val_every and step % run.val_every == 0)):
+            if self.val_batch is not None and (
+                last or (run.val_every and step % run.val_every == 0)
+            ):
                 metrics.update(self.validate())
             _log(metrics_file, metrics)
             _log_samples(samples_file, step, batch, run.log_samples)
@@ -110,8 +119,11 @@ class Trainer:
         out = {"step": step, "time_s": seconds, **_batch_metrics(batch), **metrics}
         for name, value in _timings(slices).items():
             out[f"timing_s/{name}"] = value
-        tokens = float(batch["prompt_mask"].sum() + batch["response_mask"].sum()) \
-            if "response_mask" in batch else 0.0
+        tokens = (
+            float(batch["prompt_mask"].sum() + batch["response_mask"].sum())
+            if "response_mask" in batch
+            else 0.0
+        )
         out["tokens_per_s"] = tokens / seconds
         return out, batch
 
@@ -120,8 +132,9 @@ class Trainer:
         if self.scores_node in (None, "dataset"):
             return {}
         needed = {self.scores_node} | set(_ancestors(self.graph, self.scores_node))
-        greedy = {n: {"do_sample": False, "n": 1} for n in needed
-                  if self.spec.nodes[n].mode == "rollout"}
+        greedy = {
+            n: {"do_sample": False, "n": 1} for n in needed if self.spec.nodes[n].mode == "rollout"
+        }
         batch = self.val_batch.index(slice(0, len(self.val_batch)))
         batch.meta.update(step=0, seed=self.spec.run.seed)
         out, _, _ = self.executor.run_step(batch, only=needed, overrides=greedy)
@@ -133,8 +146,10 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------
     def save(self, step: int) -> None:
         state = {
-            "step": step, "loader": self.loader.state_dict(),
-            "node_state": self.executor.node_state, "rng": _rng_state(),
+            "step": step,
+            "loader": self.loader.state_dict(),
+            "node_state": self.executor.node_state,
+            "rng": _rng_state(),
         }
         with checkpoint.writing(self.run_dir, step, self.spec.run.keep_checkpoints) as directory:
             self.executor.broadcast("save", str(directory))
@@ -143,7 +158,9 @@ class Trainer:
     def _resume(self) -> int:
         directory = checkpoint.latest(self.run_dir)
         if directory is None:
-            raise SystemExit(f"--resume {self.run_dir}: no checkpoint in {self.run_dir}/checkpoints")
+            raise SystemExit(
+                f"--resume {self.run_dir}: no checkpoint in {self.run_dir}/checkpoints"
+            )
         state = torch.load(directory / "controller.pt", weights_only=False)
         self.executor.broadcast("load", str(directory))
         self.loader.load_state_dict(state["loader"])
@@ -154,6 +171,7 @@ class Trainer:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
 
 def _new_run_dir(spec) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -198,8 +216,7 @@ def _timings(slices) -> dict:
 
 
 def _postfix(metrics: dict) -> dict:
-    keys = {"score/mean": "score", "val/score": "val", "time_s": "s/step",
-            "tokens_per_s": "tok/s"}
+    keys = {"score/mean": "score", "val/score": "val", "time_s": "s/step", "tokens_per_s": "tok/s"}
     return {short: f"{metrics[k]:.3g}" for k, short in keys.items() if k in metrics}
 
 
@@ -227,8 +244,11 @@ def _seed_everything(seed: int) -> None:
 
 
 def _rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state()}
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
 
 
 def _set_rng_state(state: dict) -> None:

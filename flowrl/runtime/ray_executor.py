@@ -20,8 +20,12 @@ class RayExecutor(Executor):
     def __init__(self, spec, plan, num_cpus: int | None = None):
         super().__init__(spec, plan)
         if not ray.is_initialized():
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
-                     configure_logging=False)
+            ray.init(
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                log_to_driver=True,
+                configure_logging=False,
+            )
         actor_class = ray.remote(PoolWorker)
         self.groups, self.actors = {}, {}
         for name, setup in pool_setups(spec, plan).items():
@@ -59,15 +63,18 @@ class RayExecutor(Executor):
         return len(self.actors[pool])
 
     def submit(self, pool, method, per_rank_args):
-        refs = [getattr(actor, method).remote(*args)
-                for actor, args in zip(self.actors[pool], per_rank_args, strict=True)]
+        refs = [
+            getattr(actor, method).remote(*args)
+            for actor, args in zip(self.actors[pool], per_rank_args, strict=True)
+        ]
         return _Handle(pool, method, per_rank_args[0][0] if per_rank_args[0] else "", refs)
 
     def finished(self, handles):
         refs = [r for h in handles for r in h.refs]
         while True:
-            ready = [h for h in handles if not ray.wait(h.refs, num_returns=len(h.refs),
-                                                        timeout=0)[1]]
+            ready = [
+                h for h in handles if not ray.wait(h.refs, num_returns=len(h.refs), timeout=0)[1]
+            ]
             if ready:
                 return ready
             ray.wait(refs, num_returns=1)

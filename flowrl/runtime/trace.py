@@ -16,15 +16,24 @@ class Trace:
     def add(self, slices, step: int) -> None:
         for s in slices:
             tid = self.tracks.setdefault(s.track, len(self.tracks))
-            self.events.append({
-                "name": s.name, "cat": s.kind, "ph": "X", "pid": 0, "tid": tid,
-                "ts": s.start * 1e6, "dur": max(s.end - s.start, 0.0) * 1e6,
-                "args": {"step": step, "rows": s.rows},
-            })
+            self.events.append(
+                {
+                    "name": s.name,
+                    "cat": s.kind,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": tid,
+                    "ts": s.start * 1e6,
+                    "dur": max(s.end - s.start, 0.0) * 1e6,
+                    "args": {"step": step, "rows": s.rows},
+                }
+            )
 
     def write(self, path: Path) -> None:
-        names = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": track}}
-                 for track, tid in self.tracks.items()]
+        names = [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": track}}
+            for track, tid in self.tracks.items()
+        ]
         temp = Path(path).with_suffix(".tmp")
         temp.write_text(json.dumps({"traceEvents": names + self.events}))
         temp.replace(path)

@@ -36,13 +36,21 @@ def rule_scores(texts, truths, sources, infos, scorer) -> tuple[list[float], dic
 def run(batch, params):
     if params.scorer not in _SCORERS:
         _SCORERS[params.scorer] = resolve_scorer(params.scorer)
-    scores, extra = rule_scores(batch["response_text"], batch["ground_truth"],
-                                batch["data_source"], batch["extra_info"],
-                                _SCORERS[params.scorer])
+    scores, extra = rule_scores(
+        batch["response_text"],
+        batch["ground_truth"],
+        batch["data_source"],
+        batch["extra_info"],
+        _SCORERS[params.scorer],
+    )
     values = torch.tensor(scores, dtype=torch.float32)  # (b,)
     mean = float(values.mean()) if len(scores) else 0.0
     return {"scores": values}, {"score": mean, **extra}
 
 
-SPEC = NodeSpec(reads=("response_text", "ground_truth", "data_source", "extra_info"),
-                writes=("scores",), params=Params, fn=run)
+SPEC = NodeSpec(
+    reads=("response_text", "ground_truth", "data_source", "extra_info"),
+    writes=("scores",),
+    params=Params,
+    fn=run,
+)

@@ -33,8 +33,17 @@ def test_ppo_and_grpo_are_shipped():
 
 def test_ppo_node_ids_and_colocation():
     spec = dsl.load(ROOT / "graphs/ppo.toml")
-    assert list(spec.nodes) == ["generate", "reward", "old_logprob", "ref_logprob", "values",
-                                "kl_penalty", "advantage", "update_critic", "update_policy"]
+    assert list(spec.nodes) == [
+        "generate",
+        "reward",
+        "old_logprob",
+        "ref_logprob",
+        "values",
+        "kl_penalty",
+        "advantage",
+        "update_critic",
+        "update_policy",
+    ]
     assert {m.pool for m in spec.models.values()} == {"main"}
     assert spec.pools["main"].offload == "always"
 
@@ -54,8 +63,9 @@ def test_ppo_plan_lists_step_in_order_with_transitions():
     assert "sync       main       policy: weights train -> rollout" in text
     # each model leaves the device when the next call on the pool needs another
     ref_reload = plan.item(next(n for n in order if n.startswith("reload:ref")))
-    assert any(i.kind == "offload" and i.model == "policy" and i.id < ref_reload.id
-               for i in plan.items)
+    assert any(
+        i.kind == "offload" and i.model == "policy" and i.id < ref_reload.id for i in plan.items
+    )
 
 
 def test_grpo_reads_ref_logprobs_in_the_loss_and_has_no_critic():
@@ -78,8 +88,9 @@ def test_deleting_values_names_the_key_and_its_reader(tmp_path):
 
 def test_second_writer_of_advantages_names_both(tmp_path):
     path = tmp_path / "ppo.toml"
-    path.write_text((ROOT / "graphs/ppo.toml").read_text()
-                    + '\n[nodes.advantage2]\nuses = "advantage.gae"\n')
+    path.write_text(
+        (ROOT / "graphs/ppo.toml").read_text() + '\n[nodes.advantage2]\nuses = "advantage.gae"\n'
+    )
     with pytest.raises(GraphErrors) as info:
         compile_file(path)
     (p,) = [p for p in info.value.problems if '"advantages"' in p.message]
@@ -88,10 +99,14 @@ def test_second_writer_of_advantages_names_both(tmp_path):
 
 def test_check_exit_2_and_no_traceback_on_bad_graph(tmp_path):
     path = tmp_path / "bad.toml"
-    path.write_text((ROOT / "graphs/grpo.toml").read_text().replace('uses = "advantage.grpo"',
-                                                                   'uses = "advantage.grp"'))
-    result = subprocess.run([sys.executable, "-m", "flowrl.cli", "check", str(path)],
-                            capture_output=True, text=True)
+    path.write_text(
+        (ROOT / "graphs/grpo.toml")
+        .read_text()
+        .replace('uses = "advantage.grpo"', 'uses = "advantage.grp"')
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "flowrl.cli", "check", str(path)], capture_output=True, text=True
+    )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert 'did you mean "advantage.grpo"' in result.stderr
@@ -106,13 +121,20 @@ BLOCK = (
 )
 
 
-@pytest.mark.parametrize("command", [["check", *map(str, GRAPHS)], ["plan", "graphs/ppo.toml"],
-                                     ["render", "graphs/ppo.toml", "-o", "{tmp}/x.dot"],
-                                     ["nodes"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["check", *map(str, GRAPHS)],
+        ["plan", "graphs/ppo.toml"],
+        ["render", "graphs/ppo.toml", "-o", "{tmp}/x.dot"],
+        ["nodes"],
+    ],
+)
 def test_commands_run_with_torch_and_ray_unimportable(command, tmp_path):
     args = [a.replace("{tmp}", str(tmp_path)) for a in command]
-    result = subprocess.run([sys.executable, "-c", BLOCK, *args], capture_output=True, text=True,
-                            cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-c", BLOCK, *args], capture_output=True, text=True, cwd=ROOT
+    )
     assert result.returncode == 0, result.stderr
 
 

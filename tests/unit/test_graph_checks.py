@@ -112,11 +112,15 @@ def test_every_call_has_dispatch_before_and_collect_after(tmp_path):
     plan = compile_text(tmp_path, GOOD)
     for item in plan.items:
         if item.kind == "call":
-            dispatch, collect = plan.item(f"dispatch:{item.node}"), plan.item(f"collect:{item.node}")
+            dispatch, collect = (
+                plan.item(f"dispatch:{item.node}"),
+                plan.item(f"collect:{item.node}"),
+            )
             assert dispatch.id in item.deps and item.id in collect.deps
             assert collect.keys == tuple(
                 {"generate": ("responses", "response_mask"), "update": ()}.get(
-                    item.node, ("old_logprobs",) if item.node == "old_logprob" else ("ref_logprobs",)
+                    item.node,
+                    ("old_logprobs",) if item.node == "old_logprob" else ("ref_logprobs",),
                 )
             )
 
@@ -160,14 +164,18 @@ def test_unknown_uses_suggests_a_name(tmp_path):
 
 
 def test_unknown_and_mistyped_params_reported_together(tmp_path):
-    text = GOOD.replace("scale = ", "x = ").replace(
-        '[nodes.score]\nuses = "{toy}/score.py"',
-        '[nodes.score]\nuses = "{toy}/score.py"\nscal = 2.0',
-    ).replace("n = 4", 'n = "four"')
+    text = (
+        GOOD.replace("scale = ", "x = ")
+        .replace(
+            '[nodes.score]\nuses = "{toy}/score.py"',
+            '[nodes.score]\nuses = "{toy}/score.py"\nscal = 2.0',
+        )
+        .replace("n = 4", 'n = "four"')
+    )
     found = problems(tmp_path, text)
     messages = " | ".join(p.message for p in found)
     assert 'unknown key "scal"' in messages and 'did you mean "scale"' in messages
-    assert '"n" = \'four\' should be an integer' in messages
+    assert "\"n\" = 'four' should be an integer" in messages
     assert len(found) == 2
 
 
@@ -188,8 +196,10 @@ def test_unknown_model_and_pool(tmp_path):
 
 def test_training_a_frozen_model_is_an_error(tmp_path):
     text = GOOD.replace('model = "policy"\n"""', 'model = "ref"\n"""')
-    text = text.replace('[nodes.update]\nuses = "{toy}/train.py"\nmodel = "policy"',
-                        '[nodes.update]\nuses = "{toy}/train.py"\nmodel = "ref"')
+    text = text.replace(
+        '[nodes.update]\nuses = "{toy}/train.py"\nmodel = "policy"',
+        '[nodes.update]\nuses = "{toy}/train.py"\nmodel = "ref"',
+    )
     found = problems(tmp_path, text)
     assert any('trains model "ref", which is frozen' in p.message for p in found)
 
@@ -208,7 +218,7 @@ def test_overrides_are_validated(tmp_path):
     found = problems(tmp_path, GOOD, ["run.stepz=5", "nodes.advantag.eps=0.1", "bad"])
     messages = [p.message for p in found]
     assert any('unknown key "stepz" (from the command line)' in m for m in messages)
-    assert any('no [nodes.advantag]' in m and 'did you mean "advantage"' in m for m in messages)
+    assert any("no [nodes.advantag]" in m and 'did you mean "advantage"' in m for m in messages)
     assert any("is not table.key=value" in m for m in messages)
 
 
@@ -229,16 +239,23 @@ def test_unread_output_is_a_warning(tmp_path):
 
 def test_auto_offload_decides_from_memory(tmp_path):
     text = GOOD.replace('offload = "always"', 'offload = "auto"\ndevice = "cuda"')
-    roomy = compile_text(tmp_path, text.replace('device = "cuda"', 'device = "cuda"\ndevice_memory_gb = 80.0'))
+    roomy = compile_text(
+        tmp_path, text.replace('device = "cuda"', 'device = "cuda"\ndevice_memory_gb = 80.0')
+    )
     assert roomy.pools["main"]["offload"] == "never"
     big = text.replace('path = "tiny"', 'path = "tiny"\nn_params = 7_000_000_000')
-    cramped = compile_text(tmp_path, big.replace('device = "cuda"', 'device = "cuda"\ndevice_memory_gb = 24.0'))
+    cramped = compile_text(
+        tmp_path, big.replace('device = "cuda"', 'device = "cuda"\ndevice_memory_gb = 24.0')
+    )
     assert cramped.pools["main"]["offload"] == "always"
 
 
 def test_cli_exits_2_without_traceback(tmp_path):
     path = write(tmp_path, GOOD.replace("n = 4", 'n = "x"'))
-    result = subprocess.run([sys.executable, "-m", "flowrl.cli", "check", str(path)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "flowrl.cli", "check", str(path)], capture_output=True, text=True
+    )
     assert result.returncode == 2
-    assert "Traceback" not in result.stderr and '"n"' in result.stderr and str(path) in result.stderr
+    assert (
+        "Traceback" not in result.stderr and '"n"' in result.stderr and str(path) in result.stderr
+    )

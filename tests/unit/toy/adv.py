@@ -15,5 +15,4 @@ def run(batch, params):
     return {"advantages": batch["scores"]}
 
 
-SPEC = NodeSpec(reads=("scores", "uid"), writes=("advantages",), params=Params, fn=run,
-                groups=True)
+SPEC = NodeSpec(reads=("scores", "uid"), writes=("advantages",), params=Params, fn=run, groups=True)

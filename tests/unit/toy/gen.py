@@ -16,5 +16,12 @@ class GenWorker:
         self.params = params
 
 
-SPEC = NodeSpec(reads=("prompts", "prompt_mask"), writes=("responses", "response_mask"),
-                params=Params, worker=GenWorker, mode="rollout", head="lm", rows="repeat")
+SPEC = NodeSpec(
+    reads=("prompts", "prompt_mask"),
+    writes=("responses", "response_mask"),
+    params=Params,
+    worker=GenWorker,
+    mode="rollout",
+    head="lm",
+    rows="repeat",
+)

@@ -15,5 +15,11 @@ class LogprobWorker:
         self.params = params
 
 
-SPEC = NodeSpec(reads=("responses", "response_mask"), writes=("logprobs",), params=Params,
-                worker=LogprobWorker, mode="inference", head="lm")
+SPEC = NodeSpec(
+    reads=("responses", "response_mask"),
+    writes=("logprobs",),
+    params=Params,
+    worker=LogprobWorker,
+    mode="inference",
+    head="lm",
+)

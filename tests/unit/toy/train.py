@@ -16,5 +16,11 @@ class TrainWorker:
         self.params = params
 
 
-SPEC = NodeSpec(reads=("responses", "advantages", "old_logprobs"), writes=(), params=Params,
-                worker=TrainWorker, mode="train", head="lm")
+SPEC = NodeSpec(
+    reads=("responses", "advantages", "old_logprobs"),
+    writes=(),
+    params=Params,
+    worker=TrainWorker,
+    mode="train",
+    head="lm",
+)

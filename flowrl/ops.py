@@ -1,0 +1,85 @@
+"""Tensor math shared by nodes: masked statistics, loss aggregation, KL estimators.
+
+Imports torch lazily so node modules that use it still load without torch (`flowrl check`).
+"""
+
+from __future__ import annotations
+
+from flowrl.lazy import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_KINDS = ("k1", "k2", "k3", "abs")
+
+
+def masked_sum(x, mask, dim=None):
+    mask = mask.to(x.dtype)
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+
+
+def masked_mean(x, mask, dim=None):
+    """Mean of x over mask == 1 (0 where the mask is empty)."""
+    count = mask.to(x.dtype).sum() if dim is None else mask.to(x.dtype).sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+def masked_var(x, mask):
+    """Unbiased variance of x over mask == 1."""
+    mean = masked_mean(x, mask)
+    count = mask.to(x.dtype).sum()
+    return masked_sum((x - mean) ** 2, mask) / (count - 1).clamp(min=1)
+
+
+def masked_whiten(x, mask, shift_mean: bool = True, eps: float = 1e-8):
+    """(x - mean) / std over mask == 1; with shift_mean=False the mean is added back."""
+    mean = masked_mean(x, mask)
+    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
+    return whitened if shift_mean else whitened + mean
+
+
+def agg_loss(token_loss, mask, mode: str = "token-mean", num_tokens=None, num_seqs=None):
+    """token_loss (b, t), mask (b, t) -> scalar.
+
+    token-mean: sum over tokens / tokens; seq-mean-token-sum: per-row sums / rows;
+    seq-mean-token-mean: per-row means / rows. `num_tokens` / `num_seqs` are the counts of the
+    whole mini-batch (all micro-batches, all ranks): summing the chunks' losses then gives the
+    loss of the whole mini-batch exactly. They default to this chunk's counts.
+    """
+    mask = mask.to(token_loss.dtype)
+    if mode == "token-mean":
+        return (token_loss * mask).sum() / (mask.sum() if num_tokens is None else num_tokens)
+    per_row = (token_loss * mask).sum(-1)  # (b,)
+    if mode == "seq-mean-token-mean":
+        per_row = per_row / mask.sum(-1).clamp(min=1)
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"unknown loss aggregation {mode!r}; use one of {AGG_MODES}")
+    return per_row.sum() / (mask.shape[0] if num_seqs is None else num_seqs)
+
+
+def kl_estimate(logprobs, ref_logprobs, kind: str = "k1"):
+    """Per-token estimate of KL(policy || ref) from log-probs of sampled tokens (b, t).
+
+    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) - 1 + log r (low variance, always >= 0;
+    clamped to [-10, 10]), abs = |log r|, with log r = logprobs - ref_logprobs
+    (Schulman, "Approximating KL divergence", 2020).
+    """
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        return (torch.exp(-log_ratio) - 1 + log_ratio).clamp(-10, 10)
+    if kind == "abs":
+        return log_ratio.abs()
+    raise ValueError(f"unknown KL estimator {kind!r}; use one of {KL_KINDS}")
+
+
+def entropy_from_logits(logits):
+    """logits (b, t, v) -> entropy (b, t) = logsumexp(z) - sum softmax(z) z."""
+    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+def group_ids(uid):
+    """uid (b,) -> dense group index (b,) and group count."""
+    _, index = torch.unique(uid, return_inverse=True)
+    return index, int(index.max()) + 1 if len(index) else 0

@@ -1,0 +1,49 @@
+"""Group-relative advantages (GRPO, arXiv 2402.03300); Dr. GRPO without the std (2503.20783).
+
+reads: scores, uid, response_mask -> writes: advantages
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from flowrl import ops
+from flowrl.lazy import torch
+from flowrl.nodespec import NodeSpec
+
+
+@attrs.frozen
+class Params:
+    scale_by_std: bool = True  # False gives Dr. GRPO
+    eps: float = 1e-6  # added to the group's std
+
+
+def group_advantages(scores, uid, scale_by_std: bool = True, eps: float = 1e-6):
+    """scores (b,), uid (b,) -> (b,): score minus its group's mean [/ (group std + eps)].
+
+    Groups of one sample get 0 (no baseline to compare with).
+    """
+    index, groups = ops.group_ids(uid)
+    scores = scores.float()
+    count = torch.zeros(groups).index_add_(0, index, torch.ones_like(scores))
+    mean = torch.zeros(groups).index_add_(0, index, scores) / count
+    centered = scores - mean[index]
+    if not scale_by_std:
+        return torch.where(count[index] > 1, centered, torch.zeros_like(centered))
+    var = torch.zeros(groups).index_add_(0, index, centered**2) / (count - 1).clamp(min=1)
+    adv = centered / (var.sqrt()[index] + eps)
+    return torch.where(count[index] > 1, adv, torch.zeros_like(adv))
+
+
+def run(batch, params):
+    adv = group_advantages(batch["scores"], batch["uid"], params.scale_by_std, params.eps)
+    return {"advantages": adv[:, None] * batch["response_mask"]}  # (b, t)
+
+
+SPEC = NodeSpec(
+    reads=("scores", "uid", "response_mask"),
+    writes=("advantages",),
+    params=Params,
+    fn=run,
+    groups=True,
+)

@@ -1,0 +1,57 @@
+"""REINFORCE++ (Hu et al., arXiv 2501.03262): discounted token returns, whitened over the
+batch; `baseline = "group"` first subtracts each prompt's mean reward (REINFORCE++-baseline).
+
+reads: token_rewards, response_mask (+ uid for the group baseline) -> writes: advantages, returns
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from flowrl import ops
+from flowrl.lazy import torch
+from flowrl.nodespec import NodeSpec
+
+
+@attrs.frozen
+class Params:
+    gamma: float = 1.0  # discount of the return-to-go
+    baseline: str = attrs.field(default="none", validator=attrs.validators.in_(("none", "group")))  # noqa: E501
+
+
+def discounted_returns(token_rewards, response_mask, gamma: float):
+    """(b, t) -> (b, t): G_t = r_t + gamma G_{t+1}, zero on padding."""
+    mask = response_mask.to(token_rewards.dtype)
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros(token_rewards.shape[0])
+    for t in reversed(range(token_rewards.shape[1])):
+        running = (token_rewards[:, t] + gamma * running) * mask[:, t]
+        returns[:, t] = running
+    return returns
+
+
+def group_baseline(token_rewards, response_mask, uid):
+    """(b,): the mean total reward of each row's group."""
+    index, groups = ops.group_ids(uid)
+    totals = (token_rewards * response_mask.to(token_rewards.dtype)).sum(-1)
+    count = torch.zeros(groups).index_add_(0, index, torch.ones_like(totals))
+    return (torch.zeros(groups).index_add_(0, index, totals) / count)[index]
+
+
+def run(batch, params):
+    mask = batch["response_mask"]
+    returns = discounted_returns(batch["token_rewards"], mask, params.gamma)
+    shifted = returns
+    if params.baseline == "group":
+        baseline = group_baseline(batch["token_rewards"], mask, batch["uid"])
+        shifted = (returns - baseline[:, None]) * mask
+    return {"advantages": ops.masked_whiten(shifted, mask) * mask, "returns": returns}
+
+
+SPEC = NodeSpec(
+    reads=("token_rewards", "response_mask"),
+    writes=("advantages", "returns"),
+    params=Params,
+    fn=run,
+    extra_reads=lambda p: ("uid",) if p.baseline == "group" else (),
+)

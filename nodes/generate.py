@@ -1,0 +1,69 @@
+"""Sample responses from the policy: n per prompt, stopping at EOS.
+
+reads: prompts, prompt_mask -> writes: responses, response_mask, response_text
+Rows come back interleaved (all samples of prompt 0, then prompt 1, ...); the runtime repeats
+the batch's other columns to match, so `uid` groups the samples of a prompt.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from flowrl.lazy import np, torch
+from flowrl.nodespec import NodeSpec
+
+
+@attrs.frozen
+class Params:
+    n: int = 1  # samples per prompt
+    max_new_tokens: int = 32  # response length cap
+    temperature: float = 1.0  # sampling temperature
+    top_p: float = 1.0  # nucleus sampling; 1.0 = off
+    top_k: int = 0  # top-k sampling; 0 = off
+    do_sample: bool = True  # False = greedy (validation uses greedy)
+
+
+def step_generator(meta: dict) -> torch.Generator:
+    """A generator seeded by (seed, step, rank): a resumed run samples what the first did."""
+    seed = int(meta.get("seed", 0)) * 1_000_003 + int(meta.get("step", 0)) * 9_973
+    return torch.Generator().manual_seed(seed + int(meta.get("rank", 0)))
+
+
+class GenerateWorker:
+    def __init__(self, engine, params: Params):
+        self.engine, self.params = engine, params
+
+    def __call__(self, batch):
+        p = self.params
+        out = self.engine.generate(
+            batch["prompts"],
+            batch["prompt_mask"],
+            n=p.n,
+            max_new_tokens=p.max_new_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            do_sample=p.do_sample,
+            generator=step_generator(batch.meta),
+        )
+        tokens = out["responses"]
+        lengths = out["response_mask"].sum(-1)  # (b,)
+        texts = np.empty(len(tokens), dtype=object)
+        texts[:] = self.engine.tokenizer.batch_decode(tokens, skip_special_tokens=True)
+        seconds = max(self.engine.last_seconds, 1e-9)
+        metrics = {
+            "response_length": float(lengths.float().mean()) if len(tokens) else 0.0,
+            "gen_tokens_per_s": float(lengths.sum()) / seconds,
+        }
+        return {**out, "response_text": texts}, metrics
+
+
+SPEC = NodeSpec(
+    reads=("prompts", "prompt_mask"),
+    writes=("responses", "response_mask", "response_text"),
+    params=Params,
+    worker=GenerateWorker,
+    mode="rollout",
+    head="lm",
+    rows="repeat",
+)

@@ -1,0 +1,39 @@
+"""Log-probability of each response token under a model (old policy, or the reference).
+
+reads: prompts, prompt_mask, responses, response_mask -> writes: logprobs
+Graphs use it twice with rename: `old_logprobs` from the policy, `ref_logprobs` from the ref.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from flowrl.lazy import torch
+from flowrl.nodespec import NodeSpec
+
+
+@attrs.frozen
+class Params:
+    temperature: float = 1.0  # divide logits as the sampler did
+
+
+class LogprobWorker:
+    def __init__(self, engine, params: Params):
+        self.engine, self.params = engine, params
+
+    def __call__(self, batch):
+        parts = [
+            self.engine.forward(micro, grad=False, temperature=self.params.temperature)
+            for micro in self.engine.micro_batches(batch)
+        ]
+        return {"logprobs": torch.cat([p["logprobs"] for p in parts])}  # (b, t)
+
+
+SPEC = NodeSpec(
+    reads=("prompts", "prompt_mask", "responses", "response_mask"),
+    writes=("logprobs",),
+    params=Params,
+    worker=LogprobWorker,
+    mode="inference",
+    head="lm",
+)

@@ -1,0 +1,88 @@
+"""KL-penalised token rewards (Ziegler et al., arXiv 1909.08593; as in PPO-RLHF).
+
+reads: scores, old_logprobs, ref_logprobs, response_mask -> writes: token_rewards
+r_t = -beta * KL_t on every token, plus the sequence score on its last token. beta is fixed or
+adapted each step toward a target KL.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from flowrl import ops
+from flowrl.lazy import torch
+from flowrl.nodespec import NodeSpec
+
+
+@attrs.frozen
+class Params:
+    kl_coef: float = 0.001  # beta (the starting value for the adaptive controller)
+    kl_kind: str = attrs.field(
+        default="k1", validator=attrs.validators.in_(ops.KL_KINDS)
+    )  # estimator
+    controller: str = attrs.field(
+        default="fixed", validator=attrs.validators.in_(("fixed", "adaptive"))
+    )  # noqa: E501
+    target_kl: float = 6.0  # adaptive: the KL per sequence to steer toward
+    horizon: int = 10000  # adaptive: how fast beta moves (in rows)
+
+
+class FixedKLController:
+    def __init__(self, coef: float):
+        self.value = coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+
+class AdaptiveKLController:
+    """beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon (Ziegler et al. 2019)."""
+
+    def __init__(self, coef: float, target: float, horizon: int):
+        self.value, self.target, self.horizon = coef, target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + error * n_steps / self.horizon
+
+
+def kl_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef, kind):
+    """(b,), (b, t) x3 -> token_rewards (b, t) and the per-row KL (b,)."""
+    mask = response_mask.to(logprobs.dtype)
+    kl = ops.kl_estimate(logprobs, ref_logprobs, kind) * mask  # (b, t)
+    rewards = -kl_coef * kl
+    last = (mask.sum(-1).long() - 1).clamp(min=0)  # (b,): the last response token
+    has_tokens = (mask.sum(-1) > 0).to(rewards.dtype)
+    rewards[torch.arange(len(scores)), last] += scores.float() * has_tokens
+    return rewards, kl.sum(-1)
+
+
+def run(batch, params, state):
+    if "controller" not in state:
+        state["controller"] = (
+            FixedKLController(params.kl_coef)
+            if params.controller == "fixed"
+            else AdaptiveKLController(params.kl_coef, params.target_kl, params.horizon)
+        )
+    controller = state["controller"]
+    coef = controller.value
+    rewards, kl = kl_token_rewards(
+        batch["scores"],
+        batch["old_logprobs"],
+        batch["ref_logprobs"],
+        batch["response_mask"],
+        coef,
+        params.kl_kind,
+    )
+    mean_kl = float(kl.mean()) if len(kl) else 0.0
+    controller.update(mean_kl, len(kl))
+    return {"token_rewards": rewards}, {"kl": mean_kl, "kl_coef": coef}
+
+
+SPEC = NodeSpec(
+    reads=("scores", "old_logprobs", "ref_logprobs", "response_mask"),
+    writes=("token_rewards",),
+    params=Params,
+    fn=run,
+    stateful=True,
+)

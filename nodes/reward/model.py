@@ -1,0 +1,43 @@
+"""A learned reward model: the value head's output at each row's last response token.
+
+reads: prompts, prompt_mask, responses, response_mask -> writes: scores
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from flowrl.lazy import torch
+from flowrl.nodespec import NodeSpec
+
+
+@attrs.frozen
+class Params:
+    scale: float = 1.0  # multiply the model's score
+
+
+def last_token_scores(values, response_mask):
+    """values (b, t), response_mask (b, t) -> (b,): the value at the last response token."""
+    last = (response_mask.sum(-1) - 1).clamp(min=0)  # (b,)
+    return values.gather(-1, last[:, None]).squeeze(-1) * (response_mask.sum(-1) > 0)
+
+
+class RewardModelWorker:
+    def __init__(self, engine, params: Params):
+        self.engine, self.params = engine, params
+
+    def __call__(self, batch):
+        parts = [self.engine.forward(m, grad=False) for m in self.engine.micro_batches(batch)]
+        values = torch.cat([p["values"] for p in parts])  # (b, t)
+        scores = last_token_scores(values, batch["response_mask"]) * self.params.scale
+        return {"scores": scores}, {"score": float(scores.mean()) if len(scores) else 0.0}
+
+
+SPEC = NodeSpec(
+    reads=("prompts", "prompt_mask", "responses", "response_mask"),
+    writes=("scores",),
+    params=Params,
+    worker=RewardModelWorker,
+    mode="inference",
+    head="value",
+)

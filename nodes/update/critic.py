@@ -1,0 +1,105 @@
+"""Critic update: clipped value loss (PPO, arXiv 1707.06347; clipping as in OpenAI baselines).
+
+reads: prompts, prompt_mask, responses, response_mask, values, returns -> writes: -
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from flowrl import ops
+from flowrl.lazy import torch
+from flowrl.nodespec import NodeSpec
+
+AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+@attrs.frozen
+class Params:
+    epochs: int = 1  # passes over the step's rows
+    mini_batch_size: int = 0  # rows per optimizer step over all ranks; 0 = the whole batch
+    clip_range: float = 0.5  # new values stay within old +- clip_range
+    agg: str = attrs.field(default="token-mean", validator=attrs.validators.in_(AGG))  # loss agg
+
+
+def clipped_value_loss(
+    values,
+    old_values,
+    returns,
+    response_mask,
+    clip_range=0.5,
+    agg="token-mean",
+    num_tokens=None,
+    num_seqs=None,
+):
+    """0.5 * max((V - R)^2, (V_clipped - R)^2), V_clipped = V_old + clip(V - V_old, +-c).
+
+    All inputs (b, t). Returns (loss, metrics of this chunk).
+    """
+    clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    plain_error = (values - returns) ** 2
+    clipped_error = (clipped - returns) ** 2
+    mask = response_mask.to(values.dtype)
+    loss = 0.5 * ops.agg_loss(
+        torch.maximum(plain_error, clipped_error), mask, agg, num_tokens, num_seqs
+    )
+    metrics = {
+        "vf_clip_frac": float(ops.masked_mean((clipped_error > plain_error).to(mask.dtype), mask)),
+        "value_mean": float(ops.masked_mean(values.detach(), mask)),
+    }
+    return loss, metrics
+
+
+class CriticUpdateWorker:
+    def __init__(self, engine, params: Params):
+        self.engine, self.params = engine, params
+
+    def __call__(self, batch):
+        p, engine = self.params, self.engine
+        total_rows = engine.all_reduce_sum(len(batch))
+        steps = math.ceil(total_rows / p.mini_batch_size) if p.mini_batch_size else 1
+        sums: dict[str, float] = {}
+        for _ in range(p.epochs):
+            for mini in batch.chunk(steps):
+                for key, value in self.mini_batch(mini).items():
+                    sums[key] = sums.get(key, 0.0) + value
+        return {}, {k: v / (p.epochs * steps) for k, v in sums.items()}
+
+    def mini_batch(self, mini) -> dict:
+        p, engine = self.params, self.engine
+        num_tokens = max(engine.all_reduce_sum(float(mini["response_mask"].sum())), 1)
+        num_seqs = max(engine.all_reduce_sum(len(mini)), 1)
+        totals = {"vf_loss": 0.0, "vf_clip_frac": 0.0, "value_mean": 0.0}
+        for micro in engine.micro_batches(mini):
+            if len(micro) == 0:
+                continue
+            values = engine.forward(micro, grad=True)["values"]
+            loss, metrics = clipped_value_loss(
+                values,
+                micro["values"],
+                micro["returns"],
+                micro["response_mask"],
+                p.clip_range,
+                p.agg,
+                num_tokens,
+                num_seqs,
+            )
+            engine.backward(loss)
+            share = float(micro["response_mask"].sum()) / num_tokens
+            totals["vf_loss"] += float(loss)
+            totals["vf_clip_frac"] += metrics["vf_clip_frac"] * share
+            totals["value_mean"] += metrics["value_mean"] * share
+        totals = {k: engine.all_reduce_sum(v) for k, v in totals.items()}
+        return {**totals, **engine.step()}
+
+
+SPEC = NodeSpec(
+    reads=("prompts", "prompt_mask", "responses", "response_mask", "values", "returns"),
+    writes=(),
+    params=Params,
+    worker=CriticUpdateWorker,
+    mode="train",
+    head="value",
+)

@@ -1,0 +1,140 @@
+"""PPO policy update: clipped surrogate (arXiv 1707.06347) with DAPO's separate low/high clip
+ranges (arXiv 2503.14476), dual-clip (arXiv 1912.09729), entropy bonus and an optional KL loss
+against the reference (GRPO, arXiv 2402.03300).
+
+reads: prompts, prompt_mask, responses, response_mask, advantages, old_logprobs
+       (+ ref_logprobs when kl_loss_coef > 0; old_logprobs not read when on_policy) -> writes: -
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from flowrl import ops
+from flowrl.lazy import torch
+from flowrl.nodespec import NodeSpec
+
+AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+@attrs.frozen
+class Params:
+    epochs: int = 1  # passes over the step's rows
+    mini_batch_size: int = 0  # rows per optimizer step over all ranks; 0 = the whole batch
+    clip_low: float = 0.2  # ratio floor 1 - clip_low
+    clip_high: float = 0.2  # ratio ceiling 1 + clip_high (DAPO: 0.28)
+    dual_clip: float = 0.0  # c > 1 bounds the loss of negative advantages; 0 = off
+    agg: str = attrs.field(default="token-mean", validator=attrs.validators.in_(AGG))  # loss agg
+    entropy_coef: float = 0.0  # entropy bonus weight
+    kl_loss_coef: float = 0.0  # KL(policy || ref) as a loss term; reads ref_logprobs if > 0
+    kl_loss_kind: str = "k3"  # k1, k2, k3 or abs
+    temperature: float = 1.0  # divide logits as the sampler did
+    on_policy: bool = False  # old log-probs = this forward's, detached (epochs = 1, 1 mini-batch)
+
+
+def ppo_policy_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    response_mask,
+    clip_low=0.2,
+    clip_high=0.2,
+    dual_clip=0.0,
+    agg="token-mean",
+    num_tokens=None,
+    num_seqs=None,
+):
+    """Clipped surrogate loss; all inputs (b, t). Returns (loss, metrics of this chunk).
+
+    ratio r = exp(logp - old); loss per token = max(-A r, -A clip(r, 1 - low, 1 + high)),
+    and with dual-clip c, min(that, -A c) where A < 0.
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    if dual_clip > 0:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
+    mask = response_mask.to(loss.dtype)
+    metrics = {
+        "clip_frac": float(ops.masked_mean((clipped > unclipped).to(loss.dtype), mask)),
+        "approx_kl": float(ops.masked_mean(old_logprobs - logprobs, mask)),
+    }
+    return ops.agg_loss(loss, mask, agg, num_tokens, num_seqs), metrics
+
+
+class PolicyUpdateWorker:
+    def __init__(self, engine, params: Params):
+        self.engine, self.params = engine, params
+
+    def __call__(self, batch):
+        p, engine = self.params, self.engine
+        total_rows = engine.all_reduce_sum(len(batch))
+        steps = math.ceil(total_rows / p.mini_batch_size) if p.mini_batch_size else 1
+        sums: dict[str, float] = {}
+        for _ in range(p.epochs):
+            for mini in batch.chunk(steps):  # the same number of steps on every rank
+                for key, value in self.mini_batch(mini).items():
+                    sums[key] = sums.get(key, 0.0) + value
+        return {}, {k: v / (p.epochs * steps) for k, v in sums.items()}
+
+    def mini_batch(self, mini) -> dict:
+        p, engine = self.params, self.engine
+        num_tokens = engine.all_reduce_sum(float(mini["response_mask"].sum()))
+        num_seqs = engine.all_reduce_sum(len(mini))
+        weighted: dict[str, float] = {}
+        for micro in engine.micro_batches(mini):
+            if len(micro) == 0:
+                continue
+            out = engine.forward(micro, grad=True, entropy=True, temperature=p.temperature)
+            logprobs, mask = out["logprobs"], micro["response_mask"]
+            old = logprobs.detach() if p.on_policy else micro["old_logprobs"]
+            loss, metrics = ppo_policy_loss(
+                logprobs,
+                old,
+                micro["advantages"],
+                mask,
+                p.clip_low,
+                p.clip_high,
+                p.dual_clip,
+                p.agg,
+                max(num_tokens, 1),
+                max(num_seqs, 1),
+            )
+            metrics["pg_loss"] = float(loss)
+            entropy = ops.agg_loss(
+                out["entropy"], mask, p.agg, max(num_tokens, 1), max(num_seqs, 1)
+            )
+            loss = loss - p.entropy_coef * entropy
+            metrics["entropy"] = float(entropy)
+            if p.kl_loss_coef > 0:
+                kl = ops.kl_estimate(logprobs, micro["ref_logprobs"], p.kl_loss_kind)
+                kl_loss = ops.agg_loss(kl, mask, p.agg, max(num_tokens, 1), max(num_seqs, 1))
+                loss = loss + p.kl_loss_coef * kl_loss
+                metrics["kl_loss"] = float(kl_loss)
+            engine.backward(loss)
+            share = float(mask.sum()) / max(num_tokens, 1)  # losses above are already shares
+            for key, value in metrics.items():
+                summed = key in ("pg_loss", "entropy", "kl_loss")
+                weighted[key] = weighted.get(key, 0.0) + (value if summed else value * share)
+        for key in weighted:  # each rank holds a part of the mini-batch's totals
+            weighted[key] = engine.all_reduce_sum(weighted[key])
+        return {**weighted, **engine.step()}
+
+
+def _reads(params: Params) -> tuple[str, ...]:
+    old = () if params.on_policy else ("old_logprobs",)
+    return old + (("ref_logprobs",) if params.kl_loss_coef > 0 else ())
+
+
+SPEC = NodeSpec(
+    reads=("prompts", "prompt_mask", "responses", "response_mask", "advantages"),
+    writes=(),
+    params=Params,
+    worker=PolicyUpdateWorker,
+    mode="train",
+    head="lm",
+    extra_reads=_reads,
+)
