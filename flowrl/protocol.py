@@ -195,6 +195,8 @@ class DataProto:
     def __setstate__(self, state: dict) -> None:
         tensors = {}
         for key, (kind, array) in state["tensors"].items():
+            if not array.flags.writeable:  # Ray's zero-copy buffers are read-only
+                array = array.copy()
             value = torch.from_numpy(np.ascontiguousarray(array))
             tensors[key] = value.view(torch.bfloat16) if kind == "bfloat16" else value
         self.batch = TensorDict(tensors, batch_size=[state["rows"]])

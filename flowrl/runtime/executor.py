@@ -210,6 +210,7 @@ class _Walk:
     outputs: dict = attrs.Factory(dict)  # node -> per-rank results waiting to be collected
     metrics: dict = attrs.Factory(dict)
     slices: list = attrs.Factory(list)
+    by_id: dict = attrs.field(init=False)
 
     def __attrs_post_init__(self):
         self.by_id = {i.id: i for i in self.items}

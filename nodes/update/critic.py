@@ -88,7 +88,7 @@ class CriticUpdateWorker:
             )
             engine.backward(loss)
             share = float(micro["response_mask"].sum()) / num_tokens
-            totals["vf_loss"] += float(loss)
+            totals["vf_loss"] += float(loss.detach())
             totals["vf_clip_frac"] += metrics["vf_clip_frac"] * share
             totals["value_mean"] += metrics["value_mean"] * share
         totals = {k: engine.all_reduce_sum(v) for k, v in totals.items()}

@@ -60,7 +60,7 @@ def ppo_policy_loss(
     mask = response_mask.to(loss.dtype)
     metrics = {
         "clip_frac": float(ops.masked_mean((clipped > unclipped).to(loss.dtype), mask)),
-        "approx_kl": float(ops.masked_mean(old_logprobs - logprobs, mask)),
+        "approx_kl": float(ops.masked_mean(old_logprobs - logprobs.detach(), mask)),
     }
     return ops.agg_loss(loss, mask, agg, num_tokens, num_seqs), metrics
 
@@ -103,17 +103,17 @@ class PolicyUpdateWorker:
                 max(num_tokens, 1),
                 max(num_seqs, 1),
             )
-            metrics["pg_loss"] = float(loss)
+            metrics["pg_loss"] = float(loss.detach())
             entropy = ops.agg_loss(
                 out["entropy"], mask, p.agg, max(num_tokens, 1), max(num_seqs, 1)
             )
             loss = loss - p.entropy_coef * entropy
-            metrics["entropy"] = float(entropy)
+            metrics["entropy"] = float(entropy.detach())
             if p.kl_loss_coef > 0:
                 kl = ops.kl_estimate(logprobs, micro["ref_logprobs"], p.kl_loss_kind)
                 kl_loss = ops.agg_loss(kl, mask, p.agg, max(num_tokens, 1), max(num_seqs, 1))
                 loss = loss + p.kl_loss_coef * kl_loss
-                metrics["kl_loss"] = float(kl_loss)
+                metrics["kl_loss"] = float(kl_loss.detach())
             engine.backward(loss)
             share = float(mask.sum()) / max(num_tokens, 1)  # losses above are already shares
             for key, value in metrics.items():
