@@ -144,7 +144,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args, extra = p.parse_known_args(argv)  # overrides may also follow options
+    if extra and (not hasattr(args, "overrides") or any("=" not in e for e in extra)):
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
     except GraphErrors as e:

@@ -92,6 +92,16 @@ def _batch(graph: Graph, errors: Collector) -> tuple[dict, list[str]]:
                 f"({prompts} prompts x {samples[node]} samples)",
                 f"set mini_batch_size <= {rows[node]} (0 = the whole batch)",
             )
+        if getattr(decl.params, "on_policy", False) and (
+            getattr(decl.params, "epochs", 1) > 1 or 0 < mini < rows[node]
+        ):
+            errors.add(
+                where,
+                "on_policy = true reuses the update's own log-probs as the old "
+                "ones, which is exact only for one update per batch",
+                "set epochs = 1 and mini_batch_size = 0, or on_policy = false with an "
+                "old_logprob node",
+            )
         if decl.model:
             workers = spec.pools[spec.models[decl.model].pool].workers
             per_update = mini or rows[node]

@@ -49,7 +49,7 @@ class DataConfig:
     val_source: str = ""  # default: the validation split of `source`
     batch_size: int = attrs.field(default=4, validator=_positive)  # prompts per step
     max_prompt_len: int = attrs.field(default=256, validator=_positive)  # longer are dropped
-    train_size: int = attrs.field(default=4096, validator=_positive)  # synthetic task only
+    train_size: int = attrs.field(default=0, validator=_non_negative)  # synthetic task; 0 = all
     shuffle: bool = True  # reshuffled every epoch from the seed
 
 

@@ -12,14 +12,15 @@ QUESTION = "What is {a} {op} {b}? Answer with just the number."
 def arithmetic_rows(
     split: str, size: int, seed: int = 0, max_operand: int = 50, ops: tuple[str, ...] = ("+",)
 ) -> list[dict]:
-    """`size` rows of the split ("train" or "validation"); validation takes the first 1024
-    pairs of the shuffle (or a quarter, if fewer exist), train the rest."""
+    """`size` rows (0 = all) of the split ("train" or "validation"); validation takes the
+    first 1024 pairs of the shuffle (or a quarter, if fewer exist), train the rest."""
     pairs = [
         (a, b, op) for op in ops for a in range(max_operand + 1) for b in range(max_operand + 1)
     ]
     random.Random(seed).shuffle(pairs)
     cut = min(1024, len(pairs) // 4)
     pool = pairs[:cut] if split == "validation" else pairs[cut:]
+    size = size or len(pool)  # 0: the whole split
     if size > len(pool):
         raise ValueError(f"arithmetic {split} split has {len(pool)} questions, {size} asked")
     rows = []
