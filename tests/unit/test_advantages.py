@@ -1,0 +1,194 @@
+"""Advantage estimators and reward shaping: hand-derived examples and parity with plain loops."""
+
+import pytest
+import torch
+from flowrl.nodes.advantage.gae import gae_advantages
+from flowrl.nodes.advantage.grpo import group_advantages
+from flowrl.nodes.advantage.reinforce_pp import discounted_returns, group_baseline
+from flowrl.nodes.advantage.remax import remax_advantages
+from flowrl.nodes.advantage.rloo import leave_one_out_advantages
+from flowrl.nodes.filter.dynamic_sampling import varied_groups
+from flowrl.nodes.reward.kl_penalty import AdaptiveKLController, kl_token_rewards
+
+
+def ragged(seed, b=6, t=5):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, t + 1, (b,), generator=g)
+    mask = (torch.arange(t)[None] < lengths[:, None]).long()
+    return g, mask
+
+
+# -- hand-derived ------------------------------------------------------------------------------
+
+
+def test_group_advantages_centers_each_group():
+    scores = torch.tensor([1.0, 0.0, 3.0, 3.0])  # two groups of two
+    adv = group_advantages(scores, torch.tensor([0, 0, 1, 1]), scale_by_std=False, eps=0)
+    # group means are 0.5 and 3.0
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, 0.0, 0.0]))
+
+
+def test_group_advantages_scale_by_std():
+    # group [1, 0]: mean 0.5, unbiased std sqrt(0.5) = 0.7071 -> +-0.5 / 0.7071 = +-0.7071
+    adv = group_advantages(torch.tensor([1.0, 0.0]), torch.tensor([7, 7]), eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([0.7071, -0.7071]), atol=1e-4, rtol=0)
+
+
+def test_singleton_groups_get_zero():
+    adv = group_advantages(torch.tensor([5.0, 1.0, 2.0]), torch.tensor([0, 1, 1]))
+    assert adv[0] == 0
+
+
+def test_rloo_leaves_one_out():
+    # group [1, 0, 0]: baselines (0+0)/2 = 0, (1+0)/2 = 0.5, 0.5 -> 1, -0.5, -0.5
+    adv = leave_one_out_advantages(torch.tensor([1.0, 0.0, 0.0]), torch.tensor([3, 3, 3]))
+    torch.testing.assert_close(adv, torch.tensor([1.0, -0.5, -0.5]))
+
+
+def test_gae_hand_example():
+    # one row, 2 tokens, rewards [0, 1], values [0.5, 0.5], gamma = lam = 1:
+    # delta_1 = 1 + 0 - 0.5 = 0.5, A_1 = 0.5; delta_0 = 0 + 0.5 - 0.5 = 0, A_0 = 0 + 0.5 = 0.5
+    adv, ret = gae_advantages(
+        torch.tensor([[0.0, 1.0]]),
+        torch.tensor([[0.5, 0.5]]),
+        torch.tensor([[1, 1]]),
+        gamma=1.0,
+        lam=1.0,
+    )
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.5]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0]]))
+
+
+def test_discounted_returns_hand_example():
+    # rewards [1, 0, 2], gamma 0.5: G2 = 2, G1 = 0 + 1 = 1, G0 = 1 + 0.5 = 1.5; pad stays 0
+    out = discounted_returns(
+        torch.tensor([[1.0, 0.0, 2.0, 9.0]]), torch.tensor([[1, 1, 1, 0]]), gamma=0.5
+    )
+    torch.testing.assert_close(out, torch.tensor([[1.5, 1.0, 2.0, 0.0]]))
+
+
+def test_remax_baseline():
+    adv = remax_advantages(
+        torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0]), torch.tensor([[1, 1], [1, 0]])
+    )
+    torch.testing.assert_close(adv, torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
+
+
+def test_kl_penalty_hand_example():
+    # logp - ref = [0.5, 0.5] -> k1 = 0.5 per token; beta 0.1 -> -0.05 each; score 1 on the last
+    rewards, kl = kl_token_rewards(
+        torch.tensor([1.0]),
+        torch.tensor([[0.0, 0.0, 0.0]]),
+        torch.tensor([[-0.5, -0.5, 0.0]]),
+        torch.tensor([[1, 1, 0]]),
+        kl_coef=0.1,
+        kind="k1",
+    )
+    torch.testing.assert_close(rewards, torch.tensor([[-0.05, 0.95, 0.0]]))
+    torch.testing.assert_close(kl, torch.tensor([1.0]))
+
+
+def test_kl_penalty_empty_response():
+    rewards, _ = kl_token_rewards(
+        torch.tensor([1.0]),
+        torch.zeros(1, 2),
+        torch.zeros(1, 2),
+        torch.tensor([[0, 0]]),
+        kl_coef=0.1,
+        kind="k1",
+    )
+    assert torch.equal(rewards, torch.zeros(1, 2))
+
+
+def test_adaptive_kl_controller():
+    # kl 12 vs target 6: error clipped to 0.2; n/horizon = 0.5 -> coef *= 1.1
+    controller = AdaptiveKLController(0.1, target=6.0, horizon=10)
+    controller.update(12.0, 5)
+    assert controller.value == pytest.approx(0.11)
+
+
+def test_dynamic_sampling_drops_uniform_groups():
+    keep = varied_groups(
+        torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), torch.tensor([0, 0, 1, 1, 2, 2])
+    )
+    assert keep.tolist() == [False, False, True, True, False, False]
+
+
+# -- parity with plain loops -------------------------------------------------------------------
+
+
+def reference_gae(rewards, values, mask, gamma, lam):
+    b, t = rewards.shape
+    adv = [[0.0] * t for _ in range(b)]
+    for i in range(b):
+        n = int(mask[i].sum())
+        last = 0.0
+        for k in reversed(range(n)):
+            next_value = float(values[i, k + 1]) if k + 1 < n else 0.0
+            delta = float(rewards[i, k]) + gamma * next_value - float(values[i, k])
+            last = delta + gamma * lam * last
+            adv[i][k] = last
+    return torch.tensor(adv)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gae_matches_loop(seed):
+    g, mask = ragged(seed)
+    rewards, values = torch.randn(mask.shape, generator=g), torch.randn(mask.shape, generator=g)
+    adv, ret = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8)
+    expected = reference_gae(rewards, values, mask, 0.9, 0.8)
+    torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(ret, (expected + values) * mask)
+
+
+def reference_groups(scores, uid, loo=False, scale=False):
+    out = []
+    for i in range(len(scores)):
+        group = [float(scores[j]) for j in range(len(scores)) if uid[j] == uid[i]]
+        if len(group) == 1:
+            out.append(0.0)
+            continue
+        if loo:
+            out.append(float(scores[i]) - (sum(group) - float(scores[i])) / (len(group) - 1))
+            continue
+        mean = sum(group) / len(group)
+        std = (sum((x - mean) ** 2 for x in group) / (len(group) - 1)) ** 0.5
+        out.append((float(scores[i]) - mean) / (std + 1e-6) if scale else float(scores[i]) - mean)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_group_estimators_match_loops(seed):
+    g = torch.Generator().manual_seed(seed)
+    uid = torch.randint(0, 4, (12,), generator=g)
+    scores = torch.randn(12, generator=g)
+    torch.testing.assert_close(group_advantages(scores, uid, False), reference_groups(scores, uid))
+    torch.testing.assert_close(
+        group_advantages(scores, uid, True),
+        reference_groups(scores, uid, scale=True),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    torch.testing.assert_close(
+        leave_one_out_advantages(scores, uid), reference_groups(scores, uid, loo=True)
+    )
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_discounted_returns_and_group_baseline_match_loops(seed):
+    g, mask = ragged(seed)
+    rewards = torch.randn(mask.shape, generator=g)
+    expected = torch.zeros(mask.shape)
+    for i in range(mask.shape[0]):
+        running = 0.0
+        for k in reversed(range(int(mask[i].sum()))):
+            running = float(rewards[i, k]) + 0.7 * running
+            expected[i, k] = running
+    torch.testing.assert_close(discounted_returns(rewards, mask, 0.7), expected)
+    uid = torch.tensor([0, 0, 1, 1, 1, 2])
+    totals = [float((rewards[i] * mask[i]).sum()) for i in range(6)]
+    means = [
+        sum(totals[j] for j in range(6) if uid[j] == uid[i]) / int((uid == uid[i]).sum())
+        for i in range(6)
+    ]
+    torch.testing.assert_close(group_baseline(rewards, mask, uid), torch.tensor(means))
