@@ -94,8 +94,11 @@ class TrainEngine:
     def step(self) -> dict:
         """Sum grads over ranks, clip, AdamW step, schedule step: {"grad_norm", "lr"}."""
         params = [p for p in self.module.parameters() if p.requires_grad]
+        for p in params:  # a skipped (all-zero) contribution is a zero gradient, not "no step"
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         if self.world_size > 1:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            grads = [p.grad for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
             offset = 0

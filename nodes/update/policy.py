@@ -65,6 +65,15 @@ def ppo_policy_loss(
     return ops.agg_loss(loss, mask, agg, num_tokens, num_seqs), metrics
 
 
+def contributing_rows(advantages, params: Params):
+    """(b,) bool: rows whose loss terms have a gradient. With no KL or entropy term, a row
+    whose advantage is zero everywhere adds exactly zero to the loss and its gradient, so its
+    forward and backward are skipped (the loss normaliser still counts it)."""
+    if params.kl_loss_coef > 0 or params.entropy_coef > 0:
+        return torch.ones(advantages.shape[0], dtype=torch.bool)
+    return (advantages != 0).any(-1)
+
+
 class PolicyUpdateWorker:
     def __init__(self, engine, params: Params):
         self.engine, self.params = engine, params
@@ -81,17 +90,21 @@ class PolicyUpdateWorker:
         return {}, {k: v / (p.epochs * steps) for k, v in sums.items()}
 
     def mini_batch(self, mini) -> dict:
+        """One optimizer step on this rank's share of a mini-batch; metrics over all ranks."""
         p, engine = self.params, self.engine
-        num_tokens = engine.all_reduce_sum(float(mini["response_mask"].sum()))
-        num_seqs = engine.all_reduce_sum(len(mini))
-        weighted: dict[str, float] = {}
-        for micro in engine.micro_batches(mini):
+        num_tokens = max(engine.all_reduce_sum(float(mini["response_mask"].sum())), 1)
+        num_seqs = max(engine.all_reduce_sum(len(mini)), 1)  # normalisers of the mini-batch
+        active = mini.index(contributing_rows(mini["advantages"], p))
+        computed = max(engine.all_reduce_sum(float(active["response_mask"].sum())), 1)
+        # loss terms add up over micro-batches; per-token rates are averaged over computed tokens
+        totals = dict.fromkeys(("pg_loss", "kl_loss", "entropy", "clip_frac", "approx_kl"), 0.0)
+        for micro in engine.micro_batches(active):
             if len(micro) == 0:
                 continue
             out = engine.forward(micro, grad=True, entropy=True, temperature=p.temperature)
             logprobs, mask = out["logprobs"], micro["response_mask"]
             old = logprobs.detach() if p.on_policy else micro["old_logprobs"]
-            loss, metrics = ppo_policy_loss(
+            loss, rates = ppo_policy_loss(
                 logprobs,
                 old,
                 micro["advantages"],
@@ -100,28 +113,27 @@ class PolicyUpdateWorker:
                 p.clip_high,
                 p.dual_clip,
                 p.agg,
-                max(num_tokens, 1),
-                max(num_seqs, 1),
+                num_tokens,
+                num_seqs,
             )
-            metrics["pg_loss"] = float(loss.detach())
-            entropy = ops.agg_loss(
-                out["entropy"], mask, p.agg, max(num_tokens, 1), max(num_seqs, 1)
-            )
-            loss = loss - p.entropy_coef * entropy
-            metrics["entropy"] = float(entropy.detach())
+            totals["pg_loss"] += float(loss.detach())
+            share = float(mask.sum()) / computed
+            totals["clip_frac"] += rates["clip_frac"] * share
+            totals["approx_kl"] += rates["approx_kl"] * share
+            totals["entropy"] += float(ops.masked_mean(out["entropy"].detach(), mask)) * share
+            if p.entropy_coef > 0:
+                loss = loss - p.entropy_coef * ops.agg_loss(
+                    out["entropy"], mask, p.agg, num_tokens, num_seqs
+                )
             if p.kl_loss_coef > 0:
                 kl = ops.kl_estimate(logprobs, micro["ref_logprobs"], p.kl_loss_kind)
-                kl_loss = ops.agg_loss(kl, mask, p.agg, max(num_tokens, 1), max(num_seqs, 1))
+                kl_loss = ops.agg_loss(kl, mask, p.agg, num_tokens, num_seqs)
                 loss = loss + p.kl_loss_coef * kl_loss
-                metrics["kl_loss"] = float(kl_loss.detach())
+                totals["kl_loss"] += float(kl_loss.detach())
             engine.backward(loss)
-            share = float(mask.sum()) / max(num_tokens, 1)  # losses above are already shares
-            for key, value in metrics.items():
-                summed = key in ("pg_loss", "entropy", "kl_loss")
-                weighted[key] = weighted.get(key, 0.0) + (value if summed else value * share)
-        for key in weighted:  # each rank holds a part of the mini-batch's totals
-            weighted[key] = engine.all_reduce_sum(weighted[key])
-        return {**weighted, **engine.step()}
+        totals = {k: engine.all_reduce_sum(v) for k, v in totals.items()}  # same keys on all ranks
+        totals["computed_rows"] = engine.all_reduce_sum(len(active)) / num_seqs
+        return {**totals, **engine.step()}
 
 
 def _reads(params: Params) -> tuple[str, ...]:

@@ -1,0 +1,103 @@
+"""Update workers on a tiny model: skipping zero-advantage rows and micro-batching change
+nothing about the resulting parameters."""
+
+import copy
+
+import pytest
+import torch
+from flowrl.nodes.update import policy
+from flowrl.nodes.update.critic import CriticUpdateWorker
+from flowrl.nodes.update.critic import Params as CriticParams
+
+from flowrl.engines import TrainEngine
+from flowrl.models.value_head import ValueModel
+from flowrl.protocol import DataProto
+from flowrl.testing import tiny_model, tiny_tokenizer
+
+
+def batch(b=6, p=5, t=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    response_mask = torch.arange(t)[None] < torch.randint(1, t + 1, (b,), generator=g)[:, None]
+    advantages = torch.randn(b, 1, generator=g) * response_mask
+    advantages[::2] = 0.0  # half the rows carry no signal
+    return DataProto.from_dict(
+        {
+            "prompts": torch.randint(3, 100, (b, p), generator=g),
+            "prompt_mask": torch.ones(b, p, dtype=torch.long),
+            "responses": torch.randint(3, 100, (b, t), generator=g) * response_mask,
+            "response_mask": response_mask.long(),
+            "advantages": advantages,
+            "old_logprobs": torch.randn(b, t, generator=g) * 0.1 - 3.0,
+            "values": torch.zeros(b, t),
+            "returns": torch.randn(b, t, generator=g),
+        }
+    )
+
+
+def updated(model, worker_class, params, micro_tokens=4096):
+    """(gradients of the first optimizer step, metrics)."""
+    engine = TrainEngine(copy.deepcopy(model), tiny_tokenizer(), lr=1e-2, micro_tokens=micro_tokens)
+    grads, step = [], engine.step
+
+    def record_then_step():
+        grads.append(
+            {n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None}
+        )
+        return step()
+
+    engine.step = record_then_step
+    _, metrics = worker_class(engine, params)(batch())
+    return grads[0], metrics
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-7)
+
+
+def test_skipping_zero_advantage_rows_keeps_the_update(monkeypatch):
+    model = tiny_model(seed=0)
+    params = policy.Params()
+    skipped, metrics = updated(model, policy.PolicyUpdateWorker, params)
+    assert metrics["computed_rows"] == pytest.approx(0.5)  # 3 of 6 rows skipped
+    monkeypatch.setattr(
+        policy, "contributing_rows", lambda adv, p: torch.ones(adv.shape[0], dtype=torch.bool)
+    )
+    full, full_metrics = updated(model, policy.PolicyUpdateWorker, params)
+    assert full_metrics["computed_rows"] == 1.0
+    assert_same(skipped, full)
+    assert metrics["pg_loss"] == pytest.approx(full_metrics["pg_loss"], rel=1e-5)
+
+
+def test_no_skip_when_kl_or_entropy_terms_need_every_row():
+    adv = torch.zeros(3, 2)
+    assert policy.contributing_rows(adv, policy.Params(kl_loss_coef=0.1)).all()
+    assert policy.contributing_rows(adv, policy.Params(entropy_coef=0.1)).all()
+    assert not policy.contributing_rows(adv, policy.Params()).any()
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_policy_micro_batches_give_the_same_update(agg):
+    model = tiny_model(seed=1)
+    params = policy.Params(agg=agg, entropy_coef=0.01)
+    whole, _ = updated(model, policy.PolicyUpdateWorker, params, micro_tokens=4096)
+    pieces, _ = updated(model, policy.PolicyUpdateWorker, params, micro_tokens=9)
+    assert_same(whole, pieces)
+
+
+def test_critic_micro_batches_give_the_same_update():
+    model = ValueModel(tiny_model(seed=2))
+    torch.nn.init.normal_(model.value_head.weight, std=0.1)
+    whole, m1 = updated(model, CriticUpdateWorker, CriticParams(), micro_tokens=4096)
+    pieces, m2 = updated(model, CriticUpdateWorker, CriticParams(), micro_tokens=9)
+    assert_same(whole, pieces)
+    assert m1["vf_loss"] == pytest.approx(m2["vf_loss"], rel=1e-5)
+
+
+def test_mini_batches_take_several_optimizer_steps():
+    model = tiny_model(seed=3)
+    _, metrics = updated(
+        model, policy.PolicyUpdateWorker, policy.Params(mini_batch_size=2, epochs=2)
+    )
+    assert metrics["lr"] == 1e-2 and "grad_norm" in metrics
