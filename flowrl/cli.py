@@ -155,6 +155,11 @@ def main(argv=None) -> int:
     except GraphErrors as e:
         print(e.report(), file=sys.stderr)
         return 2
+    except Exception as e:  # a failed node or a bad data file: the message says what and where
+        if type(e).__name__ not in ("NodeFailure", "DataError", "ModelNotFound", "ScorerError"):
+            raise
+        print(f"flowrl: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -113,6 +113,8 @@ class Executor:
             item = walk.by_id[ids[id(handle)]]
             try:
                 results = self.results(handle)
+            except NodeFailure:
+                raise
             except Exception as e:
                 raise NodeFailure(f"{item.kind} {item.name} failed on pool {item.pool}: {e}") from e
             del walk.pending[item.id]
@@ -183,12 +185,9 @@ class LocalExecutor(Executor):
         worker = self.workers[pool][0]
         try:
             return [getattr(worker, method)(*per_rank_args[0])]
-        except Exception as e:
-            name = per_rank_args[0][0]
-            batch = per_rank_args[0][1] if method == "call" else None
-            shown = f"\n  its batch: {describe(batch)}" if batch is not None else ""
+        except Exception as e:  # the worker's message names the node and its batch
             raise NodeFailure(
-                f"{method} {name} failed on pool {pool}, rank 0: {type(e).__name__}: {e}{shown}"
+                f"{method} {per_rank_args[0][0]} failed on pool {pool}, rank 0: {e}"
             ) from e
 
     def finished(self, handles):

@@ -107,7 +107,14 @@ class PoolWorker:
             {inverse.get(k, k): batch[k] for k in batch.non_tensor},
             dict(batch.meta, rank=self.rank, world_size=self.world_size),
         )
-        writes, metrics = split_output(worker(local))
+        try:
+            writes, metrics = split_output(worker(local))
+        except Exception as e:
+            from flowrl.runtime.executor import describe
+
+            raise RuntimeError(
+                f"node {node_id}: {type(e).__name__}: {e}\n  its batch: {describe(batch)}"
+            ) from e
         missing = set(spec.writes) - set(writes)
         if missing or set(writes) - set(spec.writes):
             raise RuntimeError(
