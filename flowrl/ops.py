@@ -83,3 +83,9 @@ def group_ids(uid):
     """uid (b,) -> dense group index (b,) and group count."""
     _, index = torch.unique(uid, return_inverse=True)
     return index, int(index.max()) + 1 if len(index) else 0
+
+
+def mean_metrics(results: list[dict]) -> dict:
+    """The mean of each metric over a list of metric dicts (e.g. one per optimizer step)."""
+    keys = {k for r in results for k in r}
+    return {k: sum(r[k] for r in results if k in r) / sum(k in r for r in results) for k in keys}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl.lazy import torch
 from flowrl.nodespec import NodeSpec
 
 
@@ -22,11 +21,9 @@ class LogprobWorker:
         self.engine, self.params = engine, params
 
     def __call__(self, batch):
-        parts = [
-            self.engine.forward(micro, grad=False, temperature=self.params.temperature)
-            for micro in self.engine.micro_batches(batch)
-        ]
-        return {"logprobs": torch.cat([p["logprobs"] for p in parts])}  # (b, t)
+        return {
+            "logprobs": self.engine.infer(batch, temperature=self.params.temperature)["logprobs"]
+        }  # (b, t)
 
 
 SPEC = NodeSpec(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl.lazy import torch
 from flowrl.nodespec import NodeSpec
 
 
@@ -21,10 +20,7 @@ class ValuesWorker:
         self.engine, self.params = engine, params
 
     def __call__(self, batch):
-        parts = [
-            self.engine.forward(micro, grad=False) for micro in self.engine.micro_batches(batch)
-        ]
-        return {"values": torch.cat([p["values"] for p in parts])}  # (b, t)
+        return {"values": self.engine.infer(batch)["values"]}  # (b, t)
 
 
 SPEC = NodeSpec(

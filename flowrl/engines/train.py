@@ -58,6 +58,17 @@ class TrainEngine:
         width = int(rows["prompt_mask"].sum(-1).max()) + int(rows["response_mask"].sum(-1).max())
         return rows.split(max(1, self.micro_tokens // max(width, 1)))
 
+    def mini_batches(self, rows, size: int) -> list:
+        """This rank's part of each mini-batch of `size` rows over all ranks (0 = one); every
+        rank gets the same number of parts, so their optimizer steps line up."""
+        total = self.all_reduce_sum(len(rows))
+        return rows.chunk(math.ceil(total / size) if size else 1)
+
+    def infer(self, rows, **kwargs) -> dict:
+        """`forward` without gradients over token-bounded micro-batches, outputs concatenated."""
+        parts = [self.forward(m, grad=False, **kwargs) for m in self.micro_batches(rows)]
+        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+
     def forward(self, rows, *, grad: bool, entropy: bool = False, temperature: float = 1.0) -> dict:
         """Per response token: {"logprobs" (b, t)[, "entropy" (b, t)]} or {"values" (b, t)}."""
         responses, response_mask = rows["responses"], rows["response_mask"]

@@ -49,6 +49,9 @@ class PoolWorker:
 
         torch.set_num_threads(setup.threads)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one "Loading weights" bar per model per rank is noise
         self.setup, self.rank, self.world_size = setup, rank, world_size
         group = None
         if world_size > 1:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl.lazy import torch
 from flowrl.nodespec import NodeSpec
 
 
@@ -27,8 +26,7 @@ class RewardModelWorker:
         self.engine, self.params = engine, params
 
     def __call__(self, batch):
-        parts = [self.engine.forward(m, grad=False) for m in self.engine.micro_batches(batch)]
-        values = torch.cat([p["values"] for p in parts])  # (b, t)
+        values = self.engine.infer(batch)["values"]  # (b, t)
         scores = last_token_scores(values, batch["response_mask"]) * self.params.scale
         return {"scores": scores}, {"score": float(scores.mean()) if len(scores) else 0.0}
 

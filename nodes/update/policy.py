@@ -8,8 +8,6 @@ reads: prompts, prompt_mask, responses, response_mask, advantages, old_logprobs
 
 from __future__ import annotations
 
-import math
-
 import attrs
 
 from flowrl import ops
@@ -80,14 +78,12 @@ class PolicyUpdateWorker:
 
     def __call__(self, batch):
         p, engine = self.params, self.engine
-        total_rows = engine.all_reduce_sum(len(batch))
-        steps = math.ceil(total_rows / p.mini_batch_size) if p.mini_batch_size else 1
-        sums: dict[str, float] = {}
-        for _ in range(p.epochs):
-            for mini in batch.chunk(steps):  # the same number of steps on every rank
-                for key, value in self.mini_batch(mini).items():
-                    sums[key] = sums.get(key, 0.0) + value
-        return {}, {k: v / (p.epochs * steps) for k, v in sums.items()}
+        steps = [
+            self.mini_batch(mini)
+            for _ in range(p.epochs)
+            for mini in engine.mini_batches(batch, p.mini_batch_size)
+        ]
+        return {}, ops.mean_metrics(steps)
 
     def mini_batch(self, mini) -> dict:
         """One optimizer step on this rank's share of a mini-batch; metrics over all ranks."""
