@@ -42,7 +42,9 @@ def graph_dot(graph) -> str:
             indent = "    "
         for node in sorted(by_pool[pool]):
             decl = spec.nodes[node]
-            label = f"{dot_escape(node)}\\n{dot_escape(decl.uses)}"
+            label = dot_escape(node)
+            if decl.uses != node:
+                label += f"\\n{dot_escape(decl.uses)}"
             if decl.model:
                 label += f"\\n{dot_escape(decl.model)} ({decl.mode})"
             color = "#cfe2f3" if decl.model else "#fff2cc"
