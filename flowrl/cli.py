@@ -14,9 +14,20 @@ from flowrl import compiler, dsl, graph, registry, render
 from flowrl.errors import GraphErrors
 
 
+def graph_path(file: str) -> str:
+    """`file`, or when it does not exist, the shipped graph of that name (graphs/ppo.toml or
+    ppo), so an installed flowrl runs its own graphs from any directory."""
+    if Path(file).exists():
+        return file
+    from importlib.resources import files
+
+    shipped = files("flowrl.graphs") / Path(file).with_suffix(".toml").name
+    return str(shipped) if shipped.is_file() else file
+
+
 def load_plan(file: str, overrides=()):
     """(GraphSpec, Graph, ExecutionPlan) of a graph file; raises GraphErrors."""
-    spec = dsl.load(file, list(overrides))
+    spec = dsl.load(graph_path(file), list(overrides))
     built = graph.build(spec)
     return spec, built, compiler.compile_graph(built)
 

@@ -196,3 +196,12 @@ def _all_extra_reads(spec):
             except Exception:
                 continue
     return keys
+
+
+def test_shipped_graph_found_by_name_from_anywhere(tmp_path, monkeypatch):
+    from flowrl.cli import graph_path
+
+    monkeypatch.chdir(tmp_path)
+    assert Path(graph_path("graphs/ppo.toml")).read_text() == (ROOT / "graphs/ppo.toml").read_text()
+    assert Path(graph_path("grpo")).name == "grpo.toml"
+    assert graph_path("nothing.toml") == "nothing.toml"  # left for the loader to report
