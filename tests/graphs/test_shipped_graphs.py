@@ -205,3 +205,10 @@ def test_shipped_graph_found_by_name_from_anywhere(tmp_path, monkeypatch):
     assert Path(graph_path("graphs/ppo.toml")).read_text() == (ROOT / "graphs/ppo.toml").read_text()
     assert Path(graph_path("grpo")).name == "grpo.toml"
     assert graph_path("nothing.toml") == "nothing.toml"  # left for the loader to report
+
+
+def test_graph_file_reference_is_current():
+    from flowrl import reference
+
+    text = reference.DOC.read_text()
+    assert reference.refreshed(text) == text, "run: python -m flowrl.reference --write"
