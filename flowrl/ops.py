@@ -85,6 +85,15 @@ def group_ids(uid):
     return index, int(index.max()) + 1 if len(index) else 0
 
 
+def group_sum_count(values, uid):
+    """values (b,), uid (b,) -> each row's group sum (b,) and group size (b,)."""
+    index, groups = group_ids(uid)
+    values = values.float()
+    total = torch.zeros(groups).index_add_(0, index, values)
+    count = torch.zeros(groups).index_add_(0, index, torch.ones_like(values))
+    return total[index], count[index]
+
+
 def mean_metrics(results: list[dict]) -> dict:
     """The mean of each metric over a list of metric dicts (e.g. one per optimizer step)."""
     keys = {k for r in results for k in r}

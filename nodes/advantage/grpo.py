@@ -23,16 +23,13 @@ def group_advantages(scores, uid, scale_by_std: bool = True, eps: float = 1e-6):
 
     Groups of one sample get 0 (no baseline to compare with).
     """
-    index, groups = ops.group_ids(uid)
     scores = scores.float()
-    count = torch.zeros(groups).index_add_(0, index, torch.ones_like(scores))
-    mean = torch.zeros(groups).index_add_(0, index, scores) / count
-    centered = scores - mean[index]
-    if not scale_by_std:
-        return torch.where(count[index] > 1, centered, torch.zeros_like(centered))
-    var = torch.zeros(groups).index_add_(0, index, centered**2) / (count - 1).clamp(min=1)
-    adv = centered / (var.sqrt()[index] + eps)
-    return torch.where(count[index] > 1, adv, torch.zeros_like(adv))
+    total, count = ops.group_sum_count(scores, uid)
+    centered = scores - total / count
+    if scale_by_std:
+        squares, _ = ops.group_sum_count(centered**2, uid)
+        centered = centered / ((squares / (count - 1).clamp(min=1)).sqrt() + eps)
+    return torch.where(count > 1, centered, torch.zeros_like(centered))
 
 
 def run(batch, params):

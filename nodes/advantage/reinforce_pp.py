@@ -32,10 +32,9 @@ def discounted_returns(token_rewards, response_mask, gamma: float):
 
 def group_baseline(token_rewards, response_mask, uid):
     """(b,): the mean total reward of each row's group."""
-    index, groups = ops.group_ids(uid)
     totals = (token_rewards * response_mask.to(token_rewards.dtype)).sum(-1)
-    count = torch.zeros(groups).index_add_(0, index, torch.ones_like(totals))
-    return (torch.zeros(groups).index_add_(0, index, totals) / count)[index]
+    total, count = ops.group_sum_count(totals, uid)
+    return total / count
 
 
 def run(batch, params):

@@ -22,10 +22,8 @@ def leave_one_out_advantages(scores, uid):
 
     With k samples: A_i = s_i - (sum_j s_j - s_i) / (k - 1); groups of one get 0.
     """
-    index, groups = ops.group_ids(uid)
     scores = scores.float()
-    count = torch.zeros(groups).index_add_(0, index, torch.ones_like(scores))[index]
-    total = torch.zeros(groups).index_add_(0, index, scores)[index]
+    total, count = ops.group_sum_count(scores, uid)
     baseline = (total - scores) / (count - 1).clamp(min=1)
     return torch.where(count > 1, scores - baseline, torch.zeros_like(scores))
 
