@@ -23,8 +23,8 @@ test-fast:
 	$(PYTHON) -m pytest -q tests/unit tests/graphs
 
 lint:
-	ruff check flowrl nodes tests bench
-	ruff format --check flowrl nodes tests bench
+	ruff check flowrl nodes tests
+	ruff format --check flowrl nodes tests
 
 format:
-	ruff format flowrl nodes tests bench
+	ruff format flowrl nodes tests
