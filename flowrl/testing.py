@@ -27,7 +27,8 @@ def _tokenizer_json() -> str:
 
 
 def tiny_tokenizer():
-    """A character-level tokenizer with a ChatML template; eos is <|im_end|>."""
+    """A character-level tokenizer (printable ASCII, one token per character, plus <pad>,
+    <|im_start|> and <|im_end|> = eos) with a ChatML template like SmolLM2's."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -40,15 +41,17 @@ def tiny_tokenizer():
     return tokenizer
 
 
-def tiny_model(seed: int | None = None, layers: int = 2, hidden: int = 32):
-    """A random LlamaForCausalLM over tiny_tokenizer's vocabulary."""
+def tiny_model(
+    head: str = "lm", seed: int = 0, vocab: int | None = None, layers: int = 2, hidden: int = 32
+):
+    """A random Llama (2 layers, hidden 32, 2 heads sharing 1 KV head, tied embeddings) over
+    `vocab` tokens (default: tiny_tokenizer's); head "value" wraps it in a ValueModel.
+    Seeded without touching the global random state."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if seed is not None:
-        torch.manual_seed(seed)
     tokenizer = tiny_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab or len(tokenizer),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
@@ -60,4 +63,11 @@ def tiny_model(seed: int | None = None, layers: int = 2, hidden: int = 32):
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.eos_token_id,
     )
-    return LlamaForCausalLM(config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        if head == "value":
+            from flowrl.models.value_head import ValueModel
+
+            model = ValueModel(model)
+    return model

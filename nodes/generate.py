@@ -7,6 +7,8 @@ the batch's other columns to match, so `uid` groups the samples of a prompt.
 
 from __future__ import annotations
 
+import time
+
 import attrs
 
 from flowrl.lazy import np, torch
@@ -23,10 +25,20 @@ class Params:
     do_sample: bool = True  # False = greedy (validation uses greedy)
 
 
-def step_generator(meta: dict) -> torch.Generator:
+def step_generator(meta: dict, device="cpu") -> torch.Generator:
     """A generator seeded by (seed, step, rank): a resumed run samples what the first did."""
     seed = int(meta.get("seed", 0)) * 1_000_003 + int(meta.get("step", 0)) * 9_973
-    return torch.Generator().manual_seed(seed + int(meta.get("rank", 0)))
+    return torch.Generator(device=device).manual_seed(seed + int(meta.get("rank", 0)))
+
+
+def generation_metrics(response_mask, seconds: float) -> dict:
+    """response_mask (b, t) -> response_length mean / max and new tokens per second."""
+    lengths = response_mask.sum(-1).float()  # (b,)
+    return {
+        "response_length": float(lengths.mean()) if len(lengths) else 0.0,
+        "response_length_max": float(lengths.max()) if len(lengths) else 0.0,
+        "gen_tokens_per_s": float(lengths.sum()) / max(seconds, 1e-9),
+    }
 
 
 class GenerateWorker:
@@ -34,7 +46,7 @@ class GenerateWorker:
         self.engine, self.params = engine, params
 
     def __call__(self, batch):
-        p = self.params
+        p, start = self.params, time.perf_counter()
         out = self.engine.generate(
             batch["prompts"],
             batch["prompt_mask"],
@@ -44,17 +56,11 @@ class GenerateWorker:
             top_p=p.top_p,
             top_k=p.top_k,
             do_sample=p.do_sample,
-            generator=step_generator(batch.meta),
+            generator=step_generator(batch.meta, self.engine.device),
         )
-        tokens = out["responses"]
-        lengths = out["response_mask"].sum(-1)  # (b,)
-        texts = np.empty(len(tokens), dtype=object)
-        texts[:] = self.engine.tokenizer.batch_decode(tokens, skip_special_tokens=True)
-        seconds = max(self.engine.last_seconds, 1e-9)
-        metrics = {
-            "response_length": float(lengths.float().mean()) if len(tokens) else 0.0,
-            "gen_tokens_per_s": float(lengths.sum()) / seconds,
-        }
+        texts = np.empty(len(out["responses"]), dtype=object)  # (b * n,) strings
+        texts[:] = self.engine.tokenizer.batch_decode(out["responses"], skip_special_tokens=True)
+        metrics = generation_metrics(out["response_mask"], time.perf_counter() - start)
         return {**out, "response_text": texts}, metrics
 
 

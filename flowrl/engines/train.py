@@ -2,14 +2,26 @@
 return per-response-token log-probs (or values), data-parallel gradient sync, offload/reload.
 
 Frozen models (a reference policy) use the same engine with trainable=False: forward only.
+
+The forward pass does only the work the outputs need: padding columns are trimmed, the LM head
+runs only at the positions that predict response tokens (logsumexp minus the gathered logit,
+no log-softmax over the vocabulary kept), and a prompt repeated over its n samples runs once.
+Measured on the 2-core CPU machine, SmolLM2-135M, 4 prompts x 8 samples (prompt width 46, 20
+response tokens): inference forward 4.59 s -> 1.96 s and forward + backward 15.4 s -> 6.1 s
+with the shared prompts; log-probs agree to 2e-5.
 """
 
 import math
 
 import torch
 import torch.distributed as dist
+from transformers import DynamicCache
 
 HOST = "cpu"
+PARTS = ("weights", "grads", "optimizer")
+# repeated prompts run once when that saves this many prompt tokens: below it, the extra
+# backbone call (one more read of the weights) costs about as much as it saves
+MIN_SAVED_PROMPT_TOKENS = 64
 
 
 class TrainEngine:
@@ -28,7 +40,7 @@ class TrainEngine:
         total_steps: int = 1,
         grad_clip: float = 1.0,
         micro_tokens: int = 4096,
-        device: str = "cpu",
+        device="cpu",
         rank: int = 0,
         world_size: int = 1,
         group=None,
@@ -37,26 +49,40 @@ class TrainEngine:
         self.device, self.rank, self.world_size, self.group = device, rank, world_size, group
         self.grad_clip, self.micro_tokens = grad_clip, micro_tokens
         self.is_value = hasattr(module, "value_head")
+        # the transformer without a head, and the head applied only where it is needed
+        self.backbone = module.base_model
+        self.head = module.value_head if self.is_value else module.get_output_embeddings()
         self.optimizer = self.scheduler = None
-        self.resident = {"weights"}
+        self.resident = {"weights"}  # the parts now on `device` (see offload / reload)
         if trainable:
             self.optimizer = torch.optim.AdamW(
                 module.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay
             )
-            factor = _schedule(schedule, warmup_steps, total_steps, min_lr_ratio)
+            factor = lr_factor(schedule, warmup_steps, total_steps, min_lr_ratio)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
             self.resident |= {"grads", "optimizer"}
         else:
             module.requires_grad_(False)
         module.eval()  # no dropout in RL updates: the sampled policy is the one we score
 
-    # -- forward -------------------------------------------------------------------------------
-    def micro_batches(self, rows):
-        """Row chunks whose padded tokens (after trimming padding columns) fit micro_tokens."""
+    # -- batching ------------------------------------------------------------------------------
+    def micro_batches(self, rows) -> list:
+        """Contiguous row chunks whose padded size, rows x (prompt + response) columns after
+        trimming the columns that are padding in every row of the chunk, fits micro_tokens
+        (at least one row per chunk). A bound on activations: shared prompts cost less."""
         if len(rows) == 0:
             return [rows]
-        width = int(rows["prompt_mask"].sum(-1).max()) + int(rows["response_mask"].sum(-1).max())
-        return rows.split(max(1, self.micro_tokens // max(width, 1)))
+        prompt = rows["prompt_mask"].sum(-1).tolist()  # left-padded: trimmed width = longest
+        response = rows["response_mask"].sum(-1).tolist()
+        bounds, start, wide = [], 0, (0, 0)
+        for i in range(len(rows)):
+            grown = (max(wide[0], prompt[i]), max(wide[1], response[i]))
+            if i > start and (i - start + 1) * sum(grown) > self.micro_tokens:
+                bounds.append((start, i))
+                start, grown = i, (prompt[i], response[i])
+            wide = grown
+        bounds.append((start, len(rows)))
+        return [rows.index(slice(a, b)) for a, b in bounds]
 
     def mini_batches(self, rows, size: int) -> list:
         """This rank's part of each mini-batch of `size` rows over all ranks (0 = one); every
@@ -65,38 +91,76 @@ class TrainEngine:
         return rows.chunk(math.ceil(total / size) if size else 1)
 
     def infer(self, rows, **kwargs) -> dict:
-        """`forward` without gradients over token-bounded micro-batches, outputs concatenated."""
+        """`forward` without gradients over micro-batches, outputs concatenated (b, t)."""
         parts = [self.forward(m, grad=False, **kwargs) for m in self.micro_batches(rows)]
         return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
 
+    # -- forward -------------------------------------------------------------------------------
     def forward(self, rows, *, grad: bool, entropy: bool = False, temperature: float = 1.0) -> dict:
-        """Per response token: {"logprobs" (b, t)[, "entropy" (b, t)]} or {"values" (b, t)}."""
-        responses, response_mask = rows["responses"], rows["response_mask"]
-        b, t = responses.shape
+        """Per response token, for rows with prompts, prompt_mask (b, p) left-padded and
+        responses, response_mask (b, t) right-padded:
+        {"logprobs" (b, t)[, "entropy" (b, t)]} for an LM, {"values" (b, t)} for a value
+        model; zero where response_mask is 0. Logits are divided by `temperature`."""
+        b, t = rows["responses"].shape
         if b == 0:
             empty = torch.zeros(0, t)
             return {"values": empty} if self.is_value else {"logprobs": empty, "entropy": empty}
-        prompts, prompt_mask = rows["prompts"], rows["prompt_mask"]
-        start = int((prompt_mask.sum(0) > 0).nonzero()[0])  # drop all-padding left columns
-        length = max(int(response_mask.sum(-1).max()), 1)  # and all-padding right columns
-        prompts, prompt_mask = prompts[:, start:], prompt_mask[:, start:]
-        tokens = responses[:, :length]
-        ids = torch.cat([prompts, tokens], dim=1).to(self.device)
-        mask = torch.cat([prompt_mask, response_mask[:, :length]], dim=1).to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        p = prompts.shape[1]
-        with torch.set_grad_enabled(grad):
-            hidden = self.module.model(
-                input_ids=ids, attention_mask=mask, position_ids=positions
-            ).last_hidden_state
-            hidden = hidden[:, p - 1 : p - 1 + length]  # (b, t, h): the states predicting responses
-            if self.is_value:
-                out = {"values": self.module.value_head(hidden).squeeze(-1).float()}
-            else:
-                logits = self.module.lm_head(hidden).float() / temperature  # (b, t, v)
-                out = _token_logprobs(logits, tokens.to(self.device), entropy)
-        keep = response_mask[:, :length].to(self.device)
+        with torch.enable_grad() if grad else torch.inference_mode():
+            out, keep = self._forward(rows, entropy, temperature)
+        # outside inference mode, so callers may use the results in a graph
         return {k: _pad_right(v * keep, t) for k, v in out.items()}
+
+    def _forward(self, rows, entropy: bool, temperature: float):
+        prompts, prompt_mask = _trim(rows["prompts"], rows["prompt_mask"], left=True)
+        responses, response_mask = _trim(rows["responses"], rows["response_mask"], left=False)
+        prompts, prompt_mask = prompts.to(self.device), prompt_mask.to(self.device)
+        responses, response_mask = responses.to(self.device), response_mask.to(self.device)
+        hidden = self._hidden(prompts, prompt_mask, responses, response_mask)  # (b, t', h)
+        if self.is_value:
+            out = {"values": self.head(hidden).squeeze(-1).float()}
+        else:
+            logits = self.head(hidden).float() / temperature  # (b, t', v)
+            out = token_logprobs(logits, responses, entropy)
+        return out, response_mask
+
+    def _hidden(self, prompts, prompt_mask, responses, response_mask) -> torch.Tensor:
+        """The backbone's last hidden states at the positions predicting each response token:
+        (b, t, h), from prompts (b, p) and responses (b, t).
+
+        Rows that repeat a prompt (the n samples of one prompt) share it: each distinct prompt
+        runs once, its keys and values are repeated for its rows, and only response tokens run
+        per row. Gradients flow back through the shared keys and values, so this is the same
+        function as the whole-sequence pass; for 4 prompts x 8 samples it computes 4 x 46
+        prompt tokens instead of 32 x 46.
+        """
+        p = prompts.shape[1]
+        mask = torch.cat([prompt_mask, response_mask], dim=1)  # (b, p + t)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens
+        distinct, group = torch.unique(
+            torch.cat([prompts, prompt_mask], dim=1), dim=0, return_inverse=True
+        )  # (g, 2p), and each row's prompt (b,)
+        if (len(prompts) - len(distinct)) * p < MIN_SAVED_PROMPT_TOKENS:
+            ids = torch.cat([prompts, responses], dim=1)
+            hidden = self.backbone(input_ids=ids, attention_mask=mask, position_ids=positions)
+            return hidden.last_hidden_state[:, p - 1 : -1]
+        cache = DynamicCache(config=self.backbone.config)
+        prompt_hidden = self.backbone(
+            input_ids=distinct[:, :p],
+            attention_mask=distinct[:, p:],
+            position_ids=(distinct[:, p:].cumsum(-1) - 1).clamp(min=0),
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state  # (g, p, h)
+        cache.batch_select_indices(group)  # (g, ...) -> (b, ...), differentiable
+        response_hidden = self.backbone(
+            input_ids=responses,
+            attention_mask=mask,
+            position_ids=positions[:, p:],
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state  # (b, t, h)
+        # the last prompt state predicts the first response token, response state k the k+1st
+        return torch.cat([prompt_hidden[group, -1:], response_hidden[:, :-1]], dim=1)
 
     # -- update --------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -105,17 +169,16 @@ class TrainEngine:
     def step(self) -> dict:
         """Sum grads over ranks, clip, AdamW step, schedule step: {"grad_norm", "lr"}."""
         params = [p for p in self.module.parameters() if p.requires_grad]
-        for p in params:  # a skipped (all-zero) contribution is a zero gradient, not "no step"
+        for p in params:  # a rank with no rows still joins the sum, with zeros
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.world_size > 1:
-            grads = [p.grad for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.world_size > 1:  # one collective over a flat buffer, not one per tensor
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
             offset = 0
-            for p, g in zip(params, grads, strict=True):
-                p.grad = flat[offset : offset + g.numel()].view_as(p)
-                offset += g.numel()
+            for p in params:
+                p.grad = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -133,26 +196,34 @@ class TrainEngine:
 
     # -- residency -----------------------------------------------------------------------------
     def offload(self, parts) -> None:
+        """Move parts ("weights", "grads", "optimizer") to host memory."""
         self._move(parts, HOST)
         self.resident -= set(parts)
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.empty_cache()  # give the freed blocks back, e.g. to a colocated engine
 
     def reload(self, parts) -> None:
+        """Move parts back to `device`; a frozen model has only weights."""
         self._move(parts, self.device)
-        self.resident |= set(parts) & (
-            {"weights", "grads", "optimizer"} if self.trainable else {"weights"}
-        )
+        self.resident |= set(parts) & set(PARTS if self.trainable else ("weights",))
 
     def _move(self, parts, device) -> None:
+        unknown = set(parts) - set(PARTS)
+        if unknown:
+            raise ValueError(f"unknown model parts {sorted(unknown)}; parts are {PARTS}")
+        # through `.data`, tensor by tensor: `module.to` would move the grads along with the
+        # weights, and the `.grad` setter refuses a grad on another device than its weight
         if "weights" in parts:
-            self.module.to(device)
+            for tensor in [*self.module.parameters(), *self.module.buffers()]:
+                tensor.data = tensor.data.to(device)
         if "grads" in parts:
             for p in self.module.parameters():
                 if p.grad is not None:
-                    p.grad = p.grad.to(device)
+                    p.grad.data = p.grad.data.to(device)
         if "optimizer" in parts and self.optimizer is not None:
             for state in self.optimizer.state.values():
                 for key, value in state.items():
-                    if torch.is_tensor(value) and key != "step":
+                    if torch.is_tensor(value) and key != "step":  # AdamW keeps step on host
                         state[key] = value.to(device)
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -172,23 +243,24 @@ class TrainEngine:
             self.scheduler.load_state_dict(state["scheduler"])
 
 
-def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, entropy: bool) -> dict:
-    """logits (b, t, v), tokens (b, t) -> log p(token) without a full log-softmax tensor."""
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, entropy: bool = False) -> dict:
+    """logits (b, t, v), tokens (b, t) -> {"logprobs" (b, t)[, "entropy" (b, t)]}.
+
+    log p(x) = z_x - logsumexp(z): one gather, no (b, t, v) log-softmax kept.
+    Entropy H = logsumexp(z) - sum_x softmax(z)_x z_x.
+    """
     normaliser = logits.logsumexp(-1)  # (b, t)
     out = {"logprobs": logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - normaliser}
-    if entropy:  # H = logsumexp(z) - sum softmax(z) z
-        probs = torch.softmax(logits, dim=-1)
-        out["entropy"] = normaliser - (probs * logits).sum(-1)
+    if entropy:
+        out["entropy"] = normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return out
 
 
-def _pad_right(x: torch.Tensor, t: int) -> torch.Tensor:
-    x = x.cpu()
-    return torch.nn.functional.pad(x, (0, t - x.shape[1])) if x.shape[1] < t else x
-
-
-def _schedule(kind: str, warmup: int, total: int, floor: float):
-    """Multiplier of the peak lr at optimizer step k: linear warmup, then constant or cosine."""
+def lr_factor(kind: str, warmup: int, total: int, floor: float):
+    """Multiplier of the peak lr at optimizer step k: linear warmup over `warmup` steps, then
+    constant, or a cosine from 1 down to `floor` at step `total`."""
+    if kind not in ("constant", "cosine"):
+        raise ValueError(f'schedule must be "constant" or "cosine", got {kind!r}')
 
     def factor(k: int) -> float:
         if k < warmup:
@@ -199,3 +271,19 @@ def _schedule(kind: str, warmup: int, total: int, floor: float):
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+def _trim(tokens: torch.Tensor, mask: torch.Tensor, left: bool):
+    """Drop the columns that are padding in every row: on the left of left-padded prompts,
+    on the right of right-padded responses (at least one column stays)."""
+    used = mask.bool().any(0).nonzero()
+    if left:
+        first = int(used[0]) if len(used) else mask.shape[1] - 1
+        return tokens[:, first:], mask[:, first:]
+    end = int(used[-1]) + 1 if len(used) else 1
+    return tokens[:, :end], mask[:, :end]
+
+
+def _pad_right(x: torch.Tensor, t: int) -> torch.Tensor:
+    x = x.cpu()
+    return torch.nn.functional.pad(x, (0, t - x.shape[1])) if x.shape[1] < t else x

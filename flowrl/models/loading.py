@@ -1,15 +1,17 @@
 """Load a model and tokenizer by path: an alias, a local HF directory, a cached hub id, or
 "tiny" (a small random model built in-process, for tests). Nothing is downloaded."""
 
+import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from flowrl.models import embedded
 from flowrl.models.value_head import ValueModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HEADS = ("lm", "value")
 
 
 def resolve_path(path: str) -> str:
@@ -20,6 +22,7 @@ def resolve_path(path: str) -> str:
 
 
 def load_tokenizer(path: str):
+    """The tokenizer of a model path; pad falls back to eos."""
     if path == "tiny":
         from flowrl.testing import tiny_tokenizer
 
@@ -30,16 +33,53 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def load_model(path: str, *, head: str = "lm", dtype: str = "float32"):
-    """(module, tokenizer); head "value" wraps the LM's backbone in a ValueModel."""
-    if path == "tiny":
-        from flowrl.testing import tiny_model
+def load_model(path: str, *, head: str = "lm", dtype: str = "float32", seed: int = 0):
+    """(module, tokenizer) for a model path.
 
-        module = tiny_model()
-    else:
-        module = _pretrained(AutoModelForCausalLM, resolve_path(path), dtype=DTYPES[dtype])
-    module = ValueModel(module) if head == "value" else module
-    return module.to(DTYPES[dtype]), load_tokenizer(path)
+    Args:
+        path: "smollm2-135m-instruct" (embedded), a local HF directory, a hub id already in
+            the local HF cache, or "tiny".
+        head: "lm" gives the causal LM; "value" a ValueModel: the backbone with a scalar head,
+            new and zero-initialised, or the `score` layer of a sequence classifier (a reward
+            model saved with transformers' *ForSequenceClassification, num_labels = 1).
+        dtype: "float32", "bfloat16" or "float16".
+        seed: seeds whatever is initialised at random (the tiny model), without touching the
+            global random state.
+    """
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {HEADS}, got {head!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if path == "tiny":
+            from flowrl.testing import tiny_model
+
+            module = tiny_model(head=head, seed=seed)
+        else:
+            module = _load_module(resolve_path(path), head, DTYPES[dtype])
+    tokenizer = load_tokenizer(path)
+    if path == embedded.ALIAS:
+        embedded.check(module, tokenizer)
+    return module.to(DTYPES[dtype]), tokenizer
+
+
+def _load_module(path: str, head: str, dtype: torch.dtype):
+    if head == "value" and _is_classifier(path):
+        classifier = _pretrained(AutoModelForSequenceClassification, path, dtype=dtype)
+        if classifier.config.num_labels != 1:
+            raise ValueError(f"{path}: a reward model needs num_labels = 1")
+        return ValueModel(classifier, head=classifier.score)
+    module = _pretrained(AutoModelForCausalLM, path, dtype=dtype)
+    return ValueModel(module) if head == "value" else module
+
+
+def _is_classifier(path: str) -> bool:
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    architectures = json.loads(config.read_text()).get("architectures") or []
+    return any(a.endswith("ForSequenceClassification") for a in architectures)
 
 
 def _pretrained(cls, path: str, **kwargs):
@@ -49,5 +89,6 @@ def _pretrained(cls, path: str, **kwargs):
         where = "directory" if Path(path).exists() else "hub id (not in the local cache)"
         raise embedded.ModelNotFound(
             f'cannot load model "{path}" as a {where}: {e}. Use a local HF directory, '
-            f'"{embedded.ALIAS}" (the embedded default), or "tiny" for tests'
+            f'"{embedded.ALIAS}" (the embedded default), or "tiny" for tests; nothing is '
+            "downloaded at run time"
         ) from e

@@ -68,7 +68,9 @@ class PoolWorker:
         self.train, self.rollout, self.tokenizers = {}, {}, {}
         for name, config in setup.models.items():
             torch.manual_seed(setup.seed)  # the same initial value head on every rank
-            module, tokenizer = load_model(config.path, head=config.head, dtype=config.dtype)
+            module, tokenizer = load_model(
+                config.path, head=config.head, dtype=config.dtype, seed=setup.seed
+            )
             module.to(device)
             self.tokenizers[name] = tokenizer
             self.train[name] = TrainEngine(

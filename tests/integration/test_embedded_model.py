@@ -1,13 +1,20 @@
-"""The embedded default model: the alias loads from the cached conversion and answers."""
+"""The embedded default model: the alias loads from the cached conversion, answers, and the
+decode loop reproduces `generate` token for token on the real model."""
 
+import os
 import time
 
 import pytest
+import torch
 
 from flowrl.engines import RolloutEngine
 from flowrl.models import embedded, load_model
 
-pytestmark = pytest.mark.slow
+QUESTIONS = [
+    "What is 2 + 3? Answer with just the number.",
+    "Name a colour.",
+    "Write one short sentence about the sea.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -16,35 +23,64 @@ def smol():
         embedded.gguf_file()
     except embedded.ModelNotFound as e:
         pytest.skip(str(e))
-    embedded.ensure_cached()  # the one-off conversion, if this machine has not done it yet
+    torch.set_num_threads(2)
+    directory = embedded.ensure_cached()  # the one-off conversion (~30 s) if not done yet
+    written = os.path.getmtime(directory / "model.safetensors")
     start = time.time()
     model, tokenizer = load_model(embedded.ALIAS)
-    return model, tokenizer, time.time() - start
+    seconds = time.time() - start
+    assert os.path.getmtime(directory / "model.safetensors") == written  # reused, not rebuilt
+    return model, tokenizer, seconds
 
 
+def chat_batch(tokenizer, questions):
+    """Chat-templated prompts, left-padded to one width: (ids, mask) (b, p)."""
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in questions
+    ]
+    tokenizer.padding_side = "left"
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return batch["input_ids"], batch["attention_mask"]
+
+
+@pytest.mark.slow
 def test_cached_load_is_fast_and_complete(smol):
     model, tokenizer, seconds = smol
     assert seconds < 10  # from safetensors, not the GGUF (about 30 s)
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
-    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token_id is not None
+    assert "<|im_start|>" in tokenizer.chat_template
 
 
-def test_greedy_answer_and_decode_loop_match_generate(smol):
+@pytest.mark.slow
+def test_greedy_answer_contains_five(smol):
     model, tokenizer, _ = smol
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is 2 + 3? Answer with just the number."}],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
-    out = RolloutEngine(model, tokenizer).generate(
-        ids["input_ids"], ids["attention_mask"], max_new_tokens=12, do_sample=False
-    )
-    answer = tokenizer.decode(out["responses"][0], skip_special_tokens=True)
-    assert "5" in answer
-    ref = model.generate(**ids, max_new_tokens=12, do_sample=False)[0, ids["input_ids"].shape[1] :]
-    n = int(out["response_mask"][0].sum())
-    assert out["responses"][0, :n].tolist() == ref[:n].tolist()
+    ids, mask = chat_batch(tokenizer, QUESTIONS[:1])
+    out = RolloutEngine(model, tokenizer).generate(ids, mask, max_new_tokens=12, do_sample=False)
+    assert "5" in tokenizer.decode(out["responses"][0], skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_decode_loop_matches_generate_on_left_padded_prompts(smol):
+    model, tokenizer, _ = smol
+    ids, mask = chat_batch(tokenizer, QUESTIONS)
+    assert len(set(mask.sum(-1).tolist())) > 1  # ragged prompts: real left padding
+    out = RolloutEngine(model, tokenizer).generate(ids, mask, max_new_tokens=16, do_sample=False)
+    with torch.inference_mode():
+        ref = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False
+        )[:, ids.shape[1] :]
+    lengths = out["response_mask"].sum(-1)
+    assert (lengths < 16).any()  # at least one row stopped at EOS, and ...
+    for i in range(len(ids)):
+        n = int(lengths[i])
+        assert out["responses"][i, :n].tolist() == ref[i, :n].tolist()
+        if n < 16:  # ... its mask ends with that EOS
+            assert out["responses"][i, n - 1] == tokenizer.eos_token_id
 
 
 def test_missing_package_error_names_install_command(monkeypatch):
