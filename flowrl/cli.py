@@ -26,30 +26,39 @@ def graph_path(file: str) -> str:
 
 
 def load_plan(file: str, overrides=()):
-    """(GraphSpec, Graph, ExecutionPlan) of a graph file; raises GraphErrors."""
-    spec = dsl.load(graph_path(file), list(overrides))
-    built = graph.build(spec)
-    return spec, built, compiler.compile_graph(built)
+    """(GraphSpec, Graph, ExecutionPlan) of a graph file; raises GraphErrors. The spec is the
+    one that runs: without the nodes the graph skips (see flowrl/graph.py)."""
+    built = graph.build(dsl.load(graph_path(file), list(overrides)))
+    return built.spec, built, compiler.compile_graph(built)
 
 
 def cmd_check(args) -> int:
     status = 0
-    for file in args.files:
+    files = [f for f in args.files if "=" not in f or Path(f).exists()]
+    args.overrides = [*args.overrides, *(f for f in args.files if f not in files)]
+    for file in files:
         try:
             spec, built, plan = load_plan(file, args.overrides)
         except GraphErrors as e:
             print(e.report(), file=sys.stderr)
             status = 2
             continue
-        pools = f"{len(spec.pools)} pool{'s' * (len(spec.pools) != 1)}"
+        counts = ", ".join(
+            _count(len(things), what)
+            for things, what in ((spec.nodes, "node"), (spec.models, "model"), (spec.pools, "pool"))
+        )
         print(
-            f"{file}: ok ({len(spec.nodes)} nodes, {len(spec.models)} models, {pools}, "
+            f"{file}: ok ({counts}, "
             f"{plan.batch['rows']} rows per step)"
         )
         print(node_table(spec, built))
         for warning in plan.warnings:
             print(f"  warning: {warning}")
     return status
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'s' * (n != 1)}"
 
 
 def node_table(spec, built) -> str:
@@ -132,7 +141,7 @@ def parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("check", help="validate graph files without loading any model")
-    c.add_argument("files", nargs="+")
+    c.add_argument("files", nargs="+", help="graph files, then any KEY=VALUE overrides")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     c.set_defaults(func=cmd_check)
 

@@ -5,6 +5,9 @@ Edges come from names, never from lists of wires:
   the dataset);
 - state edges: a node that trains model M runs after every other node of the step that uses M,
   so the whole step sees one version of M's weights; the next step sees the update.
+A node none of whose outputs is read (under the params as set, e.g. ref_logprob when the
+update's kl_loss_coef is 0) is dropped, and so is a model only such nodes used: it is never
+loaded. The controller counts as a reader of "scores" (validation and metrics).
 No torch or ray here.
 """
 
@@ -26,6 +29,7 @@ DATASET_KEYS = (
     "extra_info",
 )
 DATASET = "dataset"
+CONTROLLER_READS = ("scores",)  # what the controller itself reads: validation, metrics
 
 
 @attrs.frozen
@@ -35,6 +39,7 @@ class Graph:
     writers: dict[str, str]  # key -> node id, or "dataset"
     order: tuple[str, ...]  # a topological order, file order among equals
     warnings: tuple[str, ...]
+    pruned: tuple[str, ...] = ()  # nodes dropped because nothing reads their outputs
 
     def readers(self, key: str) -> list[str]:
         return [n for n, d in self.spec.nodes.items() if key in d.reads]
@@ -67,9 +72,50 @@ def build(spec: GraphSpec) -> Graph:
     _add_state_edges(spec, dag)
     _check_cycles(dag, errors)
     errors.raise_if_any()
+    dead = _dead_nodes(spec)
+    if dead:  # checked as written; runs without them
+        return _without(spec, dead)
     index = {n: i for i, n in enumerate(spec.nodes)}
     order = tuple(nx.lexicographical_topological_sort(dag, key=index.__getitem__))
     return Graph(spec, dag, writers, order, tuple(_warnings(spec, writers)))
+
+
+def _dead_nodes(spec: GraphSpec) -> list[str]:
+    """Nodes whose every output is read by no live node (to a fixed point). Only plain
+    producers go: a node that trains, keeps state or changes the rows always runs."""
+    live = set(spec.nodes)
+    while True:
+        read = {k for n in live for k in spec.nodes[n].reads} | set(CONTROLLER_READS)
+        dead = [
+            n
+            for n in live
+            if spec.nodes[n].writes
+            and spec.nodes[n].mode != "train"
+            and spec.nodes[n].spec.rows == "same"
+            and not spec.nodes[n].spec.stateful
+            and not read & set(spec.nodes[n].writes)
+        ]
+        if not dead:
+            return [n for n in spec.nodes if n not in live]
+        live -= set(dead)
+
+
+def _without(spec: GraphSpec, dead: list[str]) -> Graph:
+    """The graph of `spec` minus the dead nodes and the models only they used."""
+    nodes = {n: d for n, d in spec.nodes.items() if n not in dead}
+    used = {d.model for d in spec.nodes.values()}
+    still = {d.model for d in nodes.values()}
+    models = {m: c for m, c in spec.models.items() if m in still or m not in used}
+    built = build(attrs.evolve(spec, nodes=nodes, models=models))
+    notes = []
+    for node in dead:
+        decl = spec.nodes[node]
+        keys = ", ".join(f'"{k}"' for k in decl.writes)
+        note = f"[nodes.{node}] is skipped: no node reads {keys} under these params"
+        if decl.model and decl.model not in models:
+            note += f"; model {decl.model} is not loaded"
+        notes.append(note)
+    return attrs.evolve(built, warnings=(*notes, *built.warnings), pruned=tuple(dead))
 
 
 def _writers(spec: GraphSpec, errors: Collector) -> dict[str, str]:
@@ -142,7 +188,7 @@ def _check_cycles(dag: nx.DiGraph, errors: Collector) -> None:
 
 
 def _warnings(spec: GraphSpec, writers: dict[str, str]) -> list[str]:
-    read = {k for d in spec.nodes.values() for k in d.reads}
+    read = {k for d in spec.nodes.values() for k in d.reads} | set(CONTROLLER_READS)
     out = [
         f'[nodes.{node}] writes "{key}", which no node reads'
         for key, node in sorted(writers.items())

@@ -85,8 +85,8 @@ def test_state_edge_puts_update_after_every_reader_of_its_model(tmp_path):
     built = graph.build(spec)
     assert built.dag.edges["old_logprob", "update"]["kind"] == "data"
     assert built.dag.edges["generate", "update"]["kind"] == "data"
-    # ref_logprob writes nothing the update reads; it uses another model, so no edge either
-    assert not built.dag.has_edge("ref_logprob", "update")
+    assert built.dag.edges["ref_logprob", "update"]["keys"] == ("ref_logprobs",)
+    assert not built.pruned
 
 
 def test_offload_always_moves_parts_around_calls(tmp_path):
@@ -232,9 +232,29 @@ def test_toml_syntax_error_names_line(tmp_path):
     assert p.where.startswith("line ") and "not valid TOML" in p.message
 
 
-def test_unread_output_is_a_warning(tmp_path):
-    plan = compile_text(tmp_path, GOOD)
-    assert any('"ref_logprobs", which no node reads' in w for w in plan.warnings)
+def test_node_whose_outputs_nobody_reads_is_skipped_with_its_model(tmp_path):
+    spec = dsl.load(write(tmp_path, GOOD), ["nodes.update.kl_coef=0"])
+    built = graph.build(spec)
+    assert built.pruned == ("ref_logprob",)
+    assert "ref_logprob" not in built.order and "ref" not in built.spec.models
+    plan = compiler.compile_graph(built)
+    assert not [i for i in plan.items if i.node == "ref_logprob" or i.model == "ref"]
+    assert any(
+        '[nodes.ref_logprob] is skipped: no node reads "ref_logprobs"' in w
+        and "model ref is not loaded" in w
+        for w in plan.warnings
+    )
+
+
+def test_skipping_reaches_a_fixed_point_but_keeps_updates(tmp_path):
+    # ref_adv reads ref_logprobs and writes kl_adv, which nothing reads: both go
+    extra = (
+        '[nodes.ref_adv]\nuses = "{toy}/adv.py"\n'
+        'rename = {{ scores = "ref_logprobs", advantages = "kl_adv" }}\n'
+    )
+    built = graph.build(dsl.load(write(tmp_path, GOOD + extra), ["nodes.update.kl_coef=0"]))
+    assert built.pruned == ("ref_logprob", "ref_adv")
+    assert "update" in built.order and "old_logprob" in built.order
 
 
 def test_auto_offload_decides_from_memory(tmp_path):

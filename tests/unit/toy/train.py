@@ -1,4 +1,5 @@
-"""Toy policy update: responses, advantages, old_logprobs -> (update)."""
+"""Toy policy update: responses, advantages, old_logprobs (+ ref_logprobs when kl_coef > 0)
+-> (update)."""
 
 import attrs
 
@@ -9,6 +10,7 @@ from flowrl.nodespec import NodeSpec
 class Params:
     mini_batch_size: int = 0
     epochs: int = 1
+    kl_coef: float = 0.1
 
 
 class TrainWorker:
@@ -23,4 +25,5 @@ SPEC = NodeSpec(
     worker=TrainWorker,
     mode="train",
     head="lm",
+    extra_reads=lambda p: ("ref_logprobs",) if p.kl_coef > 0 else (),
 )
