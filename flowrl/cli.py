@@ -47,10 +47,7 @@ def cmd_check(args) -> int:
             _count(len(things), what)
             for things, what in ((spec.nodes, "node"), (spec.models, "model"), (spec.pools, "pool"))
         )
-        print(
-            f"{file}: ok ({counts}, "
-            f"{plan.batch['rows']} rows per step)"
-        )
+        print(f"{file}: ok ({counts}, {plan.batch['rows']} rows per step)")
         print(node_table(spec, built))
         for warning in plan.warnings:
             print(f"  warning: {warning}")
