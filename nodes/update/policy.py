@@ -30,6 +30,7 @@ class Params:
     kl_loss_kind: str = "k3"  # k1, k2, k3 or abs
     temperature: float = 1.0  # divide logits as the sampler did
     on_policy: bool = False  # old log-probs = this forward's, detached (epochs = 1, 1 mini-batch)
+    skip_zero_rows: bool = True  # skip rows with no gradient (zero advantage, no KL/entropy)
 
 
 def ppo_policy_loss(
@@ -67,7 +68,7 @@ def contributing_rows(advantages, params: Params):
     """(b,) bool: rows whose loss terms have a gradient. With no KL or entropy term, a row
     whose advantage is zero everywhere adds exactly zero to the loss and its gradient, so its
     forward and backward are skipped (the loss normaliser still counts it)."""
-    if params.kl_loss_coef > 0 or params.entropy_coef > 0:
+    if params.kl_loss_coef > 0 or params.entropy_coef > 0 or not params.skip_zero_rows:
         return torch.ones(advantages.shape[0], dtype=torch.bool)
     return (advantages != 0).any(-1)
 

@@ -212,6 +212,20 @@ def test_step_changes_params_and_lr_follows_warmup_then_constant():
     assert all(p.grad is None for p in model.parameters())  # zero_grad(set_to_none=True)
 
 
+def test_fused_adamw_gives_the_default_optimizers_update():
+    models = [tiny_model(seed=0), tiny_model(seed=0)]
+    engines = [TrainEngine(m, tiny_tokenizer(), lr=1e-2) for m in models]
+    assert engines[0].optimizer.defaults["fused"]
+    same = {k: engines[0].optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    engines[1].optimizer = torch.optim.AdamW(models[1].parameters(), foreach=True, **same)
+    engines[1].scheduler = torch.optim.lr_scheduler.LambdaLR(engines[1].optimizer, lambda k: 1)
+    for _ in range(3):
+        for engine in engines:
+            loss_step(engine)
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_cosine_schedule_decays_to_the_floor():
     engine = TrainEngine(
         tiny_model(), tiny_tokenizer(), lr=1.0, warmup_steps=1, schedule="cosine",

@@ -56,15 +56,12 @@ def assert_same(a, b):
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-7)
 
 
-def test_skipping_zero_advantage_rows_keeps_the_update(monkeypatch):
+def test_skipping_zero_advantage_rows_keeps_the_update():
     model = tiny_model(seed=0)
-    params = policy.Params()
-    skipped, metrics = updated(model, policy.PolicyUpdateWorker, params)
+    skipped, metrics = updated(model, policy.PolicyUpdateWorker, policy.Params())
     assert metrics["computed_rows"] == pytest.approx(0.5)  # 3 of 6 rows skipped
-    monkeypatch.setattr(
-        policy, "contributing_rows", lambda adv, p: torch.ones(adv.shape[0], dtype=torch.bool)
-    )
-    full, full_metrics = updated(model, policy.PolicyUpdateWorker, params)
+    no_skip = policy.Params(skip_zero_rows=False)
+    full, full_metrics = updated(model, policy.PolicyUpdateWorker, no_skip)
     assert full_metrics["computed_rows"] == 1.0
     assert_same(skipped, full)
     assert metrics["pg_loss"] == pytest.approx(full_metrics["pg_loss"], rel=1e-5)
@@ -75,6 +72,7 @@ def test_no_skip_when_kl_or_entropy_terms_need_every_row():
     assert policy.contributing_rows(adv, policy.Params(kl_loss_coef=0.1)).all()
     assert policy.contributing_rows(adv, policy.Params(entropy_coef=0.1)).all()
     assert not policy.contributing_rows(adv, policy.Params()).any()
+    assert policy.contributing_rows(adv, policy.Params(skip_zero_rows=False)).all()
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
