@@ -103,7 +103,7 @@ def _batch(graph: Graph, errors: Collector) -> tuple[dict, list[str]]:
                 "old_logprob node",
             )
         if decl.model:
-            workers = spec.pools[spec.models[decl.model].pool].workers
+            workers = spec.pools[spec.pool_of(node)].workers
             per_update = mini or rows[node]
             if per_update < workers:
                 warnings.append(
@@ -126,22 +126,33 @@ def _pools(graph: Graph, batch: dict) -> dict[str, dict]:
     spec = graph.spec
     out = {}
     for name, pool in spec.pools.items():
-        models = {m: c for m, c in spec.models.items() if c.pool == name}
-        memory = {m: _model_bytes(m, c, graph, batch) for m, c in models.items()}
+        models = spec.models_on(name)
+        memory = {m: _model_bytes(m, c, graph, batch, name) for m, c in models.items()}
         offload, reason = _offload_policy(pool, memory)
+        strategy, ranks_by_node = placement(pool)
         out[name] = {
             "workers": pool.workers,
             "device": pool.device,
             "offload": offload,
             "offload_reason": reason,
             "nodes": pool.nodes,
-            "strategy": pool.strategy,
+            "strategy": strategy,
+            "ranks_by_node": ranks_by_node,
             "cpus_per_worker": pool.cpus_per_worker,
             "devices_per_worker": pool.devices_per_worker,
             "models": {m: _model_line(c, memory[m]) for m, c in models.items()},
             "memory_bytes": memory,
         }
     return out
+
+
+def placement(pool: schema.PoolConfig) -> tuple[str, list[list[int]]]:
+    """(placement-group strategy, the ranks on each of the pool's nodes). One node: a bundle
+    per rank, PACK unless set. Several: a bundle per node holding workers / nodes ranks
+    (consecutive, so a node's ranks could share fast links), STRICT_SPREAD unless set."""
+    per_node = pool.workers // pool.nodes
+    ranks = [list(range(k * per_node, (k + 1) * per_node)) for k in range(pool.nodes)]
+    return pool.strategy or ("PACK" if pool.nodes == 1 else "STRICT_SPREAD"), ranks
 
 
 def _offload_policy(pool: schema.PoolConfig, memory: dict) -> tuple[str, str]:
@@ -167,14 +178,16 @@ def _size(n: float) -> str:
     return f"{n / GB:.2f} GB" if n >= GB / 10 else f"{n / 1024**2:.1f} MB"
 
 
-def _model_bytes(name: str, config: schema.ModelConfig, graph: Graph, batch: dict) -> dict:
-    """Bytes per part: weights; grads and AdamW state if trained; KV cache if it generates."""
+def _model_bytes(name: str, config, graph: Graph, batch: dict, pool: str) -> dict:
+    """Bytes per part on `pool`: weights; grads and AdamW state if trained there; KV cache if
+    it generates there."""
     arch = _architecture(config, graph.spec.base_dir)
     if not arch:
         return {}
     width = BYTES[config.dtype]
     out = {"weights": arch["params"] * width}
-    modes = {d.mode for d in graph.spec.nodes.values() if d.model == name}
+    spec = graph.spec
+    modes = {d.mode for n, d in spec.nodes.items() if d.model == name and spec.pool_of(n) == pool}
     if "train" in modes:
         out["grads"] = arch["params"] * width
         out["optimizer"] = arch["params"] * 8  # AdamW's two fp32 moments
@@ -241,7 +254,7 @@ class _Builder:
                 }
 
     def _pool(self, node: str) -> str:
-        return self.spec.models[self.spec.nodes[node].model].pool
+        return self.spec.pool_of(node)
 
     def add(self, kind: str, name: str, deps=(), **fields) -> int:
         item = Item(
@@ -293,14 +306,19 @@ class _Builder:
             "collect", f"collect:{node}", [call], pool=pool, node=node, keys=decl.writes, how=gather
         )
         if mode == "train" and model in self.synced:
-            self.add(
+            to_pool = self.spec.models[model].rollout_pool
+            to_pool = to_pool if to_pool and to_pool != pool else None
+            sync = self.add(
                 "sync",
                 f"sync:{model}",
-                self.pool_deps(pool),
+                self.pool_deps(pool) + (self.pool_deps(to_pool) if to_pool else []),
                 pool=pool,
                 model=model,
+                to_pool=to_pool,
                 note="for the next step's generate",
             )
+            if to_pool:  # the rollout pool is busy receiving until then
+                self.last_on_pool[to_pool] = sync
         if self.pools[pool]["offload"] == "always":
             later = self.calls_on[pool][self.calls_on[pool].index(node) + 1 :]
             needed = set()

@@ -64,6 +64,26 @@ class GraphSpec:
     def base_dir(self) -> Path:
         return Path(self.file).parent
 
+    def pool_of(self, node_id: str) -> str | None:
+        """The pool that runs a node: its model's pool, or for a rollout node the model's
+        rollout_pool when it has one; None for a controller node."""
+        decl = self.nodes[node_id]
+        if decl.model is None:
+            return None
+        model = self.models[decl.model]
+        if decl.mode == "rollout" and model.rollout_pool:
+            return model.rollout_pool
+        return model.pool
+
+    def models_on(self, pool: str) -> dict[str, schema.ModelConfig]:
+        """The models a pool loads. A model whose rollout runs on another pool is there too,
+        frozen: that pool generates with it and receives its weights after each update."""
+        out = {m: c for m, c in self.models.items() if c.pool == pool}
+        for name, config in self.models.items():
+            if config.rollout_pool == pool and config.pool != pool:
+                out[name] = attrs.evolve(config, pool=pool, trainable=False)
+        return out
+
 
 def load(file: str | Path, overrides: list[str] = ()) -> GraphSpec:
     """Parse and validate a graph file; raises GraphErrors listing every problem."""
@@ -148,6 +168,9 @@ def _build(file, raw, errors: Collector, overridden: set[str]) -> GraphSpec | No
         for name, table in _tables(raw, "models", errors).items()
     }
     models = {name: _place(name, m, pools, errors) for name, m in models.items() if m}
+    for name, pool in pools.items():
+        if pool:
+            _check_pool(name, pool, errors)
     base_dir = Path(file).parent
     nodes = {}
     for node_id, table in _tables(raw, "nodes", errors).items():
@@ -199,7 +222,34 @@ def _place(name, model: schema.ModelConfig, pools, errors) -> schema.ModelConfig
             f'pool "{model.pool}" is not defined{did_you_mean(model.pool, pools)}',
             f"pools: {one_of(pools)}",
         )
+    if model.rollout_pool and model.rollout_pool not in pools:
+        errors.add(
+            f"[models.{name}] rollout_pool",
+            f'pool "{model.rollout_pool}" is not defined{did_you_mean(model.rollout_pool, pools)}',
+            f'pools: {one_of(pools)}; or leave rollout_pool out to generate on "{model.pool}"',
+        )
     return model
+
+
+def _check_pool(name: str, pool: schema.PoolConfig, errors: Collector) -> None:
+    """A pool spanning nodes splits its ranks evenly over them, one placement bundle each."""
+    where = f"[pools.{name}]"
+    if pool.nodes > pool.workers:
+        errors.add(
+            where, f"nodes = {pool.nodes} but only {pool.workers} workers", "set nodes <= workers"
+        )
+    elif pool.workers % pool.nodes:
+        errors.add(
+            where,
+            f"workers = {pool.workers} do not split evenly over nodes = {pool.nodes}",
+            "make workers a multiple of nodes",
+        )
+    if pool.nodes > 1 and pool.strategy in ("PACK", "STRICT_PACK"):
+        errors.add(
+            f"{where} strategy",
+            f"{pool.strategy} puts the pool's bundles on one node, but nodes = {pool.nodes}",
+            'use "STRICT_SPREAD" (one node per bundle) or "SPREAD", or leave strategy out',
+        )
 
 
 def _node(node_id, table, models, base_dir, errors: Collector, overridden) -> NodeDecl | None:

@@ -7,6 +7,8 @@ Item kinds:
 - collect     the controller gathers the ranks' outputs (concat, or rank 0's)
 - reload / offload   model parts (weights, grads, optimizer, kv_cache) move to / off the device
 - sync        the trained weights reach the rollout engine, for the next step's generation
+              (in place when they share the module; sent to the rollout pool's ranks when
+              the model's rollout_pool is another pool)
 
 Items run in list order on each pool; `deps` says what must finish first, so the executor may
 start an item as soon as its deps are done (items with no path between them may overlap).
@@ -36,6 +38,7 @@ class Item:
     how: str = ""  # split / broadcast / rank0 for dispatch; concat / rank0 for collect
     deps: tuple[int, ...] = ()
     note: str = ""
+    to_pool: str | None = None  # for a sync to another pool: the pool that receives
 
     def describe(self) -> str:
         keys = ", ".join(self.keys)
@@ -47,7 +50,8 @@ class Item:
             "collect": f"{self.node}: {self.how} [{keys or 'metrics'}]",
             "reload": f"{self.model}: {parts}",
             "offload": f"{self.model}: {parts}",
-            "sync": f"{self.model}: weights train -> rollout",
+            "sync": f"{self.model}: weights train -> rollout"
+            + (f" on pool {self.to_pool}" if self.to_pool else ""),
         }[self.kind] + (f"  # {self.note}" if self.note else "")
 
 
@@ -70,6 +74,14 @@ class ExecutionPlan:
                 f"  {name}: {pool['workers']} worker(s) x {pool['device']}, "
                 f"offload={pool['offload']} ({pool['offload_reason']})"
             )
+            if pool["nodes"] > 1:
+                where = "; ".join(
+                    f"node {k}: rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}"
+                    for k, r in enumerate(pool["ranks_by_node"])
+                )
+                lines.append(
+                    f"    placement: {pool['strategy']} over {pool['nodes']} nodes ({where})"
+                )
             for model, info in pool["models"].items():
                 lines.append(f"    {model}: {info}")
         b = self.batch

@@ -31,8 +31,8 @@ def graph_dot(graph) -> str:
         '  "dataset" [shape=cylinder, fillcolor="#eeeeee"];',
     ]
     by_pool: dict[str, list[str]] = {}
-    for node, decl in spec.nodes.items():
-        pool = spec.models[decl.model].pool if decl.model else ""
+    for node in spec.nodes:
+        pool = spec.pool_of(node) or ""
         by_pool.setdefault(pool, []).append(node)
     for pool in sorted(by_pool):
         indent = "  "

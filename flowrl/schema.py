@@ -11,7 +11,7 @@ HEADS = ("lm", "value")
 SCHEDULES = ("constant", "cosine")
 OFFLOAD = ("never", "always", "auto")
 DEVICES = ("cpu", "cuda")
-STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+STRATEGIES = ("", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # "" = auto
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -59,6 +59,7 @@ class ModelConfig:
     trainable: bool = False  # frozen models (reference) are never updated
     head: str = attrs.field(default="lm", validator=_choice(*HEADS))  # "value" for critics
     pool: str = ""  # which pool hosts it; may be left out when there is one pool
+    rollout_pool: str = ""  # pool of its rollout engine; "" = the same (hybrid engine)
     dtype: str = attrs.field(default="float32", validator=_choice(*DTYPES))  # of the weights
     lr: float = attrs.field(default=1e-6, validator=_positive)  # AdamW peak learning rate
     weight_decay: float = 0.0  # AdamW decoupled weight decay
@@ -80,7 +81,8 @@ class PoolConfig:
     offload: str = attrs.field(default="auto", validator=_choice(*OFFLOAD))  # never/always/auto
     device_memory_gb: float = attrs.field(default=0.0, validator=_non_negative)  # 0 = per device
     nodes: int = attrs.field(default=1, validator=_positive)  # machines the pool spans
-    strategy: str = attrs.field(default="PACK", validator=_choice(*STRATEGIES))  # placement group
+    # Ray placement-group strategy; "" = PACK on one node, STRICT_SPREAD over several
+    strategy: str = attrs.field(default="", validator=_choice(*STRATEGIES))
 
 
 TABLES = {"run": RunConfig, "data": DataConfig}

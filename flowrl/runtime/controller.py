@@ -163,6 +163,7 @@ class Trainer:
             )
         state = torch.load(directory / "controller.pt", weights_only=False)
         self.executor.broadcast("load", str(directory))
+        self.executor.sync_rollout_pools()  # a separate rollout copy gets the loaded weights
         self.loader.load_state_dict(state["loader"])
         self.executor.node_state.update(state["node_state"])
         _set_rng_state(state["rng"])

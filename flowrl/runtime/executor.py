@@ -57,6 +57,11 @@ class Executor:
     def results(self, handle) -> list:
         raise NotImplementedError
 
+    def rank0_output(self, handle):
+        """Rank 0's result of a submitted call, in a form `submit` can pass on as an argument
+        (a value here; on Ray a reference, so the data goes worker to worker)."""
+        return self.results(handle)[0]
+
     def broadcast(self, method: str, *args) -> list:
         """Call `method` on every rank of every pool and wait."""
         out = []
@@ -98,7 +103,10 @@ class Executor:
             return
         elif item.kind == "collect":
             walk.batch = self._collect(item, walk.batch, walk.outputs.pop(item.node), walk.metrics)
-        else:  # reload / offload / sync
+        elif item.kind == "sync" and item.to_pool:
+            walk.pending[item.id] = self._send_weights(item)
+            return
+        else:  # reload / offload / sync in place
             args = [(item.kind, item.model, item.parts)] * self.ranks(item.pool)
             walk.pending[item.id] = self.submit(item.pool, "transition", args)
             return
@@ -122,11 +130,24 @@ class Executor:
             for rank, result in enumerate(results):
                 t0, t1 = result[-1]
                 rows = len(result[0]) if item.kind == "call" else 0
-                walk.slices.append(
-                    Slice(item.name, item.kind, f"{item.pool}/rank{rank}", t0, t1, rows)
-                )
+                track = f"{item.to_pool or item.pool}/rank{rank}"
+                walk.slices.append(Slice(item.name, item.kind, track, t0, t1, rows))
             if item.kind == "call":
                 walk.outputs[item.node] = results
+
+    def _send_weights(self, item):
+        """A sync to another pool: rank 0 of the train pool exports the model's weights, every
+        rank of the rollout pool loads them. Returns the handle of the loading."""
+        exported = self.submit(item.pool, "export_weights", [(item.model,)] * self.ranks(item.pool))
+        weights = self.rank0_output(exported)
+        args = [(item.model, weights)] * self.ranks(item.to_pool)
+        return self.submit(item.to_pool, "import_weights", args)
+
+    def sync_rollout_pools(self) -> None:
+        """Send every trained model's weights to its rollout pool now (after a resume)."""
+        for item in self.plan.items:
+            if item.kind == "sync" and item.to_pool:
+                self.results(self._send_weights(item))
 
     def _dispatch(self, item, batch: DataProto) -> list[DataProto]:
         rows = batch.select(item.keys)

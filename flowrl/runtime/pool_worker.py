@@ -162,6 +162,39 @@ class PoolWorker:
         if path.exists():
             self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
 
+    def export_weights(self, model: str):
+        """Rank 0's weights of `model` as CPU tensors, for a rollout pool: (state, (start, end));
+        other ranks hold the same weights and return (None, ...)."""
+        start = time.time()
+        state = None
+        if self.rank == 0:
+            module = self.train[model].module
+            state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+        return state, (start, time.time())
+
+    def import_weights(self, model: str, exported: tuple):
+        """Load weights sent by `export_weights` into this pool's copy of `model` (whose
+        rollout engine shares the module): (None, (start, end))."""
+        start = time.time()
+        state, _ = exported
+        with torch.no_grad():
+            self.train[model].module.load_state_dict(state)
+        return None, (start, time.time())
+
+    def where(self) -> dict:
+        """Where this rank runs: Ray node id (when under Ray), host and process id."""
+        import socket
+
+        node = ""
+        try:
+            import ray
+
+            if ray.is_initialized():
+                node = ray.get_runtime_context().get_node_id()
+        except ImportError:
+            pass
+        return {"node_id": node, "host": socket.gethostname(), "pid": os.getpid()}
+
     def parameters(self, model: str) -> dict:
         """The model's parameters as CPU tensors (for tests and weight-sync checks)."""
         return {
@@ -183,25 +216,20 @@ def pool_setups(spec, plan) -> dict[str, PoolSetup]:
     rows = plan.batch["rows_per_node"]
     out = {}
     for pool_name, pool in spec.pools.items():
-        models = {m: c for m, c in spec.models.items() if c.pool == pool_name}
+        models = spec.models_on(pool_name)
         if not models:
             continue
+        here = {n: d for n, d in spec.nodes.items() if spec.pool_of(n) == pool_name}
         nodes = tuple(
-            NodeSetup(n, d.uses, attrs.asdict(d.params), d.model, d.rename)
-            for n, d in spec.nodes.items()
-            if d.model in models
+            NodeSetup(n, d.uses, attrs.asdict(d.params), d.model, d.rename) for n, d in here.items()
         )
         total = {}
-        for n, d in spec.nodes.items():
-            if d.mode == "train" and d.model in models:
+        for n, d in here.items():
+            if d.mode == "train":
                 mini = getattr(d.params, "mini_batch_size", 0) or rows[n]
                 updates = getattr(d.params, "epochs", 1) * -(-rows[n] // mini)
                 total[d.model] = total.get(d.model, 0) + updates * spec.run.steps
-        rollout = tuple(
-            sorted(
-                {d.model for d in spec.nodes.values() if d.mode == "rollout" and d.model in models}
-            )
-        )
+        rollout = tuple(sorted({d.model for d in here.values() if d.mode == "rollout"}))
         out[pool_name] = PoolSetup(
             pool_name,
             pool.device,

@@ -29,26 +29,44 @@ class RayExecutor(Executor):
         actor_class = ray.remote(PoolWorker)
         self.groups, self.actors = {}, {}
         for name, setup in pool_setups(spec, plan).items():
-            pool = spec.pools[name]
-            bundle = {"CPU": pool.cpus_per_worker}
-            if pool.device == "cuda":
-                bundle["GPU"] = pool.devices_per_worker
-            group = placement_group([bundle] * pool.workers, strategy=pool.strategy)
+            pool, info = spec.pools[name], plan.pools[name]
+            # one bundle per node of the pool, holding that node's ranks (see compiler.placement)
+            bundles = [
+                {
+                    "CPU": pool.cpus_per_worker * len(ranks),
+                    **(
+                        {"GPU": pool.devices_per_worker * len(ranks)}
+                        if pool.device == "cuda"
+                        else {}
+                    ),
+                }
+                for ranks in info["ranks_by_node"]
+            ]
+            if pool.nodes == 1:  # a bundle per rank: Ray may still spread them, as PACK allows
+                bundles = [{k: v // pool.workers for k, v in bundles[0].items()}] * pool.workers
+            group = placement_group(bundles, strategy=info["strategy"])
             ready, _ = ray.wait([group.ready()], timeout=READY_TIMEOUT_S)
             if not ready:
+                remove_placement_group(group)
                 raise NodeFailure(
-                    f"pool {name} needs {pool.workers} x {bundle} but Ray has "
-                    f"{ray.available_resources()}: lower pools.{name}.workers or "
-                    f"cpus_per_worker, or raise run.num_cpus"
+                    f"pool {name} needs {len(bundles)} x {bundles[0]} ({info['strategy']}) but "
+                    f"Ray has {ray.available_resources()}: lower pools.{name}.workers, "
+                    f"cpus_per_worker or nodes, or raise run.num_cpus"
                 )
-            url = f"tcp://{_address()}:{_free_port()}" if pool.workers > 1 else ""
+            bundle_of = {r: k for k, ranks in enumerate(info["ranks_by_node"]) for r in ranks}
+            if pool.nodes == 1:
+                bundle_of = {r: r for r in range(pool.workers)}
+            # rank 0 hosts the process group's store: on the node of its bundle
+            url = (
+                f"tcp://{_address(group, bundle_of[0])}:{_free_port()}" if pool.workers > 1 else ""
+            )
             self.groups[name] = group
             self.actors[name] = [
                 actor_class.options(
                     num_cpus=pool.cpus_per_worker,
-                    num_gpus=bundle.get("GPU", 0),
+                    num_gpus=pool.devices_per_worker if pool.device == "cuda" else 0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        group, placement_group_bundle_index=rank
+                        group, placement_group_bundle_index=bundle_of[rank]
                     ),
                 ).remote(setup, rank, pool.workers, url)
                 for rank in range(pool.workers)
@@ -68,6 +86,20 @@ class RayExecutor(Executor):
             for actor, args in zip(self.actors[pool], per_rank_args, strict=True)
         ]
         return _Handle(pool, method, per_rank_args[0][0] if per_rank_args[0] else "", refs)
+
+    def rank0_output(self, handle):
+        return handle.refs[0]  # Ray resolves it where it is passed: no copy via the driver
+
+    def placement(self, pool: str) -> dict:
+        """{"ranks": each rank's Ray node id, "bundles": each placement bundle's node id}."""
+        from ray.util import placement_group_table
+
+        where = self.results([a.where.remote() for a in self.actors[pool]], pool=pool)
+        table = placement_group_table(self.groups[pool])["bundles_to_node_id"]
+        return {
+            "ranks": [w["node_id"] for w in where],
+            "bundles": [table[i] for i in sorted(table)],
+        }
 
     def finished(self, handles):
         refs = [r for h in handles for r in h.refs]
@@ -111,7 +143,14 @@ def _reason(error: Exception) -> str:
     return f"{type(cause).__name__}: {cause}" if cause else str(error)
 
 
-def _address() -> str:
+def _address(group, bundle: int) -> str:
+    """The IP of the node holding a bundle of a (ready) placement group."""
+    from ray.util import placement_group_table
+
+    node = placement_group_table(group)["bundles_to_node_id"][bundle]
+    for info in ray.nodes():
+        if info["NodeID"] == node:
+            return info["NodeManagerAddress"]
     return ray.util.get_node_ip_address()
 
 

@@ -25,8 +25,8 @@ def tiny_overrides(graph: str, tmp_path, **extra) -> list[str]:
         "nodes.generate.max_new_tokens=6",
         f'nodes.reward.scorer="{SCORER}:compute_score"',
         f'run.out_dir="{tmp_path}"',
-        "pools.main.cpus_per_worker=1",
     ]
+    out += [f"pools.{name}.cpus_per_worker=1" for name in spec.pools]
     out += [f"{k}={v}" for k, v in extra.items()]
     return out
 
