@@ -1,6 +1,13 @@
 """Decode-loop throughput: flowrl's RolloutEngine against `model.generate` on SmolLM2-135M.
 
     python bench/generation.py [--rows 16] [--new 32] [--repeats 3] [--n 1]
+    python bench/generation.py --device cuda --model qwen2-0.5b --dtype bfloat16 --train
+
+`--model` takes a model path (default the embedded SmolLM2) or an architecture of
+bench/colocation.py (random weights from a config, no download). `--train` also times the
+train engine's forward + backward + AdamW step over the generated rows and reports training
+tokens/s and the model FLOP utilisation (6 x parameters x tokens / time / peak; the peak
+defaults to 65 GFLOP/s fp32 on the CPU machine, 989 TFLOP/s bf16 dense on an H100).
 
 Both decode the same left-padded, chat-templated arithmetic prompts greedily (so both do the
 same work: identical tokens, checked) with a KV cache; `--n 8` instead samples n responses
@@ -10,13 +17,18 @@ tokens per second (tokens up to and including each row's EOS).
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from flowrl.data.arithmetic import arithmetic_rows
 from flowrl.engines import RolloutEngine
 from flowrl.models import load_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from colocation import ARCHS, model_dir  # noqa: E402
 
 
 def prompts(tokenizer, count: int) -> dict:
@@ -51,16 +63,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--n", type=int, default=1, help="samples per prompt (>1: sampling)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--train", action="store_true", help="also time a training step")
+    parser.add_argument("--peak-tflops", type=float, default=0.0, help="for MFU; 0 = guess")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model("smollm2-135m-instruct")
+    path = args.model
+    if path in ARCHS:
+        path = str(model_dir(path))
+    model, tokenizer = load_model(path, dtype=args.dtype)
+    model.to(args.device)
     batch = prompts(tokenizer, args.rows // args.n)
-    ids, mask = batch["input_ids"], batch["attention_mask"]
+    ids, mask = batch["input_ids"].to(args.device), batch["attention_mask"].to(args.device)
     sample = args.n > 1
-    engine = RolloutEngine(model, tokenizer)
+    engine = RolloutEngine(model, tokenizer, args.device)
 
     def ours():
-        g = torch.Generator().manual_seed(0)
+        g = torch.Generator(device=args.device).manual_seed(0)
         kwargs = dict(n=args.n, max_new_tokens=args.new, do_sample=sample, generator=g)
         return engine.generate(ids, mask, **kwargs)["responses"]
 
@@ -78,7 +99,7 @@ def main() -> None:
                 pad_token_id=tokenizer.pad_token_id,
                 **sampling,
             )
-        return out[:, ids.shape[1] :]
+        return out[:, ids.shape[1] :].cpu()
 
     ours(), theirs()  # warm-up: allocator, kernels
     eos = tokenizer.eos_token_id
@@ -98,6 +119,48 @@ def main() -> None:
         lengths = [new_tokens(a[i : i + 1], eos) for i in range(len(a))]
         same = all(a[i, :n].tolist() == b[i, :n].tolist() for i, n in enumerate(lengths))
         print(f"  greedy outputs identical: {same}")
+    if args.train:
+        train_throughput(model, tokenizer, batch, results["flowrl RolloutEngine"], args)
+
+
+def train_throughput(model, tokenizer, batch, responses, args) -> None:
+    """Forward + backward + AdamW over the generated rows: tokens/s and MFU."""
+    from flowrl.engines import TrainEngine
+    from flowrl.protocol import DataProto
+
+    eos = tokenizer.eos_token_id
+    is_eos = responses == eos
+    response_mask = ((is_eos.cumsum(-1) - is_eos.long()) == 0).long()
+    n = len(responses) // len(batch["input_ids"])
+    rows = DataProto.from_dict(
+        {
+            "prompts": batch["input_ids"].repeat_interleave(n, 0),
+            "prompt_mask": batch["attention_mask"].repeat_interleave(n, 0),
+            "responses": responses,
+            "response_mask": response_mask,
+        }
+    )
+    engine = TrainEngine(model, tokenizer, lr=1e-6, device=args.device)
+
+    def step():
+        out = engine.forward(rows, grad=True)
+        engine.backward(
+            (out["logprobs"] * rows["response_mask"]).sum() / rows["response_mask"].sum()
+        )
+        engine.step()
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    step()  # warm-up
+    seconds, _ = timed(step, args.repeats)
+    tokens = int(rows["prompt_mask"].sum() + response_mask.sum())
+    params = sum(p.numel() for p in model.parameters())
+    peak = args.peak_tflops or (989.0 if args.device.startswith("cuda") else 0.065)
+    mfu = 6 * params * tokens / seconds / (peak * 1e12)
+    print(
+        f"  train step (forward + backward + AdamW): {seconds:.2f} s, {tokens} tokens, "
+        f"{tokens / seconds:.0f} tokens/s, MFU {mfu:.1%} of {peak} TFLOP/s"
+    )
 
 
 if __name__ == "__main__":
