@@ -6,8 +6,9 @@
 `--model` takes a model path (default the embedded SmolLM2) or an architecture of
 bench/colocation.py (random weights from a config, no download). `--train` also times the
 train engine's forward + backward + AdamW step over the generated rows and reports training
-tokens/s and the model FLOP utilisation (6 x parameters x tokens / time / peak; the peak
-defaults to 65 GFLOP/s fp32 on the CPU machine, 989 TFLOP/s bf16 dense on an H100).
+tokens/s and the model FLOP utilisation (6 x parameters x tokens / time / peak, counting the
+tokens the model computes: each distinct prompt once, every response token; the peak is a
+measured fp32 matmul rate on CPU, 989 TFLOP/s bf16 dense on CUDA, or --peak-tflops).
 
 Both decode the same left-padded, chat-templated arithmetic prompts greedily (so both do the
 same work: identical tokens, checked) with a KV cache; `--n 8` instead samples n responses
@@ -153,14 +154,28 @@ def train_throughput(model, tokenizer, batch, responses, args) -> None:
 
     step()  # warm-up
     seconds, _ = timed(step, args.repeats)
-    tokens = int(rows["prompt_mask"].sum() + response_mask.sum())
+    # the tokens the model computes: each distinct prompt once (the engine shares it over its
+    # n samples), plus every response token
+    tokens = int(batch["attention_mask"].sum() + response_mask.sum())
     params = sum(p.numel() for p in model.parameters())
-    peak = args.peak_tflops or (989.0 if args.device.startswith("cuda") else 0.065)
+    peak, source = args.peak_tflops, "given"
+    if not peak and args.device.startswith("cuda"):
+        peak, source = 989.0, "H100 bf16 dense"
+    elif not peak:
+        peak, source = matmul_tflops(args.device), "measured fp32 matmul"
     mfu = 6 * params * tokens / seconds / (peak * 1e12)
     print(
         f"  train step (forward + backward + AdamW): {seconds:.2f} s, {tokens} tokens, "
-        f"{tokens / seconds:.0f} tokens/s, MFU {mfu:.1%} of {peak} TFLOP/s"
+        f"{tokens / seconds:.0f} tokens/s, MFU {mfu:.1%} of {peak:.3f} TFLOP/s ({source})"
     )
+
+
+def matmul_tflops(device: str, size: int = 2048) -> float:
+    """The machine's fp32 matmul rate: the median of 5 (size x size) @ (size x size)."""
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    a @ b
+    seconds, _ = timed(lambda: a @ b, 5)
+    return 2 * size**3 / seconds / 1e12
 
 
 if __name__ == "__main__":

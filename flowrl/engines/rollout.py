@@ -39,7 +39,6 @@ class RolloutEngine:
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
         self.cache = None  # lives only inside generate; `offload` drops a leftover one
 
-    @torch.inference_mode()
     def generate(
         self,
         prompts: torch.Tensor,
@@ -64,8 +63,35 @@ class RolloutEngine:
         Returns:
             {"responses": (b*n, t) int64 right-padded with the pad id, "response_mask":
             (b*n, t) int64 covering each response up to and including its first EOS}, t the
-            longest response in the batch.
+            longest response in the batch. Ordinary tensors (made outside inference mode), so
+            a train engine may use them directly.
         """
+        with torch.inference_mode():
+            out = self._generate(
+                prompts,
+                prompt_mask,
+                n,
+                max_new_tokens,
+                temperature,
+                top_p,
+                top_k,
+                do_sample,
+                generator,
+            )
+        return {key: value.clone() for key, value in out.items()}
+
+    def _generate(
+        self,
+        prompts,
+        prompt_mask,
+        n,
+        max_new_tokens,
+        temperature,
+        top_p,
+        top_k,
+        do_sample,
+        generator,
+    ) -> dict:
         rows = prompts.shape[0] * n
         if rows == 0 or max_new_tokens <= 0:
             empty = torch.zeros(rows, 0, dtype=torch.long)

@@ -467,6 +467,20 @@ def test_sampling_frequencies_follow_the_distribution():
 # -- model-node workers ---------------------------------------------------------------------
 
 
+def test_generated_rows_train_directly():
+    model, tok = tiny_model(seed=0), tiny_tokenizer()
+    batch = rows(5, b=2)
+    out = RolloutEngine(model, tok).generate(
+        batch["prompts"], batch["prompt_mask"], n=2, max_new_tokens=4
+    )
+    assert not any(v.is_inference() for v in out.values())
+    prompts = {k: batch[k].repeat_interleave(2, 0) for k in ("prompts", "prompt_mask")}
+    engine = TrainEngine(model, tok, lr=1e-2)
+    logprobs = engine.forward(DataProto.from_dict({**prompts, **out}), grad=True)["logprobs"]
+    engine.backward(logprobs.sum())  # no "inference tensors cannot be saved for backward"
+    assert engine.step()["grad_norm"] > 0
+
+
 def test_workers_on_rows_and_on_an_empty_batch():
     tok = tiny_tokenizer()
     gen = generate.GenerateWorker(
