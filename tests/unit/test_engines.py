@@ -10,7 +10,7 @@ from flowrl.nodes import generate, logprob, values
 from flowrl.nodes.reward import model as reward_model
 
 from flowrl.engines import RolloutEngine, TrainEngine
-from flowrl.engines.rollout import nucleus, sample_tokens
+from flowrl.engines.rollout import PreallocatedLayer, nucleus, preallocated_cache, sample_tokens
 from flowrl.models import load_model
 from flowrl.protocol import DataProto
 from flowrl.testing import tiny_model, tiny_tokenizer
@@ -465,6 +465,51 @@ def test_sampling_frequencies_follow_the_distribution():
 
 
 # -- model-node workers ---------------------------------------------------------------------
+
+
+def test_preallocated_cache_layer_behaves_like_the_dynamic_one():
+    from transformers.cache_utils import DynamicLayer
+
+    g = torch.Generator().manual_seed(0)
+    ours, theirs = PreallocatedLayer(capacity=9), DynamicLayer()
+
+    def both(method, *args):
+        a, b = getattr(ours, method)(*args), getattr(theirs, method)(*args)
+        for x, y in zip(a or (), b or (), strict=True):
+            assert torch.equal(x, y)
+
+    both("update", torch.randn(2, 3, 4, 5, generator=g), torch.randn(2, 3, 4, 5, generator=g))
+    both("batch_repeat_interleave", 3)  # (6, ...): n samples per prompt
+    both("update", torch.randn(6, 3, 1, 5, generator=g), torch.randn(6, 3, 1, 5, generator=g))
+    both("batch_select_indices", torch.tensor([0, 2, 5]))  # finished rows leave
+    both("update", torch.randn(3, 3, 1, 5, generator=g), torch.randn(3, 3, 1, 5, generator=g))
+    assert ours.get_seq_length() == theirs.get_seq_length() == 6
+    assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+    with pytest.raises(RuntimeError, match="overflowed"):
+        ours.update(torch.zeros(3, 3, 4, 5), torch.zeros(3, 3, 4, 5))
+
+
+def test_rollout_uses_a_preallocated_cache_with_the_same_tokens_as_a_dynamic_one(monkeypatch):
+    from transformers import DynamicCache
+
+    from flowrl.engines import rollout
+
+    model, tok = tiny_model(seed=0), tiny_tokenizer()
+    assert all(isinstance(x, PreallocatedLayer) for x in preallocated_cache(model, 8).layers)
+    batch = rows(3, b=3)
+
+    def generate():
+        engine = RolloutEngine(model, tok)
+        g = torch.Generator().manual_seed(0)
+        return engine.generate(
+            batch["prompts"], batch["prompt_mask"], n=3, max_new_tokens=8, generator=g
+        )
+
+    preallocated = generate()
+    monkeypatch.setattr(rollout, "preallocated_cache", lambda m, n: DynamicCache(config=m.config))
+    dynamic = generate()
+    for key in preallocated:
+        assert torch.equal(preallocated[key], dynamic[key]), key
 
 
 def test_generated_rows_train_directly():
