@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 GRAPH ?= graphs/ppo.toml
 
-.PHONY: setup run test test-fast lint format
+.PHONY: setup run test test-fast bench lint format
 
 setup:
 	@command -v dot >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
@@ -22,9 +22,13 @@ test: setup
 test-fast:
 	$(PYTHON) -m pytest -q tests/unit tests/graphs
 
+bench: setup  # flowrl against TRL's GRPOTrainer, side by side (~13 min on 2 cores)
+	$(PIP) install -q -e ".[dev,bench]"
+	$(PYTHON) bench/grpo_vs_trl.py
+
 lint:
-	ruff check flowrl nodes tests
-	ruff format --check flowrl nodes tests
+	ruff check flowrl nodes tests bench
+	ruff format --check flowrl nodes tests bench
 
 format:
-	ruff format flowrl nodes tests
+	ruff format flowrl nodes tests bench

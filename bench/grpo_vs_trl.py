@@ -1,7 +1,7 @@
 """GRPO step time, side by side: flowrl (local and Ray executors) against TRL's GRPOTrainer.
 
     pip install -e .[bench]          # trl and datasets
-    python bench/grpo_vs_trl.py      # ~15 min on the 2-core CPU machine
+    python bench/grpo_vs_trl.py      # ~13 min on the 2-core CPU machine
 
 The same work on each side: SmolLM2-135M-Instruct (the embedded model, fp32, CPU, 2 torch
 threads), the arithmetic task's training prompts in file order (no shuffling, so step k has the
