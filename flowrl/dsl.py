@@ -210,12 +210,13 @@ def _place(name, model: schema.ModelConfig, pools, errors) -> schema.ModelConfig
     """Fill in the pool of a model that names none, when there is only one pool."""
     if not model.pool:
         if len(pools) == 1:
-            return attrs.evolve(model, pool=next(iter(pools)))
-        errors.add(
-            f"[models.{name}]",
-            "no pool given and the graph has several pools",
-            f"set pool to one of {one_of(pools)}",
-        )
+            model = attrs.evolve(model, pool=next(iter(pools)))
+        else:
+            errors.add(
+                f"[models.{name}]",
+                "no pool given and the graph has several pools",
+                f"set pool to one of {one_of(pools)}",
+            )
     elif model.pool not in pools:
         errors.add(
             f"[models.{name}]",

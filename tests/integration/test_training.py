@@ -102,6 +102,11 @@ def test_grpo_trains_on_ray(tiny_plan, tmp_path):
         trace = json.loads((tmp_path / "run/trace.json").read_text())
         tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
         assert {"controller", "main/rank0"} <= tracks
+        # every slice is a plan item, under the name `flowrl plan` and `render --plan` use
+        named = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+        assert named == {item.name for item in plan.items}
+        steps = {e["args"]["step"] for e in trace["traceEvents"] if e["ph"] == "X"}
+        assert steps == {1, 2}
     finally:
         trainer.close()
         assert not ray.is_initialized()

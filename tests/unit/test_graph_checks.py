@@ -194,6 +194,41 @@ def test_unknown_model_and_pool(tmp_path):
     assert any('pool "gpu" is not defined' in p.message for p in found)
 
 
+def test_rollout_pool_and_node_spanning_errors_name_key_and_fix(tmp_path):
+    text = GOOD.replace(
+        'trainable = true\npath = "tiny"', 'trainable = true\npath = "tiny"\nrollout_pool = "genn"'
+    ).replace("workers = 1", 'workers = 3\nnodes = 2\nstrategy = "PACK"')
+    found = problems(tmp_path, text)
+    where = {p.where: p for p in found}
+    assert 'pool "genn" is not defined' in where["[models.policy] rollout_pool"].message
+    assert "do not split evenly" in where["[pools.main]"].message
+    assert "STRICT_SPREAD" in where["[pools.main] strategy"].fix
+    found = problems(tmp_path, GOOD.replace("workers = 1", "workers = 1\nnodes = 2"))
+    assert [p.fix for p in found] == ["set nodes <= workers"]
+
+
+def test_rollout_pool_moves_generate_and_sends_weights(tmp_path):
+    text = GOOD.replace('path = "tiny"', 'path = "tiny"\npool = "main"').replace(
+        'pool = "main"', 'pool = "main"\nrollout_pool = "gen"', 1
+    )
+    plan = compile_text(tmp_path, text + '\n[pools.gen]\noffload = "never"\n')
+    assert plan.item("generate").pool == "gen" and plan.item("update").pool == "main"
+    sync = plan.item("sync:policy")
+    assert (sync.pool, sync.to_pool) == ("main", "gen")
+    assert plan.item("generate").id in _ancestors(plan, sync)  # after this step's generate
+    assert "grads" not in plan.pools["gen"]["memory_bytes"]["policy"]
+
+
+def _ancestors(plan, item) -> set:
+    seen, todo = set(), list(item.deps)
+    while todo:
+        i = todo.pop()
+        if i not in seen:
+            seen.add(i)
+            todo += list(plan.items[i - 1].deps)
+    return seen
+
+
 def test_training_a_frozen_model_is_an_error(tmp_path):
     text = GOOD.replace('model = "policy"\n"""', 'model = "ref"\n"""')
     text = text.replace(
