@@ -67,6 +67,31 @@ def test_skipping_zero_advantage_rows_keeps_the_update():
     assert metrics["pg_loss"] == pytest.approx(full_metrics["pg_loss"], rel=1e-5)
 
 
+def test_on_policy_update_equals_one_with_a_separate_old_logprob_pass():
+    # on_policy = true takes the old log-probs from the update's own forward, detached; an
+    # old_logprob node computes them with a separate forward of the same weights first
+    model = tiny_model(seed=0)
+    rows = batch()
+    engine = TrainEngine(copy.deepcopy(model), tiny_tokenizer())
+    old = engine.infer(rows)["logprobs"]
+    with_pass = DataProto.from_dict(
+        {k: rows[k] for k in rows.keys() if k != "old_logprobs"} | {"old_logprobs": old}
+    )
+    grads = []
+    for params, data in ((policy.Params(on_policy=True), rows), (policy.Params(), with_pass)):
+        engine = TrainEngine(copy.deepcopy(model), tiny_tokenizer(), lr=1e-2)
+        step = engine.step
+
+        def record(engine=engine, step=step):
+            grads.append({n: p.grad.clone() for n, p in engine.module.named_parameters()})
+            return step()
+
+        engine.step = record
+        policy.PolicyUpdateWorker(engine, params)(data)
+    assert_same(grads[0], grads[1])
+    assert any(g.abs().sum() > 0 for g in grads[0].values())
+
+
 def test_no_skip_when_kl_or_entropy_terms_need_every_row():
     adv = torch.zeros(3, 2)
     assert policy.contributing_rows(adv, policy.Params(kl_loss_coef=0.1)).all()
