@@ -151,6 +151,7 @@ def run_trl(steps: int, out_dir: str) -> dict:
         dataloader_num_workers=0,
         disable_tqdm=True,
         seed=0,
+        gradient_checkpointing=False,  # TRL's default recomputes the forward in the backward
     )
     timer = Timer()
     trainer = GRPOTrainer(
@@ -249,8 +250,17 @@ def summarise(runs: dict, args) -> dict:
         tokens = [x for r in rounds for x in r["new_tokens"]]
         zero = [x for r in rounds for x in r["zero_advantage_rows"]]
         items = [i for r in rounds for i in r["items"]]
+        # the framework's own time: the step minus the time inside the nodes' code (plan items
+        # without a ":" are node calls; dispatch:, collect:, reload: ... are the framework's)
+        outside = [
+            t - sum(v for k, v in i.items() if ":" not in k)
+            for r in rounds
+            if r["items"]
+            for t, i in zip(r["step_s"], r["items"], strict=True)
+        ]
         out["sides"][side] = {
             "median_step_s": statistics.median(steps),
+            "median_outside_nodes_s": statistics.median(outside) if items else None,
             "steps_s": steps,
             "mean_new_tokens": statistics.mean(tokens) if tokens else None,
             "zero_advantage_share": statistics.mean(zero) if zero else None,
@@ -265,6 +275,14 @@ def summarise(runs: dict, args) -> dict:
             out[f"{side} / trl"] = median[side] / median["trl"]
     if "flowrl-local" in median and "flowrl-ray" in median:
         out["flowrl-ray / flowrl-local"] = median["flowrl-ray"] / median["flowrl-local"]
+        # both sample the same responses (seeded by step), so step k is the same work on both:
+        # the median of the per-step ratios is the fairer comparison on a noisy machine
+        pairs = [
+            a / b
+            for ray, local in zip(runs["flowrl-ray"], runs["flowrl-local"], strict=True)
+            for a, b in zip(ray["step_s"], local["step_s"], strict=True)
+        ]
+        out["flowrl-ray / flowrl-local, median of per-step ratios"] = statistics.median(pairs)
     return out
 
 
@@ -281,14 +299,20 @@ def markdown(summary: dict) -> str:
         f"Work per step: {summary['work']}; {summary['rounds']} rounds x "
         f"{summary['timed_steps_per_round']} timed steps per side.",
         "",
-        "| side | median step (s) | new tokens / step | new tokens / s | zero-advantage rows |",
-        "|---|---|---|---|---|",
+        "| side | median step (s) | outside nodes (s) | new tokens / step | new tokens / s "
+        "| zero-advantage rows |",
+        "|---|---|---|---|---|---|",
     ]
     for side, s in summary["sides"].items():
         tokens = f"{s['mean_new_tokens']:.0f}" if s["mean_new_tokens"] else "-"
         rate = f"{s['new_tokens_per_s']:.1f}" if s["new_tokens_per_s"] else "-"
         zero = "-" if s["zero_advantage_share"] is None else f"{s['zero_advantage_share']:.0%}"
-        lines.append(f"| {side} | {s['median_step_s']:.2f} | {tokens} | {rate} | {zero} |")
+        outside = (
+            "-" if s["median_outside_nodes_s"] is None else f"{s['median_outside_nodes_s']:.3f}"
+        )
+        lines.append(
+            f"| {side} | {s['median_step_s']:.2f} | {outside} | {tokens} | {rate} | {zero} |"
+        )
     lines.append("")
     lines += [f"- {k}: {v:.3f}" for k, v in summary.items() if " / " in k]
     for side, s in summary["sides"].items():

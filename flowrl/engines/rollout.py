@@ -202,9 +202,13 @@ class PreallocatedLayer(DynamicLayer):
         new = key_states.shape[-2]
         if not self.is_initialized:
             self.dtype, self.device = key_states.dtype, key_states.device
-            rows, heads, _, dim = key_states.shape
-            self.key_buffer = key_states.new_empty(rows, heads, self.capacity, dim)
-            self.value_buffer = value_states.new_empty(rows, heads, self.capacity, dim)
+            # keys and values may differ in heads or head size (e.g. multi-head latent attention)
+            self.key_buffer = key_states.new_empty(
+                *key_states.shape[:2], self.capacity, key_states.shape[-1]
+            )
+            self.value_buffer = value_states.new_empty(
+                *value_states.shape[:2], self.capacity, value_states.shape[-1]
+            )
             self.is_initialized = True
         if self.length + new > self.capacity:
             raise RuntimeError(f"KV cache of {self.capacity} positions overflowed")

@@ -229,7 +229,9 @@ class TrainEngine:
         if "optimizer" in parts and self.optimizer is not None:
             for state in self.optimizer.state.values():
                 for key, value in state.items():
-                    if torch.is_tensor(value) and key != "step":  # AdamW keeps step on host
+                    if (
+                        torch.is_tensor(value) and key != "step"
+                    ):  # a scalar; load_state_dict places it
                         state[key] = value.to(device)
 
     # -- checkpoints ---------------------------------------------------------------------------

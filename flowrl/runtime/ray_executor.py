@@ -56,10 +56,8 @@ class RayExecutor(Executor):
             bundle_of = {r: k for k, ranks in enumerate(info["ranks_by_node"]) for r in ranks}
             if pool.nodes == 1:
                 bundle_of = {r: r for r in range(pool.workers)}
-            # rank 0 hosts the process group's store: on the node of its bundle
-            url = (
-                f"tcp://{_address(group, bundle_of[0])}:{_free_port()}" if pool.workers > 1 else ""
-            )
+            # rank 0 hosts the process group's store: an address and free port on its node
+            url = "tcp://{}:{}".format(*_endpoint(group, bundle_of[0])) if pool.workers > 1 else ""
             self.groups[name] = group
             self.actors[name] = [
                 actor_class.options(
@@ -143,18 +141,17 @@ def _reason(error: Exception) -> str:
     return f"{type(cause).__name__}: {cause}" if cause else str(error)
 
 
-def _address(group, bundle: int) -> str:
-    """The IP of the node holding a bundle of a (ready) placement group."""
-    from ray.util import placement_group_table
+def _endpoint(group, bundle: int) -> tuple[str, int]:
+    """(IP, a free TCP port) on the node of a placement bundle, found by a task run there."""
+    task = ray.remote(num_cpus=0)(_node_endpoint).options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=bundle
+        )
+    )
+    return ray.get(task.remote())
 
-    node = placement_group_table(group)["bundles_to_node_id"][bundle]
-    for info in ray.nodes():
-        if info["NodeID"] == node:
-            return info["NodeManagerAddress"]
-    return ray.util.get_node_ip_address()
 
-
-def _free_port() -> int:
+def _node_endpoint() -> tuple[str, int]:
     with socket.socket() as s:
         s.bind(("", 0))
-        return s.getsockname()[1]
+        return ray.util.get_node_ip_address(), s.getsockname()[1]

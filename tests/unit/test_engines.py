@@ -487,6 +487,10 @@ def test_preallocated_cache_layer_behaves_like_the_dynamic_one():
     assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
     with pytest.raises(RuntimeError, match="overflowed"):
         ours.update(torch.zeros(3, 3, 4, 5), torch.zeros(3, 3, 4, 5))
+    # values may have another head size than keys (multi-head latent attention)
+    latent = PreallocatedLayer(capacity=4)
+    keys, values = latent.update(torch.ones(2, 3, 2, 8), torch.ones(2, 3, 2, 5))
+    assert keys.shape == (2, 3, 2, 8) and values.shape == (2, 3, 2, 5)
 
 
 def test_rollout_uses_a_preallocated_cache_with_the_same_tokens_as_a_dynamic_one(monkeypatch):
