@@ -67,32 +67,12 @@ class RolloutEngine:
             longest response in the batch. Ordinary tensors (made outside inference mode), so
             a train engine may use them directly.
         """
+        sampling = (temperature, top_k, top_p, do_sample, generator)
         with torch.inference_mode():
-            out = self._generate(
-                prompts,
-                prompt_mask,
-                n,
-                max_new_tokens,
-                temperature,
-                top_p,
-                top_k,
-                do_sample,
-                generator,
-            )
+            out = self._generate(prompts, prompt_mask, n, max_new_tokens, sampling)
         return {key: value.clone() for key, value in out.items()}
 
-    def _generate(
-        self,
-        prompts,
-        prompt_mask,
-        n,
-        max_new_tokens,
-        temperature,
-        top_p,
-        top_k,
-        do_sample,
-        generator,
-    ) -> dict:
+    def _generate(self, prompts, prompt_mask, n: int, max_new_tokens: int, sampling) -> dict:
         rows = prompts.shape[0] * n
         if rows == 0 or max_new_tokens <= 0:
             empty = torch.zeros(rows, 0, dtype=torch.long)
@@ -104,7 +84,6 @@ class RolloutEngine:
             self.cache.batch_repeat_interleave(n)
             logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
         position = mask.sum(-1, keepdim=True)  # (r, 1): positions count real tokens from 0
-        sampling = (temperature, top_k, top_p, do_sample, generator)
         out = self._decode(logits, mask, position, max_new_tokens, sampling)
         self.cache = None
         return out
