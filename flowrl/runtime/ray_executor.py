@@ -30,20 +30,15 @@ class RayExecutor(Executor):
         self.groups, self.actors = {}, {}
         for name, setup in pool_setups(spec, plan).items():
             pool, info = spec.pools[name], plan.pools[name]
-            # one bundle per node of the pool, holding that node's ranks (see compiler.placement)
+            # a bundle per node holding that node's ranks (compiler.placement); on one node a
+            # bundle per rank, which Ray may still spread when a node is full, as PACK allows
+            groups = info["ranks_by_node"] if pool.nodes > 1 else [[r] for r in range(pool.workers)]
+            gpus = pool.devices_per_worker if pool.device == "cuda" else 0
             bundles = [
-                {
-                    "CPU": pool.cpus_per_worker * len(ranks),
-                    **(
-                        {"GPU": pool.devices_per_worker * len(ranks)}
-                        if pool.device == "cuda"
-                        else {}
-                    ),
-                }
-                for ranks in info["ranks_by_node"]
+                {"CPU": pool.cpus_per_worker * len(g), **({"GPU": gpus * len(g)} if gpus else {})}
+                for g in groups
             ]
-            if pool.nodes == 1:  # a bundle per rank: Ray may still spread them, as PACK allows
-                bundles = [{k: v // pool.workers for k, v in bundles[0].items()}] * pool.workers
+            bundle_of = {rank: k for k, g in enumerate(groups) for rank in g}
             group = placement_group(bundles, strategy=info["strategy"])
             ready, _ = ray.wait([group.ready()], timeout=READY_TIMEOUT_S)
             if not ready:
@@ -53,16 +48,13 @@ class RayExecutor(Executor):
                     f"Ray has {ray.available_resources()}: lower pools.{name}.workers, "
                     f"cpus_per_worker or nodes, or raise run.num_cpus"
                 )
-            bundle_of = {r: k for k, ranks in enumerate(info["ranks_by_node"]) for r in ranks}
-            if pool.nodes == 1:
-                bundle_of = {r: r for r in range(pool.workers)}
             # rank 0 hosts the process group's store: an address and free port on its node
             url = "tcp://{}:{}".format(*_endpoint(group, bundle_of[0])) if pool.workers > 1 else ""
             self.groups[name] = group
             self.actors[name] = [
                 actor_class.options(
                     num_cpus=pool.cpus_per_worker,
-                    num_gpus=pool.devices_per_worker if pool.device == "cuda" else 0,
+                    num_gpus=gpus,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         group, placement_group_bundle_index=bundle_of[rank]
                     ),
