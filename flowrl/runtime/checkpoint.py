@@ -3,7 +3,8 @@
     run_dir/checkpoints/step_000010/{controller.pt, pool-<name>.pt}
 
 A run killed while writing leaves only a `.tmp-` directory, which `latest` ignores, so the
-previous checkpoint stays the one a `--resume` continues from.
+previous checkpoint stays the one a `--resume` continues from; `remove_temps` clears such
+leftovers (of any process) when a run resumes.
 """
 
 import contextlib
@@ -11,7 +12,10 @@ import os
 import shutil
 from pathlib import Path
 
+from flowrl.runtime import faults
+
 PREFIX = "step_"
+TEMP = ".tmp-"
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
@@ -34,7 +38,7 @@ def writing(run_dir: Path, step: int, keep: int):
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:06d}"
-    temp = root / f".tmp-{PREFIX}{step:06d}-{os.getpid()}"
+    temp = root / f"{TEMP}{PREFIX}{step:06d}-{os.getpid()}"
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir()
     try:
@@ -45,8 +49,19 @@ def writing(run_dir: Path, step: int, keep: int):
     for path in temp.iterdir():  # the data must be on disk before the rename publishes it
         with open(path, "rb") as f:
             os.fsync(f.fileno())
+    faults.point("checkpoint", step)
     if final.exists():  # a re-run of this step after a resume: replace it
         shutil.rmtree(final)
     os.rename(temp, final)
     for old in checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_temps(run_dir: Path) -> list[Path]:
+    """Delete the temp directories of checkpoint writes that never finished (a killed writer,
+    whatever its pid); returns what was removed. Only call it when no writer is running."""
+    root = Path(run_dir) / "checkpoints"
+    found = sorted(root.glob(f"{TEMP}*")) if root.is_dir() else []
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+    return found

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from flowrl.data import PromptDataset, PromptLoader, make_rows
 from flowrl.models import load_tokenizer
-from flowrl.runtime import checkpoint
+from flowrl.runtime import checkpoint, faults
 from flowrl.runtime.executor import LocalExecutor
 from flowrl.runtime.trace import Trace
 
@@ -102,6 +102,7 @@ class Trainer:
                 metrics.update(self.validate())
             _log(metrics_file, metrics)
             _log_samples(samples_file, step, batch, run.log_samples)
+            faults.point("logged", step)
             if last or (run.save_every and step % run.save_every == 0):
                 self.save(step)
             bar.set_postfix(_postfix(metrics))
@@ -156,6 +157,8 @@ class Trainer:
             torch.save(state, directory / "controller.pt")
 
     def _resume(self) -> int:
+        for temp in checkpoint.remove_temps(self.run_dir):
+            print(f"removed {temp}: a checkpoint write that did not finish")
         directory = checkpoint.latest(self.run_dir)
         if directory is None:
             raise SystemExit(
@@ -167,6 +170,8 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         self.executor.node_state.update(state["node_state"])
         _set_rng_state(state["rng"])
+        for name in ("metrics.jsonl", "samples.jsonl"):  # drop steps the resumed run redoes
+            _truncate_log(self.run_dir / name, state["step"])
         print(f"resumed from {directory} (step {state['step']})")
         return state["step"]
 
@@ -224,6 +229,24 @@ def _postfix(metrics: dict) -> dict:
 def _log(file, metrics: dict) -> None:
     file.write(json.dumps(metrics, sort_keys=True) + "\n")
     file.flush()
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Keep the rows of `path` (JSON lines) up to `step`, and events; a torn last line (the
+    writer was killed mid-write) goes too. Replaced atomically, so a kill here loses nothing."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if "event" in row or row.get("step", 0) <= step:
+            kept.append(line + "\n")
+    temp = path.with_name(path.name + ".tmp")
+    temp.write_text("".join(kept))
+    temp.replace(path)
 
 
 def _log_samples(file, step: int, batch, count: int) -> None:

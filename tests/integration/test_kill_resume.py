@@ -1,50 +1,57 @@
-"""`flowrl run` killed with SIGKILL after its first checkpoint resumes with --resume and
-finishes; the checkpoint it resumed from is intact."""
+"""`flowrl run` killed with SIGKILL resumes with --resume and finishes: the checkpoint it resumed
+from is intact, a half-written checkpoint is removed, and metrics.jsonl / samples.jsonl hold
+every step once.
+
+The run kills itself at an exact place (`FLOWRL_KILL_AT`, flowrl/runtime/faults.py), so the
+test does not depend on timing: in the middle of a checkpoint write, and after a step was
+logged but before its checkpoint."""
 
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
-import time
+from collections import Counter
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, tiny_overrides
+
+STEPS = 5
 
 
 def digest(directory: Path) -> dict:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
-def test_sigkill_then_resume(tmp_path):
+def steps_logged(path: Path) -> Counter:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return Counter(r["step"] for r in rows if "event" not in r)
+
+
+@pytest.mark.parametrize(
+    "kill_at, save_every", [("checkpoint:3", 1), ("logged:3", 2)], ids=["mid-checkpoint", "logged"]
+)
+def test_sigkill_then_resume(tmp_path, kill_at, save_every):
     overrides = tiny_overrides(
-        "grpo.toml", tmp_path, **{"run.steps": 40, "run.save_every": 1, "run.keep_checkpoints": 40}
+        "grpo.toml",
+        tmp_path,
+        **{"run.steps": STEPS, "run.save_every": save_every, "run.keep_checkpoints": 10},
     )
-    command = [
-        sys.executable,
-        "-m",
-        "flowrl.cli",
-        "run",
-        str(ROOT / "graphs/grpo.toml"),
-        "--backend",
-        "local",
-        *overrides,
-    ]
-    process = subprocess.Popen(
-        command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    first = None
-    deadline = time.time() + 120
-    while time.time() < deadline and first is None:
-        found = sorted(tmp_path.glob("grpo-*/checkpoints/step_000001"))
-        first = found[0] if found else None
-        time.sleep(0.2)
-    assert first is not None, "no checkpoint appeared"
-    time.sleep(1.0)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    run_dir = first.parent.parent
-    before = digest(first)
+    command = [sys.executable, "-m", "flowrl.cli", "run", str(ROOT / "graphs/grpo.toml")]
+    command += ["--backend", "local", *overrides]
+    env = {**os.environ, "FLOWRL_KILL_AT": kill_at}
+    killed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+
+    (run_dir,) = tmp_path.glob("grpo-*")
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("step_*"))[-1] == "step_000002"
+    temps = list(checkpoints.glob(".tmp-*"))
+    assert len(temps) == (1 if kill_at.startswith("checkpoint") else 0)
+    assert steps_logged(run_dir / "metrics.jsonl")[3] == 1  # step 3 was logged before the kill
+    before = digest(checkpoints / "step_000002")
 
     resumed = subprocess.run(
         [*command[:5], "--resume", str(run_dir), *command[5:]],
@@ -54,9 +61,15 @@ def test_sigkill_then_resume(tmp_path):
         timeout=300,
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert digest(first) == before  # untouched by the resume
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert any(x.get("event") == "resume" for x in lines)
-    assert max(x.get("step", 0) for x in lines) == 40
-    assert (run_dir / "checkpoints/step_000040").is_dir()
-    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+    assert "resumed from" in resumed.stdout
+    assert ("did not finish" in resumed.stdout) == bool(temps)
+    assert not list(checkpoints.glob(".tmp-*"))
+    assert digest(checkpoints / "step_000002") == before  # untouched by the resume
+    assert (checkpoints / f"step_{STEPS:06d}").is_dir()
+    every_step_once = {step: 1 for step in range(STEPS + 1)}  # step 0: validation
+    assert dict(steps_logged(run_dir / "metrics.jsonl")) == every_step_once
+    samples = steps_logged(run_dir / "samples.jsonl")
+    assert set(samples) == set(range(1, STEPS + 1))
+    assert len(set(samples.values())) == 1  # the same number of samples for every step
+    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {"event": "resume", "step": 2} in events

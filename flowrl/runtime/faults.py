@@ -1,0 +1,21 @@
+"""Fault injection for tests: stop a run at an exact place instead of after a guessed delay.
+
+`FLOWRL_KILL_AT=<point>:<step>` makes the process SIGKILL itself when it reaches `point` during
+step `step`, as a crash or an out-of-memory kill would. Points:
+
+- `checkpoint`: the step's checkpoint files are written in the temp directory, which is not yet
+  renamed into place (a kill in the middle of a checkpoint write);
+- `logged`: the step's metrics and samples are written, its checkpoint (if due) is not.
+
+Unset (the default), `point` does nothing.
+"""
+
+import os
+import signal
+
+VARIABLE = "FLOWRL_KILL_AT"
+
+
+def point(name: str, step: int) -> None:
+    if os.environ.get(VARIABLE) == f"{name}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
