@@ -99,8 +99,8 @@ def one_mode(args) -> dict:
     ]
     with tempfile.TemporaryDirectory() as out:
         overrides.append(f'run.out_dir="{out}"')
-        spec, built, plan = load_plan(str(ROOT / "graphs" / "ppo.toml"), overrides)
-        trainer = Trainer(spec, built, plan, Path(out) / "run", "local")
+        _, _, plan = load_plan(str(ROOT / "graphs" / "ppo.toml"), overrides)
+        trainer = Trainer(plan, Path(out) / "run", "local")
         cuda = args.device == "cuda"
         steps, peaks = [], []
         for step in range(1, args.warmup + args.steps + 1):

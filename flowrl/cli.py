@@ -10,7 +10,7 @@ from pathlib import Path
 
 import attrs
 
-from flowrl import compiler, dsl, graph, registry, render
+from flowrl import compiler, registry, render
 from flowrl.errors import GraphErrors
 
 
@@ -28,8 +28,8 @@ def graph_path(file: str) -> str:
 def load_plan(file: str, overrides=()):
     """(GraphSpec, Graph, ExecutionPlan) of a graph file; raises GraphErrors. The spec is the
     one that runs: without the nodes the graph skips (see flowrl/graph.py)."""
-    built = graph.build(dsl.load(graph_path(file), list(overrides)))
-    return built.spec, built, compiler.compile_graph(built)
+    plan = compiler.compile_file(graph_path(file), overrides)
+    return plan.spec, plan.graph, plan
 
 
 def cmd_check(args) -> int:
@@ -47,7 +47,7 @@ def cmd_check(args) -> int:
             _count(len(things), what)
             for things, what in ((spec.nodes, "node"), (spec.models, "model"), (spec.pools, "pool"))
         )
-        print(f"{file}: ok ({counts}, {plan.batch['rows']} rows per step)")
+        print(f"{file}: ok ({counts}, {plan.batch.rows} rows per step)")
         print(node_table(spec, built))
         for warning in plan.warnings:
             print(f"  warning: {warning}")
@@ -106,6 +106,8 @@ def cmd_nodes(args) -> int:
         if ref.doc:
             print(f"    {ref.doc}")
         print(f"    reads:  {', '.join(spec.reads)}")
+        if spec.optional_reads:
+            print(f"            + {', '.join(spec.optional_reads)} (depending on its params)")
         print(f"    writes: {', '.join(spec.writes) or '(none)'}")
         for field in attrs.fields(spec.params):
             default = (
@@ -118,10 +120,10 @@ def cmd_nodes(args) -> int:
 
 
 def cmd_run(args) -> int:
-    spec, built, plan = load_plan(args.file, args.overrides)
+    _, _, plan = load_plan(args.file, args.overrides)
     from flowrl.runtime.controller import run  # torch and ray load from here on
 
-    run(spec, built, plan, backend=args.backend, resume=args.resume)
+    run(plan, backend=args.backend, resume=args.resume)
     return 0
 
 

@@ -8,15 +8,15 @@ Passes, in order:
 4. dispatch / collect items around every call; dependencies; what may overlap.
 """
 
-import json
 from pathlib import Path
 
 import networkx as nx
 
-from flowrl import schema
+from flowrl import dsl, memory, schema
 from flowrl.errors import Collector
-from flowrl.graph import Graph
-from flowrl.plan import ExecutionPlan, Item
+from flowrl.graph import DATASET, Graph, build
+from flowrl.nodespec import CheckContext, RolloutParams
+from flowrl.plan import BatchPlan, ExecutionPlan, Item, PoolPlan, ValidationPlan
 
 # What a call must find on the device, by mode.
 NEEDS = {
@@ -25,32 +25,36 @@ NEEDS = {
     "train": ("weights", "grads", "optimizer"),
 }
 PARTS = ("weights", "grads", "optimizer", "kv_cache")
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-DEFAULT_MEMORY_GB = {"cuda": 80.0, "cpu": 0.0}
-GB = 1024**3
 
 
-def compile_graph(graph: Graph) -> ExecutionPlan:
+def compile_file(file: str | Path, overrides=()) -> ExecutionPlan:
+    """Parse, check and compile a graph file; raises GraphErrors listing every problem."""
+    return compile_graph(build(dsl.load(file, list(overrides))))
+
+
+def compile_graph(built: Graph) -> ExecutionPlan:
     """The execution plan of one training step; raises GraphErrors on bad batch arithmetic."""
-    errors = Collector(graph.spec.file)
-    batch, warnings = _batch(graph, errors)
+    errors = Collector(built.spec.file)
+    batch, warnings = _batch(built, errors)
     errors.raise_if_any()
-    pools = _pools(graph, batch)
-    items = _Builder(graph, pools).build()
+    pools = _pools(built, batch)
+    items = _Builder(built, pools).build()
     return ExecutionPlan(
-        graph.spec.file,
+        built.spec.file,
         pools,
         batch,
         tuple(items),
         _overlaps(items),
-        tuple(graph.warnings) + tuple(warnings),
+        tuple(built.warnings) + tuple(warnings),
+        _validation(built),
+        built,
     )
 
 
 # -- 1. batch arithmetic -------------------------------------------------------------------
 
 
-def _batch(graph: Graph, errors: Collector) -> tuple[dict, list[str]]:
+def _batch(graph: Graph, errors: Collector) -> tuple[BatchPlan, list[str]]:
     spec, warnings = graph.spec, []
     prompts = spec.data.batch_size
     rows = {}  # node id -> rows it receives
@@ -84,149 +88,95 @@ def _batch(graph: Graph, errors: Collector) -> tuple[dict, list[str]]:
                 "has 1 sample here",
                 "set n >= 2 on the generate node before it",
             )
-        mini = getattr(decl.params, "mini_batch_size", 0)
-        if mini and mini > rows[node]:
-            errors.add(
-                where,
-                f"mini_batch_size = {mini} exceeds the {rows[node]} rows of a step "
-                f"({prompts} prompts x {samples[node]} samples)",
-                f"set mini_batch_size <= {rows[node]} (0 = the whole batch)",
+        workers = spec.pools[spec.pool_of(node)].workers if decl.model else 1
+        context = CheckContext(
+            node, rows[node], samples[node], prompts, workers, str(spec.base_dir)
+        )
+        for finding in decl.spec.findings(decl.params, context):
+            if finding.warning:
+                warnings.append(finding.message)
+            else:
+                errors.add(where, finding.message, finding.fix)
+        if decl.model and rows[node] < workers:
+            warnings.append(
+                f"{where} gives {rows[node]} rows to {workers} ranks: some ranks "
+                "idle (raise data.batch_size or lower the pool's workers)"
             )
-        if getattr(decl.params, "on_policy", False) and (
-            getattr(decl.params, "epochs", 1) > 1 or 0 < mini < rows[node]
-        ):
-            errors.add(
-                where,
-                "on_policy = true reuses the update's own log-probs as the old "
-                "ones, which is exact only for one update per batch",
-                "set epochs = 1 and mini_batch_size = 0, or on_policy = false with an "
-                "old_logprob node",
-            )
-        if decl.model:
-            workers = spec.pools[spec.pool_of(node)].workers
-            per_update = mini or rows[node]
-            if per_update < workers:
-                warnings.append(
-                    f"{where} gives {per_update} rows to {workers} ranks: some ranks "
-                    "idle (raise data.batch_size or lower the pool's workers)"
-                )
     total = max(rows.values(), default=prompts)
-    return {
-        "prompts": prompts,
-        "samples": total // prompts,
-        "rows": total,
-        "rows_per_node": rows,
-    }, warnings
+    return BatchPlan(prompts, total // prompts, total, rows), warnings
 
 
 # -- 2. placement and 3. the residency policy ----------------------------------------------
 
 
-def _pools(graph: Graph, batch: dict) -> dict[str, dict]:
+def _pools(graph: Graph, batch: BatchPlan) -> dict[str, PoolPlan]:
+    """Every pool: which models it loads, which nodes it runs, their estimated sizes, the
+    resolved offload policy and the placement of its ranks. The one place placement is
+    decided (from the spec's `pool` and `rollout_pool` settings)."""
     spec = graph.spec
     out = {}
     for name, pool in spec.pools.items():
-        models = spec.models_on(name)
-        memory = {m: _model_bytes(m, c, graph, batch, name) for m, c in models.items()}
-        offload, reason = _offload_policy(pool, memory)
-        strategy, ranks_by_node = placement(pool)
-        out[name] = {
-            "workers": pool.workers,
-            "device": pool.device,
-            "offload": offload,
-            "offload_reason": reason,
-            "nodes": pool.nodes,
-            "strategy": strategy,
-            "ranks_by_node": ranks_by_node,
-            "cpus_per_worker": pool.cpus_per_worker,
-            "devices_per_worker": pool.devices_per_worker,
-            "models": {m: _model_line(c, memory[m]) for m, c in models.items()},
-            "memory_bytes": memory,
+        configs = spec.models_on(name)
+        node_ids = tuple(n for n in spec.nodes if spec.pool_of(n) == name)
+        modes = {
+            m: {spec.nodes[n].mode for n in node_ids if spec.nodes[n].model == m} for m in configs
         }
+        sizes = {
+            m: memory.model_bytes(c, spec.base_dir, modes[m], _cache_tokens(spec, m, batch))
+            for m, c in configs.items()
+        }
+        offload, reason = memory.offload_policy(pool, sizes)
+        strategy, ranks_by_node = placement(pool)
+        bundles = ranks_by_node if pool.nodes > 1 else [[r] for r in range(pool.workers)]
+        updates = {}
+        for n in node_ids:
+            decl = spec.nodes[n]
+            if decl.mode == "train":
+                count = decl.spec.updates(decl.params, batch.rows_per_node[n])
+                updates[decl.model] = updates.get(decl.model, 0) + count
+        out[name] = PoolPlan(
+            name=name,
+            workers=pool.workers,
+            device=pool.device,
+            cpus_per_worker=pool.cpus_per_worker,
+            devices_per_worker=pool.devices_per_worker,
+            offload=offload,
+            offload_reason=reason,
+            nodes=pool.nodes,
+            strategy=strategy,
+            bundles=tuple(tuple(b) for b in bundles),
+            ranks_by_node=tuple(tuple(r) for r in ranks_by_node),
+            configs=configs,
+            node_ids=node_ids,
+            updates_per_step=updates,
+            models={m: memory.model_line(c, sizes[m]) for m, c in configs.items()},
+            memory_bytes=sizes,
+        )
     return out
+
+
+def _cache_tokens(spec, model: str, batch: BatchPlan) -> int:
+    """KV-cache positions for a step's generation with `model`: rows x (prompt + response)."""
+    new_tokens = max(
+        (
+            d.params.max_new_tokens
+            for d in spec.nodes.values()
+            if d.model == model and isinstance(d.params, RolloutParams)
+        ),
+        default=0,
+    )
+    return batch.rows * (spec.data.max_prompt_len + new_tokens)
 
 
 def placement(pool: schema.PoolConfig) -> tuple[str, list[list[int]]]:
-    """(placement-group strategy, the ranks on each of the pool's nodes). One node: a bundle
-    per rank, PACK unless set. Several: a bundle per node holding workers / nodes ranks
-    (consecutive, so a node's ranks could share fast links), STRICT_SPREAD unless set."""
+    """(placement-group strategy, the ranks on each of the pool's nodes). Ranks are consecutive
+    on a node (so a node's ranks could share fast links); PACK on one node and STRICT_SPREAD
+    over several, unless set. The Ray executor makes a bundle per rank on one node (Ray may
+    still spread them when a node is full, as PACK allows) and a bundle per node otherwise:
+    `PoolPlan.bundles`."""
     per_node = pool.workers // pool.nodes
     ranks = [list(range(k * per_node, (k + 1) * per_node)) for k in range(pool.nodes)]
     return pool.strategy or ("PACK" if pool.nodes == 1 else "STRICT_SPREAD"), ranks
-
-
-def _offload_policy(pool: schema.PoolConfig, memory: dict) -> tuple[str, str]:
-    if pool.offload != "auto":
-        return pool.offload, "set in the file"
-    if pool.device == "cpu":
-        return "never", "auto: the device is host memory"
-    budget = (pool.device_memory_gb or DEFAULT_MEMORY_GB[pool.device]) * GB
-    need = sum(sum(parts.values()) for parts in memory.values())
-    if any(not parts for parts in memory.values()):
-        return "always", "auto: a model's size is unknown"
-    verdict = "never" if need <= 0.9 * budget else "always"
-    return verdict, f"auto: estimate {_size(need)} vs {_size(budget)} on the device"
-
-
-def _model_line(config: schema.ModelConfig, memory: dict) -> str:
-    role = "trainable" if config.trainable else "frozen"
-    size = ", ".join(f"{p} {_size(b)}" for p, b in memory.items()) or "size unknown"
-    return f"{config.path} ({config.head} head, {role}; {size})"
-
-
-def _size(n: float) -> str:
-    return f"{n / GB:.2f} GB" if n >= GB / 10 else f"{n / 1024**2:.1f} MB"
-
-
-def _model_bytes(name: str, config, graph: Graph, batch: dict, pool: str) -> dict:
-    """Bytes per part on `pool`: weights; grads and AdamW state if trained there; KV cache if
-    it generates there."""
-    arch = _architecture(config, graph.spec.base_dir)
-    if not arch:
-        return {}
-    width = BYTES[config.dtype]
-    out = {"weights": arch["params"] * width}
-    spec = graph.spec
-    modes = {d.mode for n, d in spec.nodes.items() if d.model == name and spec.pool_of(n) == pool}
-    if "train" in modes:
-        out["grads"] = arch["params"] * width
-        out["optimizer"] = arch["params"] * 8  # AdamW's two fp32 moments
-    if "rollout" in modes:
-        new_tokens = max(
-            (
-                getattr(d.params, "max_new_tokens", 0)
-                for d in graph.spec.nodes.values()
-                if d.model == name
-            ),
-            default=0,
-        )
-        tokens = batch["rows"] * (graph.spec.data.max_prompt_len + new_tokens)
-        out["kv_cache"] = tokens * arch["layers"] * 2 * arch["kv_dim"] * width
-    return out
-
-
-def _architecture(config: schema.ModelConfig, base_dir: Path) -> dict:
-    known = schema.KNOWN_SIZES.get(config.path)
-    if known:
-        arch = dict(known)
-    else:
-        path = Path(config.path) if Path(config.path).is_absolute() else base_dir / config.path
-        try:
-            arch = _from_hf_config(json.loads((path / "config.json").read_text()))
-        except (OSError, ValueError, KeyError):
-            arch = {}
-    if config.n_params:
-        arch = {"layers": 0, "kv_dim": 0, **arch, "params": config.n_params}
-    return arch
-
-
-def _from_hf_config(c: dict) -> dict:
-    hidden, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
-    heads = c["num_attention_heads"]
-    kv_dim = hidden * c.get("num_key_value_heads", heads) // heads
-    per_layer = 2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * c["intermediate_size"]
-    embeddings = vocab * hidden * (1 if c.get("tie_word_embeddings", False) else 2)
-    return {"params": layers * per_layer + embeddings, "layers": layers, "kv_dim": kv_dim}
 
 
 # -- 4. items -------------------------------------------------------------------------------
@@ -246,7 +196,7 @@ class _Builder:
         calls = [n for n in graph.order if self.spec.nodes[n].model]
         self.calls_on = {p: [n for n in calls if self._pool(n) == p] for p in pools}
         for pool, info in pools.items():
-            if info["offload"] == "never":  # everything stays on the device for the whole run
+            if info.offload == "never":  # everything stays on the device for the whole run
                 self.resident[pool] = {
                     (self.spec.nodes[n].model, part)
                     for n in self.calls_on[pool]
@@ -281,7 +231,7 @@ class _Builder:
     def _call(self, node: str, decl, preds: list[int]) -> None:
         pool, model, mode = self._pool(node), decl.model, decl.mode
         self._move(pool, "reload", {(model, p) for p in NEEDS[mode]} - self.resident[pool])
-        workers = self.pools[pool]["workers"]
+        workers = self.pools[pool].workers
         how = decl.spec.dispatch
         dispatch = self.add(
             "dispatch",
@@ -319,7 +269,7 @@ class _Builder:
             )
             if to_pool:  # the rollout pool is busy receiving until then
                 self.last_on_pool[to_pool] = sync
-        if self.pools[pool]["offload"] == "always":
+        if self.pools[pool].offload == "always":
             later = self.calls_on[pool][self.calls_on[pool].index(node) + 1 :]
             needed = set()
             if later:
@@ -342,6 +292,17 @@ class _Builder:
                 self.resident[pool] |= {(model, p) for p in names}
             else:
                 self.resident[pool] -= {(model, p) for p in names}
+
+
+def _validation(built: Graph) -> ValidationPlan:
+    """Validation runs the writer of `scores` and the nodes before it, with greedy rollouts."""
+    writer = built.writers.get("scores")
+    if writer in (None, DATASET):
+        return ValidationPlan()
+    needed = {writer} | nx.ancestors(built.dag, writer)
+    nodes = tuple(n for n in built.order if n in needed)
+    greedy = tuple(n for n in nodes if built.spec.nodes[n].mode == "rollout")
+    return ValidationPlan(nodes, greedy)
 
 
 def _overlaps(items: list[Item]) -> tuple:

@@ -302,12 +302,7 @@ def _node(node_id, table, models, base_dir, errors: Collector, overridden) -> No
 
 
 def _extra_read_names(spec: NodeSpec) -> set[str]:
-    if spec.extra_reads is None:
-        return set()
-    try:  # the keys extra_reads can add, under the default params
-        return set(spec.extra_reads(spec.params()))
-    except Exception:
-        return set()
+    return set(spec.optional_reads)
 
 
 def _check_model(where, spec: NodeSpec, model, models, errors: Collector) -> None:

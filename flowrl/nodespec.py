@@ -17,6 +17,19 @@ metrics a dict of floats. A node with `rows="repeat"` returns `params.n` rows pe
 (interleaved: all samples of row 0, then row 1, ...); `rows="filter"` returns only the key
 `keep`, a bool (b,) mask, and the runtime drops the other rows from the step's batch.
 
+What the framework needs to know about a node's params it asks the node, through hooks on the
+spec, never by reading a param name itself:
+- `check(params, context) -> findings`: the node's own batch checks, run by `flowrl check`;
+- `updates_per_step(params, rows) -> int`: optimizer steps per training step (train nodes), which
+  sizes the learning-rate schedule;
+- `optional_reads`: keys read only under some params (e.g. `old_logprobs` unless `on_policy`);
+- rollout nodes' params subclass `RolloutParams`, so validation can ask any of them for greedy
+  decoding and the compiler can size the KV cache.
+
+The records that follow one node through the stages: `NodeSpec` (here: what the module declares),
+`NodeRef` (registry: where the module is), `NodeDecl` (the graph file's `[nodes.<id>]`, resolved)
+and `NodeSetup` (runtime: the plain data a pool rank builds the node's worker from).
+
 This module imports neither torch nor ray.
 """
 
@@ -30,6 +43,44 @@ DISPATCHES = ("split", "broadcast", "rank0")
 ROWS = ("same", "repeat", "filter")
 HEADS = ("lm", "value")
 KEEP = "keep"  # the one key a filter node returns
+
+
+@attrs.frozen
+class RolloutParams:
+    """Params every rollout node has (its `Params` subclasses this). Validation sets
+    `do_sample = False, n = 1` on every rollout node; the compiler sizes the KV cache from
+    `max_new_tokens`."""
+
+    n: int = 1  # samples per prompt
+    max_new_tokens: int = 32  # response length cap
+    temperature: float = 1.0  # sampling temperature
+    top_p: float = 1.0  # nucleus sampling; 1.0 = off
+    top_k: int = 0  # top-k sampling; 0 = off
+    do_sample: bool = True  # False = greedy (validation uses greedy)
+
+
+GREEDY = {"do_sample": False, "n": 1}  # what validation sets on every rollout node
+
+
+@attrs.frozen
+class CheckContext:
+    """What a node's `check` may look at, besides its params."""
+
+    node: str  # the node's id in the graph
+    rows: int  # rows the node receives in a step (prompts x samples upstream of it)
+    samples: int  # samples per prompt upstream of and including the node
+    prompts: int  # prompts per step
+    workers: int  # ranks of the pool it runs on (1 for a controller node)
+    base_dir: str  # the graph file's folder: relative paths in params resolve against it
+
+
+@attrs.frozen
+class Finding:
+    """One result of a node's `check`: an error (the graph is refused) or a warning."""
+
+    message: str
+    fix: str = ""
+    warning: bool = False
 
 
 def _one_of(choices):
@@ -56,7 +107,12 @@ class NodeSpec:
         rows: "same", "repeat" (params.n samples per row) or "filter".
         groups: the math needs several samples per prompt (grouped by `uid`).
         stateful: fn takes a third argument, a dict kept across steps.
-        extra_reads: params -> further keys read only under some settings.
+        optional_reads: key -> params -> bool: further keys, read only when the predicate
+            holds (e.g. {"ref_logprobs": lambda p: p.kl_loss_coef > 0}).
+        check: (params, CheckContext) -> list of Finding: the node's own checks of its params
+            against the step's batch, run at compile time (`flowrl check`).
+        updates_per_step: (params, rows) -> optimizer steps the node takes per training step
+            on `rows` rows (train nodes; default 1), for the learning-rate schedule.
     """
 
     reads: tuple[str, ...]
@@ -70,7 +126,9 @@ class NodeSpec:
     rows: str = attrs.field(default="same", validator=_one_of(ROWS))
     groups: bool = False
     stateful: bool = False
-    extra_reads: Callable[[Any], tuple[str, ...]] | None = None
+    optional_reads: dict[str, Callable[[Any], bool]] = attrs.field(factory=dict)
+    check: Callable[[Any, CheckContext], list[Finding]] | None = None
+    updates_per_step: Callable[[Any, int], int] | None = None
 
     def __attrs_post_init__(self):
         if (self.fn is None) == (self.worker is None):
@@ -81,15 +139,58 @@ class NodeSpec:
             raise ValueError("NodeSpec.params must be an attrs class")
         if self.rows == "repeat" and "n" not in attrs.fields_dict(self.params):
             raise ValueError('NodeSpec with rows="repeat" needs a param `n`')
+        if self.mode == "rollout" and not issubclass(self.params, RolloutParams):
+            raise ValueError(
+                "a rollout node's Params must subclass flowrl.nodespec.RolloutParams "
+                "(n, max_new_tokens, temperature, top_p, top_k, do_sample)"
+            )
+        if self.updates_per_step is not None and self.mode != "train":
+            raise ValueError('NodeSpec.updates_per_step is for mode="train" nodes')
 
     @property
     def uses_model(self) -> bool:
         return self.worker is not None
 
     def reads_for(self, params: Any) -> tuple[str, ...]:
-        """The keys read under these params: `reads` plus any `extra_reads(params)`."""
-        extra = self.extra_reads(params) if self.extra_reads else ()
+        """The keys read under these params: `reads` plus the optional reads that apply."""
+        extra = [key for key, wanted in self.optional_reads.items() if wanted(params)]
         return tuple(dict.fromkeys((*self.reads, *extra)))
+
+    def findings(self, params: Any, context: CheckContext) -> list[Finding]:
+        return list(self.check(params, context)) if self.check else []
+
+    def updates(self, params: Any, rows: int) -> int:
+        """Optimizer steps per training step; 1 for a train node without the hook."""
+        return self.updates_per_step(params, rows) if self.updates_per_step else 1
+
+
+def mini_batch_updates(params: Any, rows: int) -> int:
+    """`updates_per_step` of a node that makes `params.epochs` passes in mini-batches of
+    `params.mini_batch_size` rows (0 = the whole batch)."""
+    size = params.mini_batch_size or rows
+    return params.epochs * -(-rows // max(size, 1))
+
+
+def mini_batch_findings(params: Any, context: CheckContext) -> list[Finding]:
+    """`check` of a node with `epochs` and `mini_batch_size` params (0 = the whole batch)."""
+    out, mini = [], params.mini_batch_size
+    if mini > context.rows:
+        out.append(
+            Finding(
+                f"mini_batch_size = {mini} exceeds the {context.rows} rows of a step "
+                f"({context.prompts} prompts x {context.samples} samples)",
+                f"set mini_batch_size <= {context.rows} (0 = the whole batch)",
+            )
+        )
+    if 0 < mini < context.workers:  # a whole batch smaller than the ranks: the compiler warns
+        out.append(
+            Finding(
+                f"[nodes.{context.node}] gives {mini} rows to {context.workers} ranks: "
+                "some ranks idle (raise data.batch_size or lower the pool's workers)",
+                warning=True,
+            )
+        )
+    return out
 
 
 def split_output(out: Any) -> tuple[dict, dict]:

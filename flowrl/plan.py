@@ -16,6 +16,7 @@ No torch or ray here.
 """
 
 import json
+from typing import Any
 
 import attrs
 
@@ -56,36 +57,84 @@ class Item:
 
 
 @attrs.frozen
+class PoolPlan:
+    """One pool as the runtime builds it: its ranks and where they go, the models its ranks
+    load, the nodes they run, and the resolved offload policy."""
+
+    name: str
+    workers: int  # ranks, one process each
+    device: str  # "cpu" or "cuda"
+    cpus_per_worker: int
+    devices_per_worker: int
+    offload: str  # resolved: "never" or "always"
+    offload_reason: str
+    nodes: int  # machines the pool spans
+    strategy: str  # Ray placement-group strategy, resolved
+    bundles: tuple[tuple[int, ...], ...]  # the ranks of each placement bundle
+    ranks_by_node: tuple[tuple[int, ...], ...]  # the ranks on each machine
+    configs: dict[str, Any]  # model name -> schema.ModelConfig as loaded on this pool
+    node_ids: tuple[str, ...]  # the nodes whose workers run here, in file order
+    updates_per_step: dict[str, int]  # trainable model -> optimizer steps per training step
+    models: dict[str, str]  # model name -> one line: path, head, role, estimated sizes
+    memory_bytes: dict[str, dict[str, int]]  # model name -> part -> estimated bytes
+
+
+@attrs.frozen
+class BatchPlan:
+    prompts: int  # prompts per step
+    samples: int  # samples per prompt, at the widest point of the step
+    rows: int  # prompts x samples
+    rows_per_node: dict[str, int]  # node id -> rows it receives
+
+
+@attrs.frozen
+class ValidationPlan:
+    """What validation runs: the nodes that lead to `scores`, rollout nodes made greedy."""
+
+    nodes: tuple[str, ...] = ()  # empty: the graph has no scores to validate
+    greedy: tuple[str, ...] = ()  # rollout nodes among them (do_sample = False, n = 1)
+
+
+@attrs.frozen
 class ExecutionPlan:
     file: str
-    pools: dict[str, dict]  # name -> workers, device, offload (resolved), models, memory
-    batch: dict  # prompts, samples, rows, per-node rows
+    pools: dict[str, PoolPlan]
+    batch: BatchPlan
     items: tuple[Item, ...]
     overlaps: tuple[tuple[str, tuple[str, ...]], ...]  # item name -> names it may run beside
     warnings: tuple[str, ...] = ()
+    validation: ValidationPlan = ValidationPlan()
+    graph: Any = attrs.field(default=None, eq=False, repr=False)  # the graph.Graph that runs
+
+    @property
+    def spec(self):
+        """The GraphSpec that runs (without the nodes the graph skips)."""
+        return self.graph.spec
 
     def item(self, name: str) -> Item:
         return next(i for i in self.items if i.name == name)
+
+    def pool_of(self, node: str) -> str | None:
+        """The pool a node runs on; None for a controller node."""
+        return next((p.name for p in self.pools.values() if node in p.node_ids), None)
 
     def text(self) -> str:
         lines = [f"plan for {self.file}", "pools"]
         for name, pool in self.pools.items():
             lines.append(
-                f"  {name}: {pool['workers']} worker(s) x {pool['device']}, "
-                f"offload={pool['offload']} ({pool['offload_reason']})"
+                f"  {name}: {pool.workers} worker(s) x {pool.device}, "
+                f"offload={pool.offload} ({pool.offload_reason})"
             )
-            if pool["nodes"] > 1:
+            if pool.nodes > 1:
                 where = "; ".join(
                     f"node {k}: rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}"
-                    for k, r in enumerate(pool["ranks_by_node"])
+                    for k, r in enumerate(pool.ranks_by_node)
                 )
-                lines.append(
-                    f"    placement: {pool['strategy']} over {pool['nodes']} nodes ({where})"
-                )
-            for model, info in pool["models"].items():
+                lines.append(f"    placement: {pool.strategy} over {pool.nodes} nodes ({where})")
+            for model, info in pool.models.items():
                 lines.append(f"    {model}: {info}")
         b = self.batch
-        lines.append(f"batch: {b['prompts']} prompts x {b['samples']} samples = {b['rows']} rows")
+        lines.append(f"batch: {b.prompts} prompts x {b.samples} samples = {b.rows} rows")
         lines.append("step")
         width = len(str(len(self.items)))
         for item in self.items:
@@ -104,8 +153,9 @@ class ExecutionPlan:
     def to_json(self) -> str:
         data = {
             "file": self.file,
-            "pools": self.pools,
-            "batch": self.batch,
+            "pools": {name: attrs.asdict(pool) for name, pool in self.pools.items()},
+            "batch": attrs.asdict(self.batch),
+            "validation": attrs.asdict(self.validation),
             "items": [attrs.asdict(i) for i in self.items],
             "overlaps": {name: list(others) for name, others in self.overlaps},
             "warnings": list(self.warnings),

@@ -47,6 +47,31 @@ class DataProto:
                 raise ValueError(f'column "{key}" has {length} rows, others have {rows}: {lengths}')
         return cls(TensorDict(tensors, batch_size=[rows]), columns, dict(meta or {}))
 
+    @classmethod
+    def from_columns(cls, columns: dict, meta: dict | None = None) -> DataProto:
+        """From one mapping of key -> column: tensors go to the TensorDict, others to
+        non_tensor."""
+        tensors = {k: v for k, v in columns.items() if isinstance(v, torch.Tensor)}
+        other = {k: v for k, v in columns.items() if not isinstance(v, torch.Tensor)}
+        return cls.from_dict(tensors, other, meta)
+
+    def renamed(self, mapping: dict[str, str]) -> DataProto:
+        """The same columns with keys renamed by `mapping` (others kept), meta copied."""
+        if not self.keys():
+            return DataProto(TensorDict({}, batch_size=[len(self)]), {}, dict(self.meta))
+        columns = {mapping.get(k, k): self[k] for k in self.keys()}
+        return DataProto.from_columns(columns, dict(self.meta))
+
+    def describe(self) -> str:
+        """One line for error messages: rows, then each key's shape and dtype."""
+        parts = []
+        for key in self.keys():
+            value = self[key]
+            shape = tuple(value.shape) if hasattr(value, "shape") else len(value)
+            dtype = str(getattr(value, "dtype", "object")).replace("torch.", "")
+            parts.append(f"{key} {shape} {dtype}")
+        return f"{len(self)} rows: " + ", ".join(parts)
+
     # -- columns -------------------------------------------------------------------------------
     def __len__(self) -> int:
         return int(self.batch.batch_size[0])

@@ -19,12 +19,15 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "graph-file.md"
 
 
 def field_comments(cls) -> dict[str, str]:
-    """The trailing `# comment` of each field line in the class's source."""
+    """The trailing `# comment` of each field line in the class's source (and its bases')."""
     out = {}
-    for line in inspect.getsource(cls).splitlines():
-        match = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.*)$", line)
-        if match:
-            out[match.group(1)] = match.group(2).strip()
+    for klass in reversed(cls.__mro__):
+        if not attrs.has(klass):
+            continue
+        for line in inspect.getsource(klass).splitlines():
+            match = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.*)$", line)
+            if match:
+                out[match.group(1)] = match.group(2).strip()
     return out
 
 
@@ -66,7 +69,12 @@ def markdown() -> str:
             f"{ref.doc}  ",
             f"Source: `nodes/"
             f"{name.replace('.', '/')}.py`; reads {_keys(ref.spec.reads)}; writes "
-            f"{_keys(ref.spec.writes)}.",
+            f"{_keys(ref.spec.writes)}"
+            + (
+                f"; reads also {_keys(ref.spec.optional_reads)} depending on its params."
+                if ref.spec.optional_reads
+                else "."
+            ),
             "",
         ]
         parts += [*table(ref.spec.params), ""] if attrs.fields(ref.spec.params) else []

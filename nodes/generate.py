@@ -12,17 +12,12 @@ import time
 import attrs
 
 from flowrl.lazy import np, torch
-from flowrl.nodespec import NodeSpec
+from flowrl.nodespec import NodeSpec, RolloutParams
 
 
 @attrs.frozen
-class Params:
-    n: int = 1  # samples per prompt
-    max_new_tokens: int = 32  # response length cap
-    temperature: float = 1.0  # sampling temperature
-    top_p: float = 1.0  # nucleus sampling; 1.0 = off
-    top_k: int = 0  # top-k sampling; 0 = off
-    do_sample: bool = True  # False = greedy (validation uses greedy)
+class Params(RolloutParams):
+    """n, max_new_tokens, temperature, top_p, top_k, do_sample: see RolloutParams."""
 
 
 def step_generator(meta: dict, device="cpu") -> torch.Generator:

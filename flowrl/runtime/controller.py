@@ -22,16 +22,16 @@ from tqdm import tqdm
 
 from flowrl.data import PromptDataset, PromptLoader, make_rows
 from flowrl.models import load_tokenizer
-from flowrl.runtime import checkpoint, faults
-from flowrl.runtime.executor import LocalExecutor
+from flowrl.nodespec import GREEDY
+from flowrl.runtime import checkpoint, faults, make_executor
 from flowrl.runtime.trace import Trace
 
 
-def run(spec, graph, plan, backend: str | None = None, resume: str | None = None) -> Path:
-    """Train with a compiled graph; returns the run directory."""
-    backend = backend or spec.run.backend
-    run_dir = Path(resume) if resume else _new_run_dir(spec)
-    trainer = Trainer(spec, graph, plan, run_dir, backend)
+def run(plan, backend: str | None = None, resume: str | None = None) -> Path:
+    """Train with a compiled plan (`flowrl.compile`); returns the run directory."""
+    backend = backend or plan.spec.run.backend
+    run_dir = Path(resume) if resume else _new_run_dir(plan.spec)
+    trainer = Trainer(plan, run_dir, backend)
     try:
         trainer.fit(resume=resume is not None)
     finally:
@@ -40,8 +40,9 @@ def run(spec, graph, plan, backend: str | None = None, resume: str | None = None
 
 
 class Trainer:
-    def __init__(self, spec, graph, plan, run_dir: Path, backend: str):
-        self.spec, self.graph, self.plan, self.run_dir = spec, graph, plan, run_dir
+    def __init__(self, plan, run_dir: Path, backend: str):
+        spec = plan.spec
+        self.spec, self.plan, self.run_dir = spec, plan, run_dir
         _seed_everything(spec.run.seed)
         policy = _rollout_model(spec)
         self.tokenizer = load_tokenizer(spec.models[policy].path)  # also fills the model cache
@@ -59,14 +60,8 @@ class Trainer:
                 val_rows[: spec.run.val_size], self.tokenizer, data.max_prompt_len
             )
             self.val_batch = val_set.collate(list(range(len(val_set))))
-        if backend == "ray":
-            from flowrl.runtime.ray_executor import RayExecutor
-
-            self.executor = RayExecutor(spec, plan, num_cpus=spec.run.num_cpus or None)
-        else:
-            self.executor = LocalExecutor(spec, plan)
+        self.executor = make_executor(backend, plan, num_cpus=spec.run.num_cpus or None)
         self.trace = Trace()
-        self.scores_node = graph.writers.get("scores")
 
     def close(self) -> None:
         self.executor.shutdown()
@@ -130,15 +125,13 @@ class Trainer:
 
     def validate(self) -> dict:
         """Greedy decoding on the validation prompts, scored by the graph's own reward nodes."""
-        if self.scores_node in (None, "dataset"):
+        validation = self.plan.validation
+        if not validation.nodes:
             return {}
-        needed = {self.scores_node} | set(_ancestors(self.graph, self.scores_node))
-        greedy = {
-            n: {"do_sample": False, "n": 1} for n in needed if self.spec.nodes[n].mode == "rollout"
-        }
+        greedy = dict.fromkeys(validation.greedy, GREEDY)
         batch = self.val_batch.index(slice(0, len(self.val_batch)))
         batch.meta.update(step=0, seed=self.spec.run.seed)
-        out, _, _ = self.executor.run_step(batch, only=needed, overrides=greedy)
+        out, _, _ = self.executor.run_step(batch, only=set(validation.nodes), overrides=greedy)
         result = {"val/score": float(out["scores"].float().mean())}
         if "response_mask" in out:
             result["val/response_length"] = float(out["response_mask"].sum(-1).float().mean())
@@ -193,12 +186,6 @@ def _rollout_model(spec) -> str:
         if decl.mode == "rollout":
             return decl.model
     return next(iter(spec.models))
-
-
-def _ancestors(graph, node: str) -> list[str]:
-    import networkx as nx
-
-    return list(nx.ancestors(graph.dag, node))
 
 
 def _batch_metrics(batch) -> dict:

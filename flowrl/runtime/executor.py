@@ -1,24 +1,20 @@
 """Walk one step's plan: dispatch rows to pool ranks, run items when their deps are done,
 collect outputs and merge them into the step's DataProto.
 
-`Executor` holds the walk; subclasses say how a pool's ranks are reached: `LocalExecutor` runs
-one in-process rank per pool, `RayExecutor` (ray_executor.py) an actor per rank. Pool calls are
-submitted asynchronously, so items with no path between them overlap on Ray.
+`Executor` holds the walk; subclasses say how a pool's ranks are reached: `LocalExecutor`
+(local_executor.py) runs one in-process rank per pool, `RayExecutor` (ray_executor.py) an actor
+per rank. Pool calls are submitted asynchronously, so items with no path between them overlap
+on Ray. Executors are looked up by name in `flowrl.runtime.EXECUTORS`.
 """
 
+import abc
 import time
 
 import attrs
-import torch
 
-from flowrl import registry
-from flowrl.nodespec import KEEP, split_output
+from flowrl.nodespec import KEEP
 from flowrl.protocol import DataProto
-from flowrl.runtime.pool_worker import PoolWorker, pool_setups
-
-
-class NodeFailure(RuntimeError):
-    """A node failed: names the node, pool, rank and the batch it was given."""
+from flowrl.runtime.node_call import NodeFailure, call_node
 
 
 @attrs.define
@@ -33,29 +29,44 @@ class Slice:
     rows: int = 0
 
 
-class Executor:
-    def __init__(self, spec, plan):
-        self.spec, self.plan = spec, plan
-        self.controller_fns = {}
-        for node, decl in spec.nodes.items():
-            if decl.model is None:
-                self.controller_fns[node] = registry.resolve(decl.uses, spec.base_dir).spec
-        self.node_state: dict[str, dict] = {n: {} for n in self.controller_fns}
+class Executor(abc.ABC):
+    """Runs a plan's steps on the pools' ranks. A subclass says how ranks are reached:
+
+    - `pools()`: the names of the pools that host models;
+    - `ranks(pool)`: how many ranks the pool has;
+    - `submit(pool, method, per_rank_args)`: start `PoolWorker.<method>(*args)` on every rank
+      (rank k gets per_rank_args[k]) without waiting; returns a handle;
+    - `finished(handles)`: of the handles given, those whose work is done, blocking until at
+      least one is;
+    - `results(handle)`: each rank's return value, in rank order; raises NodeFailure naming
+      the pool and rank when a rank failed;
+    - `shutdown()`: release the ranks (processes, placement groups).
+    """
+
+    def __init__(self, plan):
+        self.plan, self.spec = plan, plan.spec
+        self.node_state: dict[str, dict] = {
+            n: {} for n, d in self.spec.nodes.items() if d.model is None
+        }
 
     # -- what subclasses provide ----------------------------------------------------------
-    def ranks(self, pool: str) -> int:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def pools(self) -> list[str]: ...
 
-    def submit(self, pool: str, method: str, per_rank_args: list[tuple]):
-        """Start `method` on every rank of `pool`; returns a handle for `finished`/`results`."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def ranks(self, pool: str) -> int: ...
 
-    def finished(self, handles: list) -> list:
-        """Of the handles given, those whose work is done; blocks until at least one is."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def submit(self, pool: str, method: str, per_rank_args: list[tuple]): ...
 
-    def results(self, handle) -> list:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def finished(self, handles: list) -> list: ...
+
+    @abc.abstractmethod
+    def results(self, handle) -> list: ...
+
+    def shutdown(self) -> None:  # noqa: B027 (nothing to release by default)
+        pass
 
     def rank0_output(self, handle):
         """Rank 0's result of a submitted call, in a form `submit` can pass on as an argument
@@ -69,11 +80,10 @@ class Executor:
             out += self.results(self.submit(pool, method, [args] * self.ranks(pool)))
         return out
 
-    def pools(self) -> list[str]:
-        raise NotImplementedError
-
-    def shutdown(self) -> None:
-        pass
+    def rank0(self, pool: str, method: str, *args):
+        """Call `method` on every rank of `pool`, wait, and return rank 0's result (e.g.
+        `rank0("main", "parameters", "policy")`)."""
+        return self.results(self.submit(pool, method, [args] * self.ranks(pool)))[0]
 
     # -- the walk --------------------------------------------------------------------------
     def run_step(self, batch: DataProto, only: set | None = None, overrides: dict | None = None):
@@ -166,56 +176,21 @@ class Executor:
         return _merge(batch, writes, decl)
 
     def _controller(self, node: str, batch: DataProto, metrics: dict) -> DataProto:
-        decl, spec = self.spec.nodes[node], self.controller_fns[node]
-        inverse = {new: old for old, new in decl.rename.items()}
-        view = _renamed(batch.select(decl.reads), inverse)
-        try:
-            args = (
-                (view, decl.params, self.node_state[node]) if spec.stateful else (view, decl.params)
+        decl = self.spec.nodes[node]
+        spec, state = decl.spec, self.node_state[node]
+
+        def run(view):
+            return (
+                spec.fn(view, decl.params, state) if spec.stateful else spec.fn(view, decl.params)
             )
-            writes, node_metrics = split_output(spec.fn(*args))
-        except Exception as e:
-            raise NodeFailure(
-                f"node {node} ({decl.uses}) failed on the controller: "
-                f"{type(e).__name__}: {e}\n  its batch: {describe(view)}"
-            ) from e
+
+        writes, node_metrics = call_node(
+            node, spec, decl.rename, batch.select(decl.reads), run, "on the controller"
+        )
         _merge_metrics(metrics, node, [node_metrics])
         if spec.rows == "filter":
-            return batch.index(writes[KEEP])
-        renamed = {decl.rename.get(k, k): v for k, v in writes.items()}
-        tensors = {k: v for k, v in renamed.items() if isinstance(v, torch.Tensor)}
-        other = {k: v for k, v in renamed.items() if not isinstance(v, torch.Tensor)}
-        return _merge(batch, DataProto.from_dict(tensors, other), decl)
-
-
-class LocalExecutor(Executor):
-    """Every pool as one in-process rank: the same worker code, easy to debug."""
-
-    def __init__(self, spec, plan):
-        super().__init__(spec, plan)
-        setups = pool_setups(spec, plan)
-        self.workers = {name: [PoolWorker(setup)] for name, setup in setups.items()}
-
-    def pools(self):
-        return list(self.workers)
-
-    def ranks(self, pool):
-        return 1
-
-    def submit(self, pool, method, per_rank_args):
-        worker = self.workers[pool][0]
-        try:
-            return [getattr(worker, method)(*per_rank_args[0])]
-        except Exception as e:  # the worker's message names the node and its batch
-            raise NodeFailure(
-                f"{method} {per_rank_args[0][0]} failed on pool {pool}, rank 0: {e}"
-            ) from e
-
-    def finished(self, handles):
-        return handles
-
-    def results(self, handle):
-        return handle
+            return batch.index(writes[decl.rename.get(KEEP, KEEP)])
+        return _merge(batch, writes, decl)
 
 
 @attrs.define
@@ -249,12 +224,6 @@ def _wanted(item, only) -> bool:
     return item.node in only if item.node else True
 
 
-def _renamed(batch: DataProto, mapping: dict) -> DataProto:
-    tensors = {mapping.get(k, k): batch[k] for k in batch.keys() if k not in batch.non_tensor}
-    other = {mapping.get(k, k): batch[k] for k in batch.non_tensor}
-    return DataProto.from_dict(tensors, other, dict(batch.meta))
-
-
 def _merge(batch: DataProto, writes: DataProto, decl) -> DataProto:
     if decl.spec.rows == "repeat" and len(writes) != len(batch):
         batch = batch.repeat(len(writes) // max(len(batch), 1), interleave=True)
@@ -270,15 +239,3 @@ def _merge_metrics(metrics: dict, node: str, per_rank: list[dict]) -> None:
     for key in keys:
         values = [float(m[key]) for m in per_rank if key in m]
         metrics[f"{node}/{key}"] = sum(values) / len(values)
-
-
-def describe(batch: DataProto | None) -> str:
-    if batch is None:
-        return "-"
-    parts = []
-    for key in batch.keys():
-        value = batch[key]
-        shape = tuple(value.shape) if hasattr(value, "shape") else len(value)
-        dtype = str(getattr(value, "dtype", "object")).replace("torch.", "")
-        parts.append(f"{key} {shape} {dtype}")
-    return f"{len(batch)} rows: " + ", ".join(parts)

@@ -14,8 +14,8 @@ import attrs
 import torch
 
 from flowrl import registry, schema
-from flowrl.nodespec import split_output
 from flowrl.protocol import DataProto
+from flowrl.runtime.node_call import call_node
 
 
 @attrs.frozen
@@ -106,28 +106,9 @@ class PoolWorker:
         worker, rename, spec = self.workers[node_id]
         if overrides:  # e.g. greedy decoding for validation
             worker = spec.worker(worker.engine, attrs.evolve(worker.params, **overrides))
-        inverse = {new: old for old, new in rename.items()}
-        local = DataProto.from_dict(
-            {inverse.get(k, k): batch[k] for k in batch.keys() if k not in batch.non_tensor},
-            {inverse.get(k, k): batch[k] for k in batch.non_tensor},
-            dict(batch.meta, rank=self.rank, world_size=self.world_size),
-        )
-        try:
-            writes, metrics = split_output(worker(local))
-        except Exception as e:
-            from flowrl.runtime.executor import describe
-
-            raise RuntimeError(
-                f"node {node_id}: {type(e).__name__}: {e}\n  its batch: {describe(batch)}"
-            ) from e
-        missing = set(spec.writes) - set(writes)
-        if missing or set(writes) - set(spec.writes):
-            raise RuntimeError(
-                f"node {node_id} returned keys {sorted(writes)}, but declares {sorted(spec.writes)}"
-            )
-        tensors = {rename.get(k, k): v for k, v in writes.items() if isinstance(v, torch.Tensor)}
-        other = {rename.get(k, k): v for k, v in writes.items() if not isinstance(v, torch.Tensor)}
-        out = DataProto.from_dict(tensors, other) if writes else DataProto.from_dict({})
+        where = f"on pool {self.setup.pool}, rank {self.rank}"
+        meta = {"rank": self.rank, "world_size": self.world_size}
+        out, metrics = call_node(node_id, spec, rename, batch, worker, where, meta)
         return out, metrics, (start, time.time())
 
     def transition(self, kind: str, model: str, parts: tuple):
@@ -211,32 +192,27 @@ def _device(kind: str, rank: int) -> str:
     return "cpu"
 
 
-def pool_setups(spec, plan) -> dict[str, PoolSetup]:
-    """The PoolSetup of every pool that hosts a model."""
-    rows = plan.batch["rows_per_node"]
-    out = {}
-    for pool_name, pool in spec.pools.items():
-        models = spec.models_on(pool_name)
-        if not models:
+def pool_setups(plan) -> dict[str, PoolSetup]:
+    """The PoolSetup of every pool that hosts a model, from the plan alone."""
+    spec, out = plan.spec, {}
+    for name, pool in plan.pools.items():
+        if not pool.configs:
             continue
-        here = {n: d for n, d in spec.nodes.items() if spec.pool_of(n) == pool_name}
         nodes = tuple(
-            NodeSetup(n, d.uses, attrs.asdict(d.params), d.model, d.rename) for n, d in here.items()
+            NodeSetup(n, d.uses, attrs.asdict(d.params), d.model, d.rename)
+            for n, d in ((n, spec.nodes[n]) for n in pool.node_ids)
         )
-        total = {}
-        for n, d in here.items():
-            if d.mode == "train":
-                mini = getattr(d.params, "mini_batch_size", 0) or rows[n]
-                updates = getattr(d.params, "epochs", 1) * -(-rows[n] // mini)
-                total[d.model] = total.get(d.model, 0) + updates * spec.run.steps
-        rollout = tuple(sorted({d.model for d in here.values() if d.mode == "rollout"}))
-        out[pool_name] = PoolSetup(
-            pool_name,
+        rollout = tuple(
+            sorted({spec.nodes[n].model for n in pool.node_ids if spec.nodes[n].mode == "rollout"})
+        )
+        total = {m: count * spec.run.steps for m, count in pool.updates_per_step.items()}
+        out[name] = PoolSetup(
+            name,
             pool.device,
             pool.cpus_per_worker,
             spec.run.seed,
             str(spec.base_dir),
-            models,
+            pool.configs,
             total,
             rollout,
             nodes,

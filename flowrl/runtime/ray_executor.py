@@ -10,15 +10,16 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from flowrl.runtime.executor import Executor, NodeFailure
+from flowrl.runtime.executor import Executor
+from flowrl.runtime.node_call import NodeFailure
 from flowrl.runtime.pool_worker import PoolWorker, pool_setups
 
 READY_TIMEOUT_S = 120
 
 
 class RayExecutor(Executor):
-    def __init__(self, spec, plan, num_cpus: int | None = None):
-        super().__init__(spec, plan)
+    def __init__(self, plan, num_cpus: int | None = None):
+        super().__init__(plan)
         if not ray.is_initialized():
             ray.init(
                 num_cpus=num_cpus,
@@ -28,23 +29,21 @@ class RayExecutor(Executor):
             )
         actor_class = ray.remote(PoolWorker)
         self.groups, self.actors = {}, {}
-        for name, setup in pool_setups(spec, plan).items():
-            pool, info = spec.pools[name], plan.pools[name]
-            # a bundle per node holding that node's ranks (compiler.placement); on one node a
-            # bundle per rank, which Ray may still spread when a node is full, as PACK allows
-            groups = info["ranks_by_node"] if pool.nodes > 1 else [[r] for r in range(pool.workers)]
+        for name, setup in pool_setups(plan).items():
+            pool = plan.pools[name]
+            groups = pool.bundles  # the ranks of each placement bundle (compiler.placement)
             gpus = pool.devices_per_worker if pool.device == "cuda" else 0
             bundles = [
                 {"CPU": pool.cpus_per_worker * len(g), **({"GPU": gpus * len(g)} if gpus else {})}
                 for g in groups
             ]
             bundle_of = {rank: k for k, g in enumerate(groups) for rank in g}
-            group = placement_group(bundles, strategy=info["strategy"])
+            group = placement_group(bundles, strategy=pool.strategy)
             ready, _ = ray.wait([group.ready()], timeout=READY_TIMEOUT_S)
             if not ready:
                 remove_placement_group(group)
                 raise NodeFailure(
-                    f"pool {name} needs {len(bundles)} x {bundles[0]} ({info['strategy']}) but "
+                    f"pool {name} needs {len(bundles)} x {bundles[0]} ({pool.strategy}) but "
                     f"Ray has {ray.available_resources()}: lower pools.{name}.workers, "
                     f"cpus_per_worker or nodes, or raise run.num_cpus"
                 )

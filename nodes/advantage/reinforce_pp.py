@@ -52,5 +52,5 @@ SPEC = NodeSpec(
     writes=("advantages", "returns"),
     params=Params,
     fn=run,
-    extra_reads=lambda p: ("uid",) if p.baseline == "group" else (),
+    optional_reads={"uid": lambda p: p.baseline == "group"},
 )

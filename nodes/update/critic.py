@@ -9,7 +9,7 @@ import attrs
 
 from flowrl import ops
 from flowrl.lazy import torch
-from flowrl.nodespec import NodeSpec
+from flowrl.nodespec import NodeSpec, mini_batch_findings, mini_batch_updates
 
 AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
@@ -98,4 +98,6 @@ SPEC = NodeSpec(
     worker=CriticUpdateWorker,
     mode="train",
     head="value",
+    check=mini_batch_findings,
+    updates_per_step=mini_batch_updates,
 )

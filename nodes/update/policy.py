@@ -12,7 +12,7 @@ import attrs
 
 from flowrl import ops
 from flowrl.lazy import torch
-from flowrl.nodespec import NodeSpec
+from flowrl.nodespec import Finding, NodeSpec, mini_batch_findings, mini_batch_updates
 
 AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
@@ -133,9 +133,19 @@ class PolicyUpdateWorker:
         return {**totals, **engine.step()}
 
 
-def _reads(params: Params) -> tuple[str, ...]:
-    old = () if params.on_policy else ("old_logprobs",)
-    return old + (("ref_logprobs",) if params.kl_loss_coef > 0 else ())
+def check(params: Params, context) -> list[Finding]:
+    out = mini_batch_findings(params, context)
+    mini = params.mini_batch_size
+    if params.on_policy and (params.epochs > 1 or 0 < mini < context.rows):
+        out.append(
+            Finding(
+                "on_policy = true reuses the update's own log-probs as the old "
+                "ones, which is exact only for one update per batch",
+                "set epochs = 1 and mini_batch_size = 0, or on_policy = false with an "
+                "old_logprob node",
+            )
+        )
+    return out
 
 
 SPEC = NodeSpec(
@@ -145,5 +155,10 @@ SPEC = NodeSpec(
     worker=PolicyUpdateWorker,
     mode="train",
     head="lm",
-    extra_reads=_reads,
+    optional_reads={
+        "old_logprobs": lambda p: not p.on_policy,
+        "ref_logprobs": lambda p: p.kl_loss_coef > 0,
+    },
+    check=check,
+    updates_per_step=mini_batch_updates,
 )

@@ -177,38 +177,8 @@ def test_keys_glossary_covers_every_key():
     for name in registry.builtin_names():
         spec = registry.resolve(name).spec
         used |= set(spec.reads) | set(spec.writes)
-        if spec.extra_reads:
-            used |= _all_extra_reads(spec)
+        used |= set(spec.optional_reads)
     for path in GRAPHS:
         for decl in dsl.load(path).nodes.values():
             used |= set(decl.reads) | set(decl.writes)
     assert used - documented == set(), "add these keys to docs/keys.md"
-
-
-def _all_extra_reads(spec):
-    import attrs
-
-    keys = set()
-    for field in attrs.fields(spec.params):  # flip each param to find conditional reads
-        for value in (True, 1.0, "group"):
-            try:
-                keys |= set(spec.extra_reads(attrs.evolve(spec.params(), **{field.name: value})))
-            except Exception:
-                continue
-    return keys
-
-
-def test_shipped_graph_found_by_name_from_anywhere(tmp_path, monkeypatch):
-    from flowrl.cli import graph_path
-
-    monkeypatch.chdir(tmp_path)
-    assert Path(graph_path("graphs/ppo.toml")).read_text() == (ROOT / "graphs/ppo.toml").read_text()
-    assert Path(graph_path("grpo")).name == "grpo.toml"
-    assert graph_path("nothing.toml") == "nothing.toml"  # left for the loader to report
-
-
-def test_graph_file_reference_is_current():
-    from flowrl import reference
-
-    text = reference.DOC.read_text()
-    assert reference.refreshed(text) == text, "run: python -m flowrl.reference --write"

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from flowrl.protocol import DataProto
-from flowrl.runtime.executor import LocalExecutor, NodeFailure
+from flowrl.runtime.local_executor import LocalExecutor
+from flowrl.runtime.node_call import NodeFailure
 
 ray = pytest.importorskip("ray")
 
@@ -31,7 +32,7 @@ def test_two_ranks_match_one_rank(tiny_plan):
     lr = 1e-4
     batch = fixed_batch()  # 7 rows: ranks get 4 and 3
     spec1, _, plan1 = tiny_plan("grpo.toml", **{"models.policy.lr": lr})
-    local = LocalExecutor(spec1, plan1)
+    local = LocalExecutor(plan1)
     before = local.workers["main"][0].parameters("policy")
     _, one, _ = local.workers["main"][0].call("update_policy", batch)
     expected = local.workers["main"][0].parameters("policy")
@@ -39,7 +40,7 @@ def test_two_ranks_match_one_rank(tiny_plan):
     spec2, _, plan2 = tiny_plan(
         "grpo.toml", **{"models.policy.lr": lr, "pools.main.workers": 2, "run.num_cpus": 2}
     )
-    executor = RayExecutor(spec2, plan2, num_cpus=2)
+    executor = RayExecutor(plan2, num_cpus=2)
     try:
         handle = executor.submit(
             "main", "call", [("update_policy", c, None) for c in batch.chunk(2)]
@@ -64,7 +65,7 @@ def test_dead_rank_is_named(tiny_plan):
     from flowrl.runtime.ray_executor import RayExecutor
 
     spec, _, plan = tiny_plan("grpo.toml", **{"run.num_cpus": 2})
-    executor = RayExecutor(spec, plan, num_cpus=2)
+    executor = RayExecutor(plan, num_cpus=2)
     try:
         ray.kill(executor.actors["main"][0])
         batch = fixed_batch()

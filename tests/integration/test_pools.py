@@ -33,7 +33,7 @@ def test_ref_on_its_own_pool_overlaps_the_other_pools(tiny_plan, tmp_path):
         **{"run.num_cpus": 3, "data.batch_size": 4, "nodes.generate.max_new_tokens": 12},
     )
     assert ("ref_logprob", ("reward", "old_logprob", "values")) in plan.overlaps
-    trainer = Trainer(spec, built, plan, tmp_path / "run", "ray")
+    trainer = Trainer(plan, tmp_path / "run", "ray")
     try:
         trainer.fit()
     finally:
@@ -58,7 +58,7 @@ def test_disaggregated_rollout_generates_with_the_synced_weights(tiny_plan, tmp_
     assert (sync.pool, sync.to_pool) == ("train", "gen")
     assert "policy: weights train -> rollout on pool gen" in plan.text()
     assert plan.item("generate").pool == "gen" and plan.item("update_policy").pool == "train"
-    trainer = Trainer(spec, built, plan, tmp_path / "run", "ray")
+    trainer = Trainer(plan, tmp_path / "run", "ray")
     try:
         train, gen = (trainer.executor.actors[p][0] for p in ("train", "gen"))
         before = ray.get(gen.parameters.remote("policy"))
@@ -70,8 +70,8 @@ def test_disaggregated_rollout_generates_with_the_synced_weights(tiny_plan, tmp_
             assert torch.equal(value, served[key]), key  # bit for bit
         assert any(not torch.equal(before[k], served[k]) for k in before)  # it did change
         # the gen pool loaded a frozen copy: no optimizer there
-        assert "frozen" in plan.pools["gen"]["models"]["policy"]
-        assert "optimizer" not in plan.pools["gen"]["memory_bytes"]["policy"]
+        assert "frozen" in plan.pools["gen"].models["policy"]
+        assert "optimizer" not in plan.pools["gen"].memory_bytes["policy"]
         tracks = calls_by_track(tmp_path / "run")
         assert [n for n, *_ in tracks["gen/rank0"]] == ["generate"] * 2
     finally:
@@ -80,13 +80,13 @@ def test_disaggregated_rollout_generates_with_the_synced_weights(tiny_plan, tmp_
 
 def test_disaggregated_rollout_resumes_with_the_checkpointed_weights(tiny_plan, tmp_path):
     spec, built, plan = tiny_plan("grpo_disaggregated.toml", **{"run.num_cpus": 2})
-    first = Trainer(spec, built, plan, tmp_path / "run", "local")
+    first = Trainer(plan, tmp_path / "run", "local")
     try:
         first.fit()
         trained = first.executor.workers["train"][0].parameters("policy")
     finally:
         first.close()
-    resumed = Trainer(spec, built, plan, tmp_path / "run", "local")
+    resumed = Trainer(plan, tmp_path / "run", "local")
     try:
         resumed._resume()
         served = resumed.executor.workers["gen"][0].parameters("policy")
@@ -116,9 +116,9 @@ def test_pool_spanning_two_nodes_places_a_rank_on_each(tiny_plan, tmp_path, two_
         "grpo.toml", **{"pools.main.workers": 2, "pools.main.nodes": 2, "data.batch_size": 2}
     )
     main = plan.pools["main"]
-    assert main["strategy"] == "STRICT_SPREAD" and main["ranks_by_node"] == [[0], [1]]
+    assert main.strategy == "STRICT_SPREAD" and main.ranks_by_node == ((0,), (1,))
     assert "placement: STRICT_SPREAD over 2 nodes (node 0: rank 0; node 1: rank 1)" in plan.text()
-    trainer = Trainer(spec, built, plan, tmp_path / "run", "ray")
+    trainer = Trainer(plan, tmp_path / "run", "ray")
     try:
         where = trainer.executor.placement("main")
         assert where["ranks"] == where["bundles"]  # rank k runs on the node of bundle k

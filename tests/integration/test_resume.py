@@ -20,11 +20,11 @@ def test_resume_matches_uninterrupted_run(tiny_plan, tmp_path):
     extra = {"run.steps": 4, "run.save_every": 2}
     spec, built, plan = tiny_plan("grpo.toml", **extra)
 
-    straight = Trainer(spec, built, plan, tmp_path / "a", "local")
+    straight = Trainer(plan, tmp_path / "a", "local")
     straight.fit()
     expected = final_params(straight)
 
-    stopped = Trainer(spec, built, plan, tmp_path / "b", "local")
+    stopped = Trainer(plan, tmp_path / "b", "local")
     original = stopped.step
 
     def step_then_die(step):
@@ -39,7 +39,7 @@ def test_resume_matches_uninterrupted_run(tiny_plan, tmp_path):
     assert saved.name == "step_000002"
     files = {p.name: p.read_bytes() for p in saved.iterdir()}
 
-    resumed = Trainer(spec, built, plan, tmp_path / "b", "local")
+    resumed = Trainer(plan, tmp_path / "b", "local")
     resumed.fit(resume=True)
     for key, value in expected.items():
         torch.testing.assert_close(final_params(resumed)[key], value, rtol=0, atol=0)

@@ -13,16 +13,11 @@ GRAPHS = sorted(p.name for p in (ROOT / "graphs").glob("*.toml"))
 
 
 def params_of(trainer, model):
-    pool = trainer.spec.models[model].pool
-    if hasattr(trainer.executor, "workers"):
-        return trainer.executor.workers[pool][0].parameters(model)
-    import ray
-
-    return ray.get(trainer.executor.actors[pool][0].parameters.remote(model))
+    return trainer.executor.rank0(trainer.spec.models[model].pool, "parameters", model)
 
 
 def train(spec, built, plan, tmp_path, backend):
-    trainer = Trainer(spec, built, plan, tmp_path / "run", backend)
+    trainer = Trainer(plan, tmp_path / "run", backend)
     before = {m: params_of(trainer, m) for m in spec.models}
     trainer.fit()
     after = {m: params_of(trainer, m) for m in spec.models}
@@ -68,7 +63,7 @@ def test_graph_trains_on_local_executor(graph, tiny_plan, tmp_path):
 
 def test_step_batch_keys_and_shapes_match_declarations(tiny_plan, tmp_path):
     spec, built, plan = tiny_plan("ppo.toml")
-    trainer = Trainer(spec, built, plan, tmp_path / "run", "local")
+    trainer = Trainer(plan, tmp_path / "run", "local")
     try:
         _, batch = trainer.step(1)
         rows, t = batch["responses"].shape

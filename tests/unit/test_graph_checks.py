@@ -77,7 +77,7 @@ def test_good_graph_compiles_in_order(tmp_path):
     plan = compile_text(tmp_path, GOOD)
     calls = [i.name for i in plan.items if i.kind in ("call", "controller")]
     assert calls == ["generate", "score", "old_logprob", "ref_logprob", "advantage", "update"]
-    assert plan.batch["rows"] == 8  # 2 prompts x 4 samples
+    assert plan.batch.rows == 8  # 2 prompts x 4 samples
 
 
 def test_state_edge_puts_update_after_every_reader_of_its_model(tmp_path):
@@ -216,7 +216,7 @@ def test_rollout_pool_moves_generate_and_sends_weights(tmp_path):
     sync = plan.item("sync:policy")
     assert (sync.pool, sync.to_pool) == ("main", "gen")
     assert plan.item("generate").id in _ancestors(plan, sync)  # after this step's generate
-    assert "grads" not in plan.pools["gen"]["memory_bytes"]["policy"]
+    assert "grads" not in plan.pools["gen"].memory_bytes["policy"]
 
 
 def _ancestors(plan, item) -> set:
@@ -297,12 +297,12 @@ def test_auto_offload_decides_from_memory(tmp_path):
     roomy = compile_text(
         tmp_path, text.replace('device = "cuda"', 'device = "cuda"\ndevice_memory_gb = 80.0')
     )
-    assert roomy.pools["main"]["offload"] == "never"
+    assert roomy.pools["main"].offload == "never"
     big = text.replace('path = "tiny"', 'path = "tiny"\nn_params = 7_000_000_000')
     cramped = compile_text(
         tmp_path, big.replace('device = "cuda"', 'device = "cuda"\ndevice_memory_gb = 24.0')
     )
-    assert cramped.pools["main"]["offload"] == "always"
+    assert cramped.pools["main"].offload == "always"
 
 
 def test_cli_exits_2_without_traceback(tmp_path):

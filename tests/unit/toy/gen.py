@@ -2,12 +2,11 @@
 
 import attrs
 
-from flowrl.nodespec import NodeSpec
+from flowrl.nodespec import NodeSpec, RolloutParams
 
 
 @attrs.frozen
-class Params:
-    n: int = 1
+class Params(RolloutParams):
     max_new_tokens: int = 8
 
 

@@ -3,7 +3,7 @@
 
 import attrs
 
-from flowrl.nodespec import NodeSpec
+from flowrl.nodespec import NodeSpec, mini_batch_findings, mini_batch_updates
 
 
 @attrs.frozen
@@ -25,5 +25,7 @@ SPEC = NodeSpec(
     worker=TrainWorker,
     mode="train",
     head="lm",
-    extra_reads=lambda p: ("ref_logprobs",) if p.kl_coef > 0 else (),
+    optional_reads={"ref_logprobs": lambda p: p.kl_coef > 0},
+    check=mini_batch_findings,
+    updates_per_step=mini_batch_updates,
 )

@@ -1,0 +1,35 @@
+"""The local executor: every pool as one in-process rank running the same worker code as on
+Ray, so a step can be stepped through in a debugger and tests need no cluster."""
+
+from flowrl.runtime.executor import Executor
+from flowrl.runtime.node_call import NodeFailure
+from flowrl.runtime.pool_worker import PoolWorker, pool_setups
+
+
+class LocalExecutor(Executor):
+    def __init__(self, plan, num_cpus: int | None = None):
+        super().__init__(plan)
+        self.workers = {name: [PoolWorker(setup)] for name, setup in pool_setups(plan).items()}
+
+    def pools(self):
+        return list(self.workers)
+
+    def ranks(self, pool):
+        return 1
+
+    def submit(self, pool, method, per_rank_args):
+        worker = self.workers[pool][0]
+        try:
+            return [getattr(worker, method)(*per_rank_args[0])]
+        except NodeFailure:  # already names the node, where it ran and its batch
+            raise
+        except Exception as e:
+            raise NodeFailure(
+                f"{method} {per_rank_args[0][0]} failed on pool {pool}, rank 0: {e}"
+            ) from e
+
+    def finished(self, handles):
+        return handles
+
+    def results(self, handle):
+        return handle

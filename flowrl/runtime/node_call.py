@@ -1,0 +1,60 @@
+"""One node call, the same on the controller and on a pool rank:
+
+    rename in -> the node's fn or worker -> check the writes -> rename out
+
+The executor calls it for controller nodes and `PoolWorker` for model nodes, so what happens
+when a node runs, and how a node that returns the wrong keys fails, is written once.
+"""
+
+from collections.abc import Callable
+
+from flowrl.nodespec import KEEP, NodeSpec, split_output
+from flowrl.protocol import DataProto
+
+
+class NodeFailure(RuntimeError):
+    """A node failed: names the node, where it ran, and the batch it was given."""
+
+
+def call_node(
+    node_id: str,
+    spec: NodeSpec,
+    rename: dict[str, str],
+    batch: DataProto,
+    run: Callable[[DataProto], object],
+    where: str,
+    meta: dict | None = None,
+) -> tuple[DataProto, dict]:
+    """Run one node on `batch` (graph keys); returns (its writes under graph keys, metrics).
+
+    Args:
+        rename: the node's declared key -> graph key.
+        run: the node's code on the renamed batch: `fn(batch, params[, state])` or
+            `worker(batch)`, returning writes or (writes, metrics).
+        where: for messages, e.g. "on the controller" or "on pool main, rank 1".
+        meta: added to the batch's meta for this call (e.g. rank, world_size).
+
+    A filter node (rows="filter") returns only `keep`; any other node exactly its declared
+    writes. Anything else raises NodeFailure naming the node.
+    """
+    local = batch.renamed({graph_key: key for key, graph_key in rename.items()})
+    local.meta.update(meta or {})
+    try:
+        writes, metrics = split_output(run(local))
+    except Exception as e:
+        raise NodeFailure(
+            f"node {node_id} failed {where}: {type(e).__name__}: {e}\n"
+            f"  its batch: {batch.describe()}"
+        ) from e
+    expected = {KEEP} if spec.rows == "filter" else set(spec.writes)
+    if set(writes) != expected:
+        missing, extra = sorted(expected - set(writes)), sorted(set(writes) - expected)
+        raise NodeFailure(
+            f"node {node_id} returned keys {sorted(writes)}, but declares {sorted(expected)}"
+            + (f" (missing: {', '.join(missing)})" if missing else "")
+            + (f" (not declared: {', '.join(extra)})" if extra else "")
+            + f" {where}: return exactly the keys in its SPEC's writes"
+        )
+    if not writes:
+        return DataProto.from_dict({}), metrics
+    return DataProto.from_columns({rename.get(k, k): v for k, v in writes.items()}), metrics
