@@ -6,6 +6,8 @@ own parameters live in its module's `Params` class. docs/graph-file.md documents
 
 import attrs
 
+from flowrl.engines.rollout import ROLLOUT_BACKENDS  # torch-free: the table, no backend
+
 BACKENDS = ("ray", "local")
 HEADS = ("lm", "value")
 SCHEDULES = ("constant", "cosine")
@@ -17,6 +19,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def _choice(*choices):
     return attrs.validators.in_(choices)
+
+
+def _rollout_backend(instance, attribute, value):
+    """A name in the one table of rollout backends (flowrl/engines/rollout.py)."""
+    if value not in ROLLOUT_BACKENDS:
+        raise ValueError(f"'{attribute.name}' must be in {tuple(ROLLOUT_BACKENDS)} (got {value!r})")
 
 
 def _positive(instance, attribute, value):
@@ -60,6 +68,7 @@ class ModelConfig:
     head: str = attrs.field(default="lm", validator=_choice(*HEADS))  # "value" for critics
     pool: str = ""  # which pool hosts it; may be left out when there is one pool
     rollout_pool: str = ""  # pool of its rollout engine; "" = the same (hybrid engine)
+    rollout: str = attrs.field(default="hf", validator=_rollout_backend)  # the rollout backend
     dtype: str = attrs.field(default="float32", validator=_choice(*DTYPES))  # of the weights
     lr: float = attrs.field(default=1e-6, validator=_positive)  # AdamW peak learning rate
     weight_decay: float = 0.0  # AdamW decoupled weight decay

@@ -1,73 +1,7 @@
-"""Fixtures for node tests: a character-level tokenizer and a tiny random Llama, built
-in-process in milliseconds, no download. `path = "tiny"` in a graph uses them."""
+"""Fixtures for node tests: the character-level tokenizer and tiny random Llama behind
+`path = "tiny"`. They live in flowrl/models/tiny.py, since library code loads them too; tests
+import them from here. Library code must not import this module (tests/unit/test_layout.py)."""
 
-import string
-from functools import cache
+from flowrl.models.tiny import CHAT_TEMPLATE, SPECIAL, tiny_model, tiny_tokenizer
 
-import torch
-
-SPECIAL = ["<pad>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-@cache
-def _tokenizer_json() -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    chars = sorted(set(string.printable))
-    vocab = {token: i for i, token in enumerate(SPECIAL + chars)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=" "))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIAL)
-    return tok.to_str()
-
-
-def tiny_tokenizer():
-    """A character-level tokenizer (printable ASCII, one token per character, plus <pad>,
-    <|im_start|> and <|im_end|> = eos) with a ChatML template like SmolLM2's."""
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
-        eos_token="<|im_end|>",
-        pad_token="<pad>",
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def tiny_model(
-    head: str = "lm", seed: int = 0, vocab: int | None = None, layers: int = 2, hidden: int = 32
-):
-    """A random Llama (2 layers, hidden 32, 2 heads sharing 1 KV head, tied embeddings) over
-    `vocab` tokens (default: tiny_tokenizer's); head "value" wraps it in a ValueModel.
-    Seeded without touching the global random state."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=vocab or len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-        if head == "value":
-            from flowrl.models.value_head import ValueModel
-
-            model = ValueModel(model)
-    return model
+__all__ = ["CHAT_TEMPLATE", "SPECIAL", "tiny_model", "tiny_tokenizer"]

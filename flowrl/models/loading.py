@@ -24,7 +24,7 @@ def resolve_path(path: str) -> str:
 def load_tokenizer(path: str):
     """The tokenizer of a model path; pad falls back to eos."""
     if path == "tiny":
-        from flowrl.testing import tiny_tokenizer
+        from flowrl.models.tiny import tiny_tokenizer
 
         return tiny_tokenizer()
     tokenizer = _pretrained(AutoTokenizer, resolve_path(path))
@@ -53,7 +53,7 @@ def load_model(path: str, *, head: str = "lm", dtype: str = "float32", seed: int
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if path == "tiny":
-            from flowrl.testing import tiny_model
+            from flowrl.models.tiny import tiny_model
 
             module = tiny_model(head=head, seed=seed)
         else:

@@ -44,7 +44,7 @@ class PoolSetup:
 
 class PoolWorker:
     def __init__(self, setup: PoolSetup, rank: int = 0, world_size: int = 1, dist_url: str = ""):
-        from flowrl.engines import RolloutEngine, TrainEngine
+        from flowrl.engines import TrainEngine, make_rollout
         from flowrl.models import load_model
 
         torch.set_num_threads(setup.threads)
@@ -92,7 +92,7 @@ class PoolWorker:
                 group=group,
             )
             if name in setup.rollout_models:
-                self.rollout[name] = RolloutEngine(module, tokenizer, device)
+                self.rollout[name] = make_rollout(config.rollout, module, tokenizer, device)
         self.workers = {}
         for node in setup.nodes:
             spec = registry.resolve(node.uses, Path(setup.base_dir)).spec

@@ -10,7 +10,8 @@ from flowrl.nodes import generate, logprob, values
 from flowrl.nodes.reward import model as reward_model
 
 from flowrl.engines import RolloutEngine, TrainEngine
-from flowrl.engines.rollout import PreallocatedLayer, nucleus, preallocated_cache, sample_tokens
+from flowrl.engines.kv_cache import PreallocatedLayer, preallocated_cache
+from flowrl.engines.sampling import nucleus, sample_tokens
 from flowrl.models import load_model
 from flowrl.protocol import DataProto
 from flowrl.testing import tiny_model, tiny_tokenizer
@@ -496,7 +497,7 @@ def test_preallocated_cache_layer_behaves_like_the_dynamic_one():
 def test_rollout_uses_a_preallocated_cache_with_the_same_tokens_as_a_dynamic_one(monkeypatch):
     from transformers import DynamicCache
 
-    from flowrl.engines import rollout
+    from flowrl.engines import hf_rollout as rollout
 
     model, tok = tiny_model(seed=0), tiny_tokenizer()
     assert all(isinstance(x, PreallocatedLayer) for x in preallocated_cache(model, 8).layers)

@@ -1,0 +1,53 @@
+"""Choosing the next token from logits: greedy, or sampled after temperature, top-k and top-p.
+
+Sampling runs in torch on the logits of the active rows, one draw per row from a caller's
+generator, so a rollout is reproducible from its seed.
+"""
+
+import torch
+
+
+def sample_tokens(logits, temperature, top_k, top_p, do_sample, generator) -> torch.Tensor:
+    """logits (a, v) -> one token per row (a,): greedy, or sampled after temperature, top-k
+    and top-p, in the order `generate` applies them."""
+    if not do_sample or temperature == 0:
+        return logits.argmax(-1)
+    logits, order = logits / temperature, None
+    if 0 < top_k < logits.shape[-1]:
+        logits, order = logits.topk(top_k, dim=-1)  # (a, k), and their token ids
+    if top_p < 1.0:
+        logits, order = nucleus(logits, order, top_p)
+    token = draw(logits.softmax(-1), generator)
+    return token if order is None else order.gather(-1, token[:, None]).squeeze(-1)
+
+
+def nucleus(logits, order, top_p: float):
+    """The smallest set of most likely tokens holding top_p of the mass (Holtzman et al. 2019,
+    arXiv 1904.09751): (logits (a, c) of sorted candidates, the rest -inf; their ids in `order`,
+    or in the vocabulary when order is None). The candidates come from a top-c grown until they
+    hold top_p in every row: sorting SmolLM2's 49152 tokens for 32 rows takes 60 ms on CPU, a
+    top-64 2 ms."""
+    vocab = logits.shape[-1]
+    normaliser = logits.logsumexp(-1, keepdim=True)
+    c = min(64, vocab)
+    while True:
+        values, index = logits.topk(c, dim=-1)  # (a, c), sorted
+        probs = (values - normaliser).exp()
+        if c == vocab or bool((probs.sum(-1) >= top_p).all()):
+            break
+        c = min(8 * c, vocab)
+    drop = probs.cumsum(-1) - probs >= top_p  # the more likely tokens already hold top_p
+    drop[:, 0] = False  # the most likely token always stays
+    values = values.masked_fill(drop, float("-inf"))
+    return values, index if order is None else order.gather(-1, index)
+
+
+def draw(probs: torch.Tensor, generator) -> torch.Tensor:
+    """One index per row of probs (a, k), by inverting the CDF at a uniform draw: one random
+    number per row, where torch.multinomial (without replacement) draws one per entry: 35 ms
+    for 32 rows over SmolLM2's 49152 tokens on the 2-core CPU, against 1 ms here. Each entry's share
+    of [0, 1) is its probability to within a float32 rounding of the running sum (~1e-7)."""
+    cdf = probs.cumsum(-1)  # (a, k)
+    u = torch.rand(len(probs), 1, generator=generator, device=probs.device, dtype=cdf.dtype)
+    index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # first entry with cdf > u
+    return index.clamp(max=probs.shape[-1] - 1).squeeze(-1)
