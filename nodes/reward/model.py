@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import attrs
 
+from flowrl import ops
 from flowrl.nodespec import NodeSpec
 
 
@@ -15,10 +16,11 @@ class Params:
     scale: float = 1.0  # multiply the model's score
 
 
-def last_token_scores(values, response_mask):
-    """values (b, t), response_mask (b, t) -> (b,): the value at the last response token."""
-    last = (response_mask.sum(-1) - 1).clamp(min=0)  # (b,)
-    return values.gather(-1, last[:, None]).squeeze(-1) * (response_mask.sum(-1) > 0)
+def last_token_scores(values, mask):
+    """values (b, t), mask (b, t) -> (b,): the value at each row's last 1 of the mask (0 for
+    an empty row)."""
+    last = ops.last_one(mask)  # (b,)
+    return values.gather(-1, last[:, None]).squeeze(-1) * (mask.sum(-1) > 0)
 
 
 class RewardModelWorker:
