@@ -91,6 +91,13 @@ def last_one(mask):
     return (positions * mask.bool()).argmax(-1)  # the largest position holding a 1
 
 
+def response_attention(batch):
+    """The tokens a forward attends to, (b, t): `response_attention` (every real response
+    token: the policy's and tool output) where the batch has it, else `response_mask`; the
+    two are equal for single-turn rows."""
+    return batch["response_attention"] if "response_attention" in batch else batch["response_mask"]
+
+
 def group_ids(uid):
     """uid (b,) -> dense group index (b,) and group count."""
     _, index = torch.unique(uid, return_inverse=True)

@@ -1,6 +1,8 @@
 """A learned reward model: the value head's output at each row's last response token.
 
-reads: prompts, prompt_mask, responses, response_mask -> writes: scores
+reads: prompts, prompt_mask, responses, response_mask, response_attention -> writes: scores
+The last response token is the last real one (response_attention): in a multi-turn row it may
+be tool output, which the model reads like the rest of the conversation.
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ class RewardModelWorker:
 
     def __call__(self, batch):
         values = self.engine.infer(batch)["values"]  # (b, t)
-        scores = last_token_scores(values, batch["response_mask"]) * self.params.scale
+        scores = last_token_scores(values, ops.response_attention(batch)) * self.params.scale
         return {"scores": scores}, {"score": float(scores.mean()) if len(scores) else 0.0}
 
 
 SPEC = NodeSpec(
-    reads=("prompts", "prompt_mask", "responses", "response_mask"),
+    reads=("prompts", "prompt_mask", "responses", "response_mask", "response_attention"),
     writes=("scores",),
     params=Params,
     worker=RewardModelWorker,
