@@ -79,6 +79,25 @@ def entropy_from_logits(logits):
     return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
 
 
+def last_one(mask):
+    """mask (b, t) 0/1 -> (b,) int64: the index of each row's last 1 (0 for a row of zeros).
+
+    Not `mask.sum(-1) - 1`: a multi-turn `response_mask` has holes (tool output, 0 inside
+    a row), and the sum then points before the end.
+    """
+    if mask.shape[-1] == 0:
+        return torch.zeros(mask.shape[0], dtype=torch.long)
+    positions = torch.arange(mask.shape[-1], device=mask.device)  # (t,)
+    return (positions * mask.bool()).argmax(-1)  # the largest position holding a 1
+
+
+def response_attention(batch):
+    """The tokens a forward attends to, (b, t): `response_attention` (every real response
+    token: the policy's and tool output) where the batch has it, else `response_mask`; the
+    two are equal for single-turn rows."""
+    return batch["response_attention"] if "response_attention" in batch else batch["response_mask"]
+
+
 def group_ids(uid):
     """uid (b,) -> dense group index (b,) and group count."""
     _, index = torch.unique(uid, return_inverse=True)

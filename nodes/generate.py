@@ -1,6 +1,8 @@
 """Sample responses from the policy: n per prompt, stopping at EOS.
 
-reads: prompts, prompt_mask -> writes: responses, response_mask, response_text
+reads: prompts, prompt_mask -> writes: responses, response_mask, response_attention, response_text
+Every response token is sampled, so response_attention (the tokens a forward attends to) equals
+response_mask (the tokens trained on); a multi-turn rollout makes them differ.
 Rows come back interleaved (all samples of prompt 0, then prompt 1, ...); the runtime repeats
 the batch's other columns to match, so `uid` groups the samples of a prompt.
 """
@@ -56,12 +58,13 @@ class GenerateWorker:
         texts = np.empty(len(out["responses"]), dtype=object)  # (b * n,) strings
         texts[:] = self.engine.tokenizer.batch_decode(out["responses"], skip_special_tokens=True)
         metrics = generation_metrics(out["response_mask"], time.perf_counter() - start)
-        return {**out, "response_text": texts}, metrics
+        attention = out["response_mask"].clone()  # (b * n, t)
+        return {**out, "response_attention": attention, "response_text": texts}, metrics
 
 
 SPEC = NodeSpec(
     reads=("prompts", "prompt_mask"),
-    writes=("responses", "response_mask", "response_text"),
+    writes=("responses", "response_mask", "response_attention", "response_text"),
     params=Params,
     worker=GenerateWorker,
     mode="rollout",

@@ -1,6 +1,6 @@
 """Log-probability of each response token under a model (old policy, or the reference).
 
-reads: prompts, prompt_mask, responses, response_mask -> writes: logprobs
+reads: prompts, prompt_mask, responses, response_mask, response_attention -> writes: logprobs
 Graphs use it twice with rename: `old_logprobs` from the policy, `ref_logprobs` from the ref.
 """
 
@@ -27,7 +27,7 @@ class LogprobWorker:
 
 
 SPEC = NodeSpec(
-    reads=("prompts", "prompt_mask", "responses", "response_mask"),
+    reads=("prompts", "prompt_mask", "responses", "response_mask", "response_attention"),
     writes=("logprobs",),
     params=Params,
     worker=LogprobWorker,

@@ -1,6 +1,6 @@
 """The critic's value estimate at each response token.
 
-reads: prompts, prompt_mask, responses, response_mask -> writes: values
+reads: prompts, prompt_mask, responses, response_mask, response_attention -> writes: values
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class ValuesWorker:
 
 
 SPEC = NodeSpec(
-    reads=("prompts", "prompt_mask", "responses", "response_mask"),
+    reads=("prompts", "prompt_mask", "responses", "response_mask", "response_attention"),
     writes=("values",),
     params=Params,
     worker=ValuesWorker,

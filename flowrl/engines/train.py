@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from transformers import DynamicCache
 
+from flowrl import ops
+
 HOST = "cpu"
 PARTS = ("weights", "grads", "optimizer")
 # repeated prompts run once when that saves this many prompt tokens: below it, the extra
@@ -79,7 +81,7 @@ class TrainEngine:
         if len(rows) == 0:
             return [rows]
         prompt = rows["prompt_mask"].sum(-1).tolist()  # left-padded: trimmed width = longest
-        response = rows["response_mask"].sum(-1).tolist()
+        response = ops.response_attention(rows).sum(-1).tolist()  # no holes: the trimmed width
         bounds, start, wide = [], 0, (0, 0)
         for i in range(len(rows)):
             grown = (max(wide[0], prompt[i]), max(wide[1], response[i]))
@@ -104,9 +106,10 @@ class TrainEngine:
     # -- forward -------------------------------------------------------------------------------
     def forward(self, rows, *, grad: bool, entropy: bool = False, temperature: float = 1.0) -> dict:
         """Per response token, for rows with prompts, prompt_mask (b, p) left-padded and
-        responses, response_mask (b, t) right-padded:
-        {"logprobs" (b, t)[, "entropy" (b, t)]} for an LM, {"values" (b, t)} for a value
-        model; zero where response_mask is 0. Logits are divided by `temperature`."""
+        responses, response_attention (b, t) right-padded (every real token, tool output too;
+        see `ops.response_attention`): {"logprobs" (b, t)[, "entropy" (b, t)]} for an LM,
+        {"values" (b, t)} for a value model; zero where response_attention is 0 (callers mask
+        losses with response_mask). Logits are divided by `temperature`."""
         b, t = rows["responses"].shape
         if b == 0:
             empty = torch.zeros(0, t)
@@ -118,20 +121,20 @@ class TrainEngine:
 
     def _forward(self, rows, entropy: bool, temperature: float):
         prompts, prompt_mask = _trim(rows["prompts"], rows["prompt_mask"], left=True)
-        responses, response_mask = _trim(rows["responses"], rows["response_mask"], left=False)
+        responses, attention = _trim(rows["responses"], ops.response_attention(rows), left=False)
         prompts, prompt_mask = prompts.to(self.device), prompt_mask.to(self.device)
-        responses, response_mask = responses.to(self.device), response_mask.to(self.device)
-        hidden = self._hidden(prompts, prompt_mask, responses, response_mask)  # (b, t', h)
+        responses, attention = responses.to(self.device), attention.to(self.device)
+        hidden = self._hidden(prompts, prompt_mask, responses, attention)  # (b, t', h)
         if self.is_value:
             out = {"values": self.head(hidden).squeeze(-1).float()}
         else:
             logits = self.head(hidden).float() / temperature  # (b, t', v)
             out = token_logprobs(logits, responses, entropy)
-        return out, response_mask
+        return out, attention
 
-    def _hidden(self, prompts, prompt_mask, responses, response_mask) -> torch.Tensor:
+    def _hidden(self, prompts, prompt_mask, responses, attention) -> torch.Tensor:
         """The backbone's last hidden states at the positions predicting each response token:
-        (b, t, h), from prompts (b, p) and responses (b, t).
+        (b, t, h), from prompts (b, p) and responses (b, t) with their attention mask (b, t).
 
         Rows that repeat a prompt (the n samples of one prompt) share it: each distinct prompt
         runs once, its keys and values are repeated for its rows, and only response tokens run
@@ -140,7 +143,7 @@ class TrainEngine:
         prompt tokens instead of 32 x 46.
         """
         p = prompts.shape[1]
-        mask = torch.cat([prompt_mask, response_mask], dim=1)  # (b, p + t)
+        mask = torch.cat([prompt_mask, attention], dim=1)  # (b, p + t)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens
         distinct, group = torch.unique(
             torch.cat([prompts, prompt_mask], dim=1), dim=0, return_inverse=True

@@ -23,18 +23,22 @@ def gae_advantages(token_rewards, values, response_mask, gamma: float, lam: floa
     """(b, t) each -> advantages, returns (b, t).
 
     delta_t = r_t + gamma V_{t+1} - V_t;  A_t = delta_t + gamma lam A_{t+1}; returns = A + V.
-    Positions past a row's last token contribute nothing (V and A beyond it count as 0).
+    The recursion runs over the positions where response_mask is 1, so t+1 is the next such
+    position: a 0 inside a row (tool output in a multi-turn row) is skipped, its reward and
+    value unused, and V and A are carried across it (verl's convention). Past a row's last
+    token V and A count as 0; advantages and returns are 0 where the mask is 0.
     """
     mask = response_mask.to(values.dtype)
+    trained = response_mask.bool()
     values = values * mask
     advantages = torch.zeros_like(values)
     running = torch.zeros(values.shape[0])
     next_value = torch.zeros(values.shape[0])
     for t in reversed(range(values.shape[1])):
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        running = (delta + gamma * lam * running) * mask[:, t]
-        next_value = values[:, t]
-        advantages[:, t] = running
+        running = torch.where(trained[:, t], delta + gamma * lam * running, running)
+        next_value = torch.where(trained[:, t], values[:, t], next_value)
+        advantages[:, t] = running * mask[:, t]
     return advantages, (advantages + values) * mask
 
 

@@ -20,13 +20,18 @@ class Params:
 
 
 def discounted_returns(token_rewards, response_mask, gamma: float):
-    """(b, t) -> (b, t): G_t = r_t + gamma G_{t+1}, zero on padding."""
+    """(b, t) -> (b, t): G_t = r_t + gamma G_{t+1}, zero where response_mask is 0.
+
+    t+1 is the next position where the mask is 1: a 0 inside a row (tool output in a
+    multi-turn row) is skipped, its reward unused, and the return carried across it.
+    """
     mask = response_mask.to(token_rewards.dtype)
+    trained = response_mask.bool()
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros(token_rewards.shape[0])
     for t in reversed(range(token_rewards.shape[1])):
-        running = (token_rewards[:, t] + gamma * running) * mask[:, t]
-        returns[:, t] = running
+        running = torch.where(trained[:, t], token_rewards[:, t] + gamma * running, running)
+        returns[:, t] = running * mask[:, t]
     return returns
 
 

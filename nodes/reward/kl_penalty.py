@@ -1,8 +1,8 @@
 """KL-penalised token rewards (Ziegler et al., arXiv 1909.08593; as in PPO-RLHF).
 
 reads: scores, old_logprobs, ref_logprobs, response_mask -> writes: token_rewards
-r_t = -beta * KL_t on every token, plus the sequence score on its last token. beta is fixed or
-adapted each step toward a target KL.
+r_t = -beta * KL_t on every token, plus the sequence score on its last token (the last 1 of
+response_mask: the last sampled token). beta is fixed or adapted each step toward a target KL.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def kl_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef, kin
     mask = response_mask.to(logprobs.dtype)
     kl = ops.kl_estimate(logprobs, ref_logprobs, kind) * mask  # (b, t)
     rewards = -kl_coef * kl
-    last = (mask.sum(-1).long() - 1).clamp(min=0)  # (b,): the last response token
+    last = ops.last_one(response_mask)  # (b,): the last trained token, after any hole
     has_tokens = (mask.sum(-1) > 0).to(rewards.dtype)
     rewards[torch.arange(len(scores)), last] += scores.float() * has_tokens
     return rewards, kl.sum(-1)

@@ -1,6 +1,8 @@
 """Critic update: clipped value loss (PPO, arXiv 1707.06347; clipping as in OpenAI baselines).
 
-reads: prompts, prompt_mask, responses, response_mask, values, returns -> writes: -
+reads: prompts, prompt_mask, responses, response_mask, response_attention, values, returns
+       -> writes: -
+The forward attends to response_attention; the loss counts only response_mask (sampled tokens).
 """
 
 from __future__ import annotations
@@ -92,7 +94,15 @@ class CriticUpdateWorker:
 
 
 SPEC = NodeSpec(
-    reads=("prompts", "prompt_mask", "responses", "response_mask", "values", "returns"),
+    reads=(
+        "prompts",
+        "prompt_mask",
+        "responses",
+        "response_mask",
+        "response_attention",
+        "values",
+        "returns",
+    ),
     writes=(),
     params=Params,
     worker=CriticUpdateWorker,

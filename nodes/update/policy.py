@@ -2,8 +2,10 @@
 ranges (arXiv 2503.14476), dual-clip (arXiv 1912.09729), entropy bonus and an optional KL loss
 against the reference (GRPO, arXiv 2402.03300).
 
-reads: prompts, prompt_mask, responses, response_mask, advantages, old_logprobs
-       (+ ref_logprobs when kl_loss_coef > 0; old_logprobs not read when on_policy) -> writes: -
+reads: prompts, prompt_mask, responses, response_mask, response_attention, advantages,
+       old_logprobs (+ ref_logprobs when kl_loss_coef > 0; old_logprobs not read when on_policy)
+       -> writes: -
+The forward attends to response_attention; the loss counts only response_mask (sampled tokens).
 """
 
 from __future__ import annotations
@@ -149,7 +151,14 @@ def check(params: Params, context) -> list[Finding]:
 
 
 SPEC = NodeSpec(
-    reads=("prompts", "prompt_mask", "responses", "response_mask", "advantages"),
+    reads=(
+        "prompts",
+        "prompt_mask",
+        "responses",
+        "response_mask",
+        "response_attention",
+        "advantages",
+    ),
     writes=(),
     params=Params,
     worker=PolicyUpdateWorker,

@@ -9,6 +9,9 @@ from flowrl.nodes.advantage.remax import remax_advantages
 from flowrl.nodes.advantage.rloo import leave_one_out_advantages
 from flowrl.nodes.filter.dynamic_sampling import varied_groups
 from flowrl.nodes.reward.kl_penalty import AdaptiveKLController, kl_token_rewards
+from flowrl.nodes.reward.model import last_token_scores
+
+from flowrl import ops
 
 
 def ragged(seed, b=6, t=5):
@@ -98,6 +101,70 @@ def test_kl_penalty_empty_response():
         kind="k1",
     )
     assert torch.equal(rewards, torch.zeros(1, 2))
+
+
+# -- masks with holes: multi-turn rows, tool output (mask 0) between sampled tokens -----------
+
+
+def test_gae_carries_value_and_advantage_across_a_hole():
+    # two model tokens, two tool tokens, two model tokens; outcome reward 1 on the last,
+    # V = 0, gamma = lam = 1: every model token's advantage is 1 (research/multiturn.md, sec. 5)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1]])
+    adv, ret = gae_advantages(
+        torch.tensor([[0.0, 0, 0, 0, 0, 1]]), torch.zeros(1, 6), mask, gamma=1.0, lam=1.0
+    )
+    torch.testing.assert_close(adv, torch.tensor([[1.0, 1, 0, 0, 1, 1]]))
+    torch.testing.assert_close(ret, adv)
+
+
+def test_gae_next_value_is_the_next_trained_tokens():
+    # mask [1, 0, 1], rewards [0, 5, 1], values [0.5, 9, 0.25], gamma = lam = 0.5;
+    # position 1 is skipped (its reward 5 and value 9 unused):
+    # A_2 = 1 + 0 - 0.25 = 0.75
+    # delta_0 = 0 + 0.5 * V_2 - V_0 = 0.125 - 0.5 = -0.375; A_0 = -0.375 + 0.25 * 0.75 = -0.1875
+    # returns = A + V = [0.3125, 0, 1.0]
+    adv, ret = gae_advantages(
+        torch.tensor([[0.0, 5.0, 1.0]]),
+        torch.tensor([[0.5, 9.0, 0.25]]),
+        torch.tensor([[1, 0, 1]]),
+        gamma=0.5,
+        lam=0.5,
+    )
+    torch.testing.assert_close(adv, torch.tensor([[-0.1875, 0.0, 0.75]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.3125, 0.0, 1.0]]))
+
+
+def test_discounted_returns_carry_across_a_hole():
+    # mask [1, 1, 0, 0, 1, 1], rewards [1, 0, 7, 7, 0, 2] (the 7s sit on tool tokens: unused),
+    # gamma 0.5: G5 = 2, G4 = 0 + 0.5 * 2 = 1, G1 = 0 + 0.5 * G4 = 0.5, G0 = 1 + 0.5 * 0.5 = 1.25
+    out = discounted_returns(
+        torch.tensor([[1.0, 0, 7, 7, 0, 2]]), torch.tensor([[1, 1, 0, 0, 1, 1]]), gamma=0.5
+    )
+    torch.testing.assert_close(out, torch.tensor([[1.25, 0.5, 0, 0, 1, 2]]))
+
+
+def test_kl_penalty_puts_the_score_on_the_last_trained_token():
+    # mask [1, 1, 0, 0, 1, 1, 0]: mask.sum() - 1 = 3 is a tool token; the last 1 is at 5.
+    # logp - ref = 0.5 everywhere -> k1 0.5 on the 4 trained tokens, beta 0.1 -> -0.05 each
+    rewards, kl = kl_token_rewards(
+        torch.tensor([1.0]),
+        torch.zeros(1, 7),
+        torch.full((1, 7), -0.5),
+        torch.tensor([[1, 1, 0, 0, 1, 1, 0]]),
+        kl_coef=0.1,
+        kind="k1",
+    )
+    torch.testing.assert_close(rewards, torch.tensor([[-0.05, -0.05, 0, 0, -0.05, 0.95, 0]]))
+    torch.testing.assert_close(kl, torch.tensor([2.0]))  # 4 x 0.5
+
+
+def test_last_one_and_reward_model_score_at_the_last_real_token():
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0]])
+    assert ops.last_one(mask).tolist() == [5, 0, 0]  # an empty row gives 0
+    assert ops.last_one(torch.zeros(2, 0)).tolist() == [0, 0]
+    values = torch.arange(21.0).reshape(3, 7)
+    # row 0: value at index 5 = 5; row 1: empty -> 0; row 2: index 0 = 14
+    assert last_token_scores(values, mask).tolist() == [5.0, 0.0, 14.0]
 
 
 def test_adaptive_kl_controller():
@@ -192,3 +259,50 @@ def test_discounted_returns_and_group_baseline_match_loops(seed):
         for i in range(6)
     ]
     torch.testing.assert_close(group_baseline(rewards, mask, uid), torch.tensor(means))
+
+
+def holed(seed, b=8, t=7):
+    """A random mask with holes inside rows and right padding, like multi-turn rows."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, t + 1, (b,), generator=g)
+    real = torch.arange(t)[None] < lengths[:, None]
+    mask = (real & (torch.rand(b, t, generator=g) < 0.6)).long()
+    assert ((mask == 0) & real).any()  # some holes
+    return g, mask
+
+
+def on_trained_tokens(fn, mask, *rows):
+    """fn applied to each row's trained tokens alone (holes squeezed out, a mask of ones),
+    the result put back at those positions; 0 elsewhere. (b, t)."""
+    out = torch.zeros(mask.shape)
+    for i in range(len(mask)):
+        keep = mask[i].bool()
+        ones = torch.ones(1, int(keep.sum()), dtype=torch.long)
+        out[i, keep] = fn(*(x[i, keep][None] for x in rows), ones)[0]
+    return out
+
+
+def reference_returns(rewards, mask, gamma):
+    out = torch.zeros(rewards.shape)
+    for i in range(rewards.shape[0]):
+        running = 0.0
+        for k in reversed(range(int(mask[i].sum()))):
+            running = float(rewards[i, k]) + gamma * running
+            out[i, k] = running
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gae_and_returns_with_holes_equal_rows_with_the_holes_squeezed_out(seed):
+    # the recursion runs over trained tokens only: a row with holes gives what the same row
+    # without its tool tokens gives, at the same tokens
+    g, mask = holed(seed)
+    rewards, values = torch.randn(mask.shape, generator=g), torch.randn(mask.shape, generator=g)
+    adv, ret = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8)
+    expected = on_trained_tokens(
+        lambda r, v, m: reference_gae(r, v, m, 0.9, 0.8), mask, rewards, values
+    )
+    torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(ret, (expected + values) * mask)
+    returns = on_trained_tokens(lambda r, m: reference_returns(r, m, 0.7), mask, rewards)
+    torch.testing.assert_close(discounted_returns(rewards, mask, 0.7), returns)

@@ -187,6 +187,72 @@ def test_value_forward_at_response_positions_and_zero_start():
         torch.testing.assert_close(out[i, :t], full[p - 1 : p - 1 + t])  # state predicting it
 
 
+def split_rows(seed=7):
+    """Multi-turn-like rows: real response tokens (response_attention) of which only some
+    were sampled by the policy (response_mask), with tool output between and after them.
+    Returns (split rows, the same rows with every real token in response_mask, no split key).
+    """
+    batch = rows(seed, b=3, p=6, t=6)
+    attention = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]])
+    sampled = torch.tensor([[1, 1, 0, 1, 0, 0], [1, 0, 0, 1, 0, 0], [1, 1, 1, 0, 0, 0]])
+    responses = torch.randint(3, 100, (3, 6), generator=torch.Generator().manual_seed(seed))
+    common = {"prompts": batch["prompts"], "prompt_mask": batch["prompt_mask"]}
+    common["responses"] = responses * attention
+    split = {"response_mask": sampled, "response_attention": attention}
+    plain = {"response_mask": attention}
+    return DataProto.from_dict(common | split), DataProto.from_dict(common | plain)
+
+
+@pytest.mark.parametrize("min_saved", [0, 10**9])  # prompts shared through the cache, or not
+def test_forward_attends_to_response_attention_wider_than_response_mask(monkeypatch, min_saved):
+    # row 0 trains tokens 0, 1, 3: the untrained token 2 must still be attended to (and count
+    # for positions), so token 3's log-prob is the one of the whole sequence; without the split
+    # (response_mask = every real token) the trained positions get the same numbers
+    from flowrl.engines import train
+
+    monkeypatch.setattr(train, "MIN_SAVED_PROMPT_TOKENS", min_saved)
+    model = tiny_model(seed=0)
+    lm = TrainEngine(model, tiny_tokenizer(), trainable=False, micro_tokens=12)
+    split, plain = split_rows()
+    sampled = split["response_mask"]
+    out = lm.forward(split, grad=False)["logprobs"]
+    torch.testing.assert_close(out * sampled, lm.forward(plain, grad=False)["logprobs"] * sampled)
+    # at every real token: the log-probs of each whole unpadded sequence; 0 on padding
+    torch.testing.assert_close(out, naive_logprobs(model, plain))
+    assert len(lm.micro_batches(split)) > 1
+    torch.testing.assert_close(lm.infer(split)["logprobs"], out)
+    critic = TrainEngine(tiny_model(head="value", seed=1), tiny_tokenizer(), trainable=False)
+    torch.nn.init.normal_(critic.module.value_head.weight)
+    values = critic.forward(split, grad=False)["values"]
+    torch.testing.assert_close(values, critic.forward(plain, grad=False)["values"])
+
+
+def test_generate_writes_response_attention_and_model_nodes_read_it():
+    from flowrl.nodes.update import critic, policy
+
+    gen = generate.GenerateWorker(
+        RolloutEngine(tiny_model(), tiny_tokenizer()), generate.Params(n=2, max_new_tokens=4)
+    )
+    batch = rows(4, b=3)
+    batch.meta.update(seed=1, step=0)
+    out, _ = gen(batch.select(["prompts", "prompt_mask"]))
+    assert torch.equal(out["response_attention"], out["response_mask"])  # single-turn: equal
+    assert "response_attention" in generate.SPEC.writes
+    for node in (logprob, values, reward_model, policy, critic):  # dispatched to their forward
+        assert "response_attention" in node.SPEC.reads
+
+
+def test_reward_model_scores_the_last_real_token():
+    # row 0's last real token (index 4) is tool output: the reward model reads the whole
+    # conversation, so it scores there, not at the last sampled token (index 3)
+    critic = TrainEngine(tiny_model(head="value", seed=1), tiny_tokenizer(), trainable=False)
+    torch.nn.init.normal_(critic.module.value_head.weight)
+    split, plain = split_rows()
+    out, _ = reward_model.RewardModelWorker(critic, reward_model.Params())(split)
+    values = critic.forward(plain, grad=False)["values"]
+    torch.testing.assert_close(out["scores"], values[torch.arange(3), torch.tensor([4, 3, 2])])
+
+
 def test_empty_batch_gives_empty_outputs():
     lm = TrainEngine(tiny_model(), tiny_tokenizer(), trainable=False)
     critic = TrainEngine(tiny_model(head="value"), tiny_tokenizer(), trainable=False)

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 from flowrl.nodes.update import policy
-from flowrl.nodes.update.critic import CriticUpdateWorker
+from flowrl.nodes.update.critic import CriticUpdateWorker, clipped_value_loss
 from flowrl.nodes.update.critic import Params as CriticParams
 
 from flowrl.engines import TrainEngine
@@ -34,8 +34,8 @@ def batch(b=6, p=5, t=4, seed=0):
     )
 
 
-def updated(model, worker_class, params, micro_tokens=4096):
-    """(gradients of the first optimizer step, metrics)."""
+def updated(model, worker_class, params, micro_tokens=4096, rows=None):
+    """(gradients of the first optimizer step, metrics) on `rows` (default: batch())."""
     engine = TrainEngine(copy.deepcopy(model), tiny_tokenizer(), lr=1e-2, micro_tokens=micro_tokens)
     grads, step = [], engine.step
 
@@ -46,7 +46,7 @@ def updated(model, worker_class, params, micro_tokens=4096):
         return step()
 
     engine.step = record_then_step
-    _, metrics = worker_class(engine, params)(batch())
+    _, metrics = worker_class(engine, params)(batch() if rows is None else rows)
     return grads[0], metrics
 
 
@@ -124,3 +124,67 @@ def test_mini_batches_take_several_optimizer_steps():
         model, policy.PolicyUpdateWorker, policy.Params(mini_batch_size=2, epochs=2)
     )
     assert metrics["lr"] == 1e-2 and "grad_norm" in metrics
+
+
+def with_tool_tokens(rows):
+    """rows whose second response token, where a later one exists, is tool output: attended
+    (response_attention) but not sampled (response_mask); the values a loss reads there are
+    changed (large advantages and returns; old log-probs moved inside the clip range), which
+    must not matter."""
+    attention = rows["response_mask"]
+    hole = torch.zeros_like(attention)
+    hole[:, 1] = attention[:, 2]  # a 0 inside the row, not at its end
+    assert hole.any()
+    out = {k: rows[k] for k in rows.keys()} | {
+        "response_mask": attention - hole,
+        "response_attention": attention,
+    }
+    for key, planted in (("advantages", 50.0), ("values", 50.0), ("returns", 50.0)):
+        out[key] = torch.where(hole.bool(), torch.full_like(rows[key], planted), rows[key])
+    out["old_logprobs"] = rows["old_logprobs"] + 0.05 * hole
+    return DataProto.from_dict(out)
+
+
+def reference_grads(model, loss_of):
+    """Gradients of loss_of(engine) on a fresh engine: one backward, no optimizer step."""
+    engine = TrainEngine(copy.deepcopy(model), tiny_tokenizer(), lr=1e-2)
+    loss_of(engine).backward()
+    return {n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None}
+
+
+def test_policy_update_attends_to_tool_tokens_and_trains_only_sampled_ones():
+    # the update equals: a forward over every real token (no split), then the loss over the
+    # sampled tokens only; the values planted on the tool tokens change nothing
+    model = tiny_model(seed=4)
+    rows = with_tool_tokens(batch())
+    sampled = rows["response_mask"]
+    plain = DataProto.from_dict(
+        {k: rows[k] for k in ("prompts", "prompt_mask", "responses")}
+        | {"response_mask": rows["response_attention"]}
+    )
+
+    def loss_of(engine):
+        logprobs = engine.forward(plain, grad=True)["logprobs"]
+        return policy.ppo_policy_loss(logprobs, rows["old_logprobs"], rows["advantages"], sampled)[
+            0
+        ]
+
+    grads, _ = updated(model, policy.PolicyUpdateWorker, policy.Params(), rows=rows)
+    assert_same(grads, reference_grads(model, loss_of))
+
+
+def test_critic_update_attends_to_tool_tokens_and_trains_only_sampled_ones():
+    model = ValueModel(tiny_model(seed=5))
+    torch.nn.init.normal_(model.value_head.weight, std=0.1)
+    rows = with_tool_tokens(batch())
+    plain = DataProto.from_dict(
+        {k: rows[k] for k in ("prompts", "prompt_mask", "responses")}
+        | {"response_mask": rows["response_attention"]}
+    )
+
+    def loss_of(engine):
+        values = engine.forward(plain, grad=True)["values"]
+        return clipped_value_loss(values, rows["values"], rows["returns"], rows["response_mask"])[0]
+
+    grads, _ = updated(model, CriticUpdateWorker, CriticParams(), rows=rows)
+    assert_same(grads, reference_grads(model, loss_of))
