@@ -44,24 +44,36 @@ def ppo_policy_loss(
     agg="token-mean",
     num_tokens=None,
     num_seqs=None,
+    norm_length=None,
+    token_weights=None,
 ):
     """Clipped surrogate loss; all inputs (b, t). Returns (loss, metrics of this chunk).
 
-    ratio r = exp(logp - old); loss per token = max(-A r, -A clip(r, 1 - low, 1 + high)),
-    and with dual-clip c, min(that, -A c) where A < 0.
+    ratio r = exp(logp - old) with logp - old clamped to [-20, 20] (finite gradients for
+    extreme tokens); loss per token = max(-A r, -A clip(r, 1 - low, 1 + high)), and with
+    dual-clip c, min(that, -A c) where A < 0. Metrics: clip_frac (tokens where the clip
+    binds), clip_frac_lower (tokens where the dual-clip bound -A c binds; verl's
+    pg_clipfrac_lower), approx_kl (mean old - logp). `token_weights` (b, t), e.g. truncated
+    importance-sampling weights (`flowrl.policy_losses.tis_weights`), multiply each token's loss;
+    `norm_length` is the divisor of seq-mean-token-sum-norm (see `ops.agg_loss`).
     """
-    ratio = torch.exp(logprobs - old_logprobs)
+    ratio = ops.ratio_from_log(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = torch.maximum(unclipped, clipped)
+    lower_binds = torch.zeros_like(loss, dtype=torch.bool)
     if dual_clip > 0:
-        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
+        lower_binds = (advantages < 0) & (loss > -advantages * dual_clip)
+        loss = torch.where(lower_binds, -advantages * dual_clip, loss)
+    if token_weights is not None:
+        loss = loss * token_weights
     mask = response_mask.to(loss.dtype)
     metrics = {
         "clip_frac": float(ops.masked_mean((clipped > unclipped).to(loss.dtype), mask)),
+        "clip_frac_lower": float(ops.masked_mean(lower_binds.to(loss.dtype), mask)),
         "approx_kl": float(ops.masked_mean(old_logprobs - logprobs.detach(), mask)),
     }
-    return ops.agg_loss(loss, mask, agg, num_tokens, num_seqs), metrics
+    return ops.agg_loss(loss, mask, agg, num_tokens, num_seqs, norm_length), metrics
 
 
 def contributing_rows(advantages, params: Params):
