@@ -31,8 +31,7 @@ def tis_weights(old_logprobs, rollout_logprobs, cap: float):
     of the sampled tokens before the update and `rollout_logprobs` the sampler's (vLLM, SGLang:
     they differ by kernels and precision). Multiplying w into the policy-gradient loss corrects
     for sampling from the rollout engine's distribution (Yao et al. 2025, "Your efficient RL
-    framework secretly brings you off-policy RL training"; verl's `tis_imp_ratio_cap`, C = 2
-    in their runs).
+    framework secretly brings you off-policy RL training"; C is verl's `tis_imp_ratio_cap`).
     """
     ratio = ops.ratio_from_log(old_logprobs - rollout_logprobs)
     return ratio.clamp(max=cap).detach()

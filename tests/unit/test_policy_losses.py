@@ -417,3 +417,29 @@ def test_extreme_token_leaves_the_others_gradient_intact():
     grad = grad_of(loss, logp)
     ratio = torch.exp(logp.detach()[:, 1:3] - old[:, 1:3])
     torch.testing.assert_close(grad[:, 1:3], -adv[:, 1:3] * ratio / int(mask.sum()))
+
+
+# -- micro-batches -----------------------------------------------------------------------------
+
+CHUNKED = {
+    "gspo": lambda lp, o, a, m, **n: gspo_policy_loss(lp, o, a, m, 0.2, 0.2, **n)[0],
+    "cispo": lambda lp, o, a, m, **n: cispo_policy_loss(lp, o, a, m, **n)[0],
+    "gpg": lambda lp, o, a, m, **n: gpg_policy_loss(lp, a, m, agg="seq-mean-token-sum", **n)[0],
+    "gmpo": lambda lp, o, a, m, num_tokens, num_seqs: gmpo_policy_loss(
+        lp, o, a, m, num_seqs=num_seqs
+    )[0],
+    "sapo": lambda lp, o, a, m, **n: sapo_policy_loss(lp, o, a, m, **n)[0],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHUNKED))
+def test_micro_batch_losses_sum_to_full_batch_loss(name):
+    # with the whole batch's token and row counts, the chunks' losses add up to the batch's
+    logp, old, adv, mask = random_inputs(3)
+    counts = {"num_tokens": mask.sum(), "num_seqs": mask.shape[0]}
+    full = CHUNKED[name](logp, old, adv, mask, num_tokens=None, num_seqs=None)
+    parts = sum(
+        CHUNKED[name](logp[i : i + 4], old[i : i + 4], adv[i : i + 4], mask[i : i + 4], **counts)
+        for i in range(0, mask.shape[0], 4)
+    )
+    torch.testing.assert_close(parts, full)
