@@ -3,18 +3,35 @@ ranges (arXiv 2503.14476), dual-clip (arXiv 1912.09729), entropy bonus and an op
 against the reference (GRPO, arXiv 2402.03300).
 
 reads: prompts, prompt_mask, responses, response_mask, advantages, old_logprobs
-       (+ ref_logprobs when kl_loss_coef > 0; old_logprobs not read when on_policy) -> writes: -
+       (+ ref_logprobs when kl_loss_coef > 0, rollout_logprobs when tis_cap > 0; old_logprobs
+       not read when on_policy) -> writes: -
+Other policy losses (GSPO, CISPO, GPG, GMPO, SAPO, Clip-Cov, KL-Cov) by the `loss` param.
 """
 
 from __future__ import annotations
 
 import attrs
 
-from flowrl import ops
+from flowrl import cov_losses, ops, policy_losses
 from flowrl.lazy import torch
 from flowrl.nodespec import NodeSpec
 
-AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+AGG = ops.AGG_MODES
+# the per-token rates each loss reports (averaged over the computed tokens of a mini-batch)
+RATES = {
+    "ppo": ("clip_frac", "clip_frac_lower", "approx_kl"),
+    "gspo": ("clip_frac", "approx_kl"),
+    "cispo": ("clip_frac", "approx_kl"),
+    "gpg": (),
+    "gmpo": ("clip_frac", "approx_kl"),
+    "sapo": ("gate", "approx_kl"),
+    "clip_cov": ("clip_frac", "cov_frac", "approx_kl"),
+    "kl_cov": ("cov_frac", "approx_kl"),
+}
+
+
+def _one_of(values: tuple, default: str):
+    return attrs.field(default=default, validator=attrs.validators.in_(values))
 
 
 @attrs.frozen
@@ -31,6 +48,13 @@ class Params:
     temperature: float = 1.0  # divide logits as the sampler did
     on_policy: bool = False  # old log-probs = this forward's, detached (epochs = 1, 1 mini-batch)
     skip_zero_rows: bool = True  # skip rows with no gradient (zero advantage, no KL/entropy)
+    loss: str = _one_of(tuple(RATES), "ppo")  # ppo, gspo, cispo, gpg, gmpo, sapo, clip_cov, kl_cov
+    tis_cap: float = 0.0  # truncated IS cap C on exp(old - rollout); reads rollout_logprobs if > 0
+    norm_length: int = 0  # divisor of agg seq-mean-token-sum-norm; 0 = the padded response length
+    tau_pos: float = 1.0  # loss sapo: gate temperature where A > 0
+    tau_neg: float = 1.05  # loss sapo: gate temperature where A < 0
+    cov_ratio: float = 2e-4  # loss clip_cov / kl_cov: share of tokens restrained by covariance
+    cov_kl_coef: float = 1.0  # loss kl_cov: weight of abs(log r) on those tokens
 
 
 def ppo_policy_loss(
@@ -76,11 +100,42 @@ def ppo_policy_loss(
     return ops.agg_loss(loss, mask, agg, num_tokens, num_seqs, norm_length), metrics
 
 
+def policy_loss(logprobs, old_logprobs, advantages, response_mask, params: Params, **counts):
+    """The policy loss `params.loss` names, on (b, t) tensors -> (loss, rates).
+
+    ppo: `ppo_policy_loss`; gspo, cispo, gpg, gmpo, sapo: `flowrl.policy_losses`; clip_cov,
+    kl_cov: `flowrl.cov_losses`. clip_low / clip_high are each loss's clip range: set the
+    papers' values in the graph file (gspo: 3e-4 / 4e-4 with agg = "seq-mean-token-mean";
+    gmpo: 0.4 / 0.4, in log space, and a mean over sequences whatever `agg`; cispo: the
+    weight's bounds). `counts`: num_tokens, num_seqs, norm_length, token_weights (see
+    `ops.agg_loss`).
+    """
+    p, args = params, (logprobs, old_logprobs, advantages, response_mask)
+    clip, agg = {"clip_low": p.clip_low, "clip_high": p.clip_high}, {"agg": p.agg, **counts}
+    if p.loss == "ppo":
+        return ppo_policy_loss(*args, dual_clip=p.dual_clip, **clip, **agg)
+    if p.loss == "gpg":
+        return policy_losses.gpg_policy_loss(logprobs, advantages, response_mask, **agg)
+    if p.loss == "gmpo":
+        weights = {k: counts.get(k) for k in ("num_seqs", "token_weights")}
+        return policy_losses.gmpo_policy_loss(*args, **clip, **weights)
+    if p.loss == "sapo":
+        return policy_losses.sapo_policy_loss(*args, p.tau_pos, p.tau_neg, **agg)
+    if p.loss == "clip_cov":
+        return cov_losses.clip_cov_policy_loss(*args, **clip, clip_cov_ratio=p.cov_ratio, **agg)
+    if p.loss == "kl_cov":
+        return cov_losses.kl_cov_policy_loss(*args, p.cov_ratio, p.cov_kl_coef, **agg)
+    loss_fn = {"gspo": policy_losses.gspo_policy_loss, "cispo": policy_losses.cispo_policy_loss}
+    return loss_fn[p.loss](*args, **clip, **agg)
+
+
 def contributing_rows(advantages, params: Params):
     """(b,) bool: rows whose loss terms have a gradient. With no KL or entropy term, a row
     whose advantage is zero everywhere adds exactly zero to the loss and its gradient, so its
-    forward and backward are skipped (the loss normaliser still counts it)."""
-    if params.kl_loss_coef > 0 or params.entropy_coef > 0 or not params.skip_zero_rows:
+    forward and backward are skipped (the loss normaliser still counts it). Clip-Cov and
+    KL-Cov need every row: their token covariance is taken over all the chunk's tokens."""
+    every = params.kl_loss_coef > 0 or params.entropy_coef > 0 or not params.skip_zero_rows
+    if every or params.loss in ("clip_cov", "kl_cov"):
         return torch.ones(advantages.shape[0], dtype=torch.bool)
     return (advantages != 0).any(-1)
 
@@ -106,37 +161,40 @@ class PolicyUpdateWorker:
         active = mini.index(contributing_rows(mini["advantages"], p))
         computed = max(engine.all_reduce_sum(float(active["response_mask"].sum())), 1)
         # loss terms add up over micro-batches; per-token rates are averaged over computed tokens
-        totals = dict.fromkeys(("pg_loss", "kl_loss", "entropy", "clip_frac", "approx_kl"), 0.0)
+        totals = dict.fromkeys(("pg_loss", "kl_loss", "entropy") + RATES[p.loss], 0.0)
+        norm_length = p.norm_length or None
         for micro in engine.micro_batches(active):
             if len(micro) == 0:
                 continue
             out = engine.forward(micro, grad=True, entropy=True, temperature=p.temperature)
             logprobs, mask = out["logprobs"], micro["response_mask"]
             old = logprobs.detach() if p.on_policy else micro["old_logprobs"]
-            loss, rates = ppo_policy_loss(
+            weights = None
+            if p.tis_cap > 0:
+                weights = policy_losses.tis_weights(old, micro["rollout_logprobs"], p.tis_cap)
+            loss, rates = policy_loss(
                 logprobs,
                 old,
                 micro["advantages"],
                 mask,
-                p.clip_low,
-                p.clip_high,
-                p.dual_clip,
-                p.agg,
-                num_tokens,
-                num_seqs,
+                p,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+                norm_length=norm_length,
+                token_weights=weights,
             )
             totals["pg_loss"] += float(loss.detach())
             share = float(mask.sum()) / computed
-            totals["clip_frac"] += rates["clip_frac"] * share
-            totals["approx_kl"] += rates["approx_kl"] * share
+            for key in RATES[p.loss]:
+                totals[key] += rates[key] * share
             totals["entropy"] += float(ops.masked_mean(out["entropy"].detach(), mask)) * share
             if p.entropy_coef > 0:
                 loss = loss - p.entropy_coef * ops.agg_loss(
-                    out["entropy"], mask, p.agg, num_tokens, num_seqs
+                    out["entropy"], mask, p.agg, num_tokens, num_seqs, norm_length
                 )
             if p.kl_loss_coef > 0:
                 kl = ops.kl_estimate(logprobs, micro["ref_logprobs"], p.kl_loss_kind)
-                kl_loss = ops.agg_loss(kl, mask, p.agg, num_tokens, num_seqs)
+                kl_loss = ops.agg_loss(kl, mask, p.agg, num_tokens, num_seqs, norm_length)
                 loss = loss + p.kl_loss_coef * kl_loss
                 totals["kl_loss"] += float(kl_loss.detach())
             engine.backward(loss)
@@ -147,7 +205,8 @@ class PolicyUpdateWorker:
 
 def _reads(params: Params) -> tuple[str, ...]:
     old = () if params.on_policy else ("old_logprobs",)
-    return old + (("ref_logprobs",) if params.kl_loss_coef > 0 else ())
+    rollout = ("rollout_logprobs",) if params.tis_cap > 0 else ()
+    return old + (("ref_logprobs",) if params.kl_loss_coef > 0 else ()) + rollout
 
 
 SPEC = NodeSpec(
