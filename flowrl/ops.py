@@ -7,8 +7,19 @@ from __future__ import annotations
 
 from flowrl.lazy import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3", "abs")
+MAX_LOG_RATIO = 20.0  # |log-ratio| bound before exp, as verl: exp(20) ~ 4.9e8 stays finite
+
+
+def ratio_from_log(log_ratio):
+    """exp(log_ratio) with log_ratio clamped to [-20, 20] first (any shape).
+
+    A token the sampler drew with a tiny probability can give a log-ratio of hundreds; exp of it
+    is inf in float32, and inf x 0 in a clipped branch's backward turns every gradient to NaN.
+    Where the clamp acts the gradient is 0, as for a clipped token.
+    """
+    return torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
 
 
 def masked_sum(x, mask, dim=None):
@@ -36,13 +47,18 @@ def masked_whiten(x, mask, shift_mean: bool = True, eps: float = 1e-8):
     return whitened if shift_mean else whitened + mean
 
 
-def agg_loss(token_loss, mask, mode: str = "token-mean", num_tokens=None, num_seqs=None):
+def agg_loss(
+    token_loss, mask, mode: str = "token-mean", num_tokens=None, num_seqs=None, norm_length=None
+):
     """token_loss (b, t), mask (b, t) -> scalar.
 
     token-mean: sum over tokens / tokens; seq-mean-token-sum: per-row sums / rows;
-    seq-mean-token-mean: per-row means / rows. `num_tokens` / `num_seqs` are the counts of the
-    whole mini-batch (all micro-batches, all ranks): summing the chunks' losses then gives the
-    loss of the whole mini-batch exactly. They default to this chunk's counts.
+    seq-mean-token-mean: per-row means / rows; seq-mean-token-sum-norm (Dr. GRPO, arXiv
+    2503.20783): per-row sums / `norm_length`, a constant, / rows. `norm_length` defaults to t,
+    the padded response length; pass the generation's max response length so the divisor stays
+    the same across steps and micro-batches, as the paper intends. `num_tokens` / `num_seqs` are
+    the counts of the whole mini-batch (all micro-batches, all ranks): summing the chunks' losses
+    then gives the loss of the whole mini-batch exactly. They default to this chunk's counts.
     """
     mask = mask.to(token_loss.dtype)
     if mode == "token-mean":
@@ -50,6 +66,8 @@ def agg_loss(token_loss, mask, mode: str = "token-mean", num_tokens=None, num_se
     per_row = (token_loss * mask).sum(-1)  # (b,)
     if mode == "seq-mean-token-mean":
         per_row = per_row / mask.sum(-1).clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        per_row = per_row / (mask.shape[-1] if norm_length is None else norm_length)
     elif mode != "seq-mean-token-sum":
         raise ValueError(f"unknown loss aggregation {mode!r}; use one of {AGG_MODES}")
     return per_row.sum() / (mask.shape[0] if num_seqs is None else num_seqs)
@@ -60,7 +78,8 @@ def kl_estimate(logprobs, ref_logprobs, kind: str = "k1"):
 
     k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) - 1 + log r (low variance, always >= 0;
     clamped to [-10, 10]), abs = |log r|, with log r = logprobs - ref_logprobs
-    (Schulman, "Approximating KL divergence", 2020).
+    (Schulman, "Approximating KL divergence", 2020). For k3, log r is clamped to [-20, 20]
+    before exp (as verl), so an extreme token gives a finite value and gradient.
     """
     log_ratio = logprobs - ref_logprobs
     if kind == "k1":
@@ -68,6 +87,7 @@ def kl_estimate(logprobs, ref_logprobs, kind: str = "k1"):
     if kind == "k2":
         return 0.5 * log_ratio**2
     if kind == "k3":
+        log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         return (torch.exp(-log_ratio) - 1 + log_ratio).clamp(-10, 10)
     if kind == "abs":
         return log_ratio.abs()

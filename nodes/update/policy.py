@@ -3,20 +3,36 @@ ranges (arXiv 2503.14476), dual-clip (arXiv 1912.09729), entropy bonus and an op
 against the reference (GRPO, arXiv 2402.03300).
 
 reads: prompts, prompt_mask, responses, response_mask, response_attention, advantages,
-       old_logprobs (+ ref_logprobs when kl_loss_coef > 0; old_logprobs not read when on_policy)
-       -> writes: -
+       old_logprobs (+ ref_logprobs when kl_loss_coef > 0, rollout_logprobs when tis_cap > 0;
+       old_logprobs not read when on_policy) -> writes: -
 The forward attends to response_attention; the loss counts only response_mask (sampled tokens).
+Other policy losses (GSPO, CISPO, GPG, GMPO, SAPO, Clip-Cov, KL-Cov) by the `loss` param.
 """
 
 from __future__ import annotations
 
 import attrs
 
-from flowrl import ops
+from flowrl import cov_losses, ops, policy_losses
 from flowrl.lazy import torch
 from flowrl.nodespec import Finding, NodeSpec, mini_batch_findings, mini_batch_updates
 
-AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+AGG = ops.AGG_MODES
+# the per-token rates each loss reports (averaged over the computed tokens of a mini-batch)
+RATES = {
+    "ppo": ("clip_frac", "clip_frac_lower", "approx_kl"),
+    "gspo": ("clip_frac", "approx_kl"),
+    "cispo": ("clip_frac", "approx_kl"),
+    "gpg": (),
+    "gmpo": ("clip_frac", "approx_kl"),
+    "sapo": ("gate", "approx_kl"),
+    "clip_cov": ("clip_frac", "cov_frac", "approx_kl"),
+    "kl_cov": ("cov_frac", "approx_kl"),
+}
+
+
+def _one_of(values: tuple, default: str):
+    return attrs.field(default=default, validator=attrs.validators.in_(values))
 
 
 @attrs.frozen
@@ -33,6 +49,13 @@ class Params:
     temperature: float = 1.0  # divide logits as the sampler did
     on_policy: bool = False  # old log-probs = this forward's, detached (epochs = 1, 1 mini-batch)
     skip_zero_rows: bool = True  # skip rows with no gradient (zero advantage, no KL/entropy)
+    loss: str = _one_of(tuple(RATES), "ppo")  # ppo, gspo, cispo, gpg, gmpo, sapo, clip_cov, kl_cov
+    tis_cap: float = 0.0  # truncated IS cap C on exp(old - rollout); reads rollout_logprobs if > 0
+    norm_length: int = 0  # divisor of agg seq-mean-token-sum-norm; 0 = the padded response length
+    tau_pos: float = 1.0  # loss sapo: gate temperature where A > 0
+    tau_neg: float = 1.05  # loss sapo: gate temperature where A < 0
+    cov_ratio: float = 2e-4  # loss clip_cov / kl_cov: share of tokens restrained by covariance
+    cov_kl_coef: float = 1.0  # loss kl_cov: weight of abs(log r) on those tokens
 
 
 def ppo_policy_loss(
@@ -46,31 +69,74 @@ def ppo_policy_loss(
     agg="token-mean",
     num_tokens=None,
     num_seqs=None,
+    norm_length=None,
+    token_weights=None,
 ):
     """Clipped surrogate loss; all inputs (b, t). Returns (loss, metrics of this chunk).
 
-    ratio r = exp(logp - old); loss per token = max(-A r, -A clip(r, 1 - low, 1 + high)),
-    and with dual-clip c, min(that, -A c) where A < 0.
+    ratio r = exp(logp - old) with logp - old clamped to [-20, 20] (finite gradients for
+    extreme tokens); loss per token = max(-A r, -A clip(r, 1 - low, 1 + high)), and with
+    dual-clip c, min(that, -A c) where A < 0. Metrics: clip_frac (tokens where the clip
+    binds), clip_frac_lower (tokens where the dual-clip bound -A c binds; verl's
+    pg_clipfrac_lower), approx_kl (mean old - logp). `token_weights` (b, t), e.g. truncated
+    importance-sampling weights (`flowrl.policy_losses.tis_weights`), multiply each token's loss;
+    `norm_length` is the divisor of seq-mean-token-sum-norm (see `ops.agg_loss`).
     """
-    ratio = torch.exp(logprobs - old_logprobs)
+    ratio = ops.ratio_from_log(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = torch.maximum(unclipped, clipped)
+    lower_binds = torch.zeros_like(loss, dtype=torch.bool)
     if dual_clip > 0:
-        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
+        lower_binds = (advantages < 0) & (loss > -advantages * dual_clip)
+        loss = torch.where(lower_binds, -advantages * dual_clip, loss)
+    if token_weights is not None:
+        loss = loss * token_weights
     mask = response_mask.to(loss.dtype)
     metrics = {
         "clip_frac": float(ops.masked_mean((clipped > unclipped).to(loss.dtype), mask)),
+        "clip_frac_lower": float(ops.masked_mean(lower_binds.to(loss.dtype), mask)),
         "approx_kl": float(ops.masked_mean(old_logprobs - logprobs.detach(), mask)),
     }
-    return ops.agg_loss(loss, mask, agg, num_tokens, num_seqs), metrics
+    return ops.agg_loss(loss, mask, agg, num_tokens, num_seqs, norm_length), metrics
+
+
+def policy_loss(logprobs, old_logprobs, advantages, response_mask, params: Params, **counts):
+    """The policy loss `params.loss` names, on (b, t) tensors -> (loss, rates).
+
+    ppo: `ppo_policy_loss`; gspo, cispo, gpg, gmpo, sapo: `flowrl.policy_losses`; clip_cov,
+    kl_cov: `flowrl.cov_losses`. clip_low / clip_high are each loss's clip range: set the
+    papers' values in the graph file (gspo: 3e-4 / 4e-4 with agg = "seq-mean-token-mean";
+    gmpo: 0.4 / 0.4, in log space, and a mean over sequences whatever `agg`; cispo: the
+    weight's bounds). `counts`: num_tokens, num_seqs, norm_length, token_weights (see
+    `ops.agg_loss`).
+    """
+    p, args = params, (logprobs, old_logprobs, advantages, response_mask)
+    clip, agg = {"clip_low": p.clip_low, "clip_high": p.clip_high}, {"agg": p.agg, **counts}
+    if p.loss == "ppo":
+        return ppo_policy_loss(*args, dual_clip=p.dual_clip, **clip, **agg)
+    if p.loss == "gpg":
+        return policy_losses.gpg_policy_loss(logprobs, advantages, response_mask, **agg)
+    if p.loss == "gmpo":
+        weights = {k: counts.get(k) for k in ("num_seqs", "token_weights")}
+        return policy_losses.gmpo_policy_loss(*args, **clip, **weights)
+    if p.loss == "sapo":
+        return policy_losses.sapo_policy_loss(*args, p.tau_pos, p.tau_neg, **agg)
+    if p.loss == "clip_cov":
+        return cov_losses.clip_cov_policy_loss(*args, **clip, clip_cov_ratio=p.cov_ratio, **agg)
+    if p.loss == "kl_cov":
+        return cov_losses.kl_cov_policy_loss(*args, p.cov_ratio, p.cov_kl_coef, **agg)
+    loss_fn = {"gspo": policy_losses.gspo_policy_loss, "cispo": policy_losses.cispo_policy_loss}
+    return loss_fn[p.loss](*args, **clip, **agg)
 
 
 def contributing_rows(advantages, params: Params):
     """(b,) bool: rows whose loss terms have a gradient. With no KL or entropy term, a row
     whose advantage is zero everywhere adds exactly zero to the loss and its gradient, so its
-    forward and backward are skipped (the loss normaliser still counts it)."""
-    if params.kl_loss_coef > 0 or params.entropy_coef > 0 or not params.skip_zero_rows:
+    forward and backward are skipped (the loss normaliser still counts it). Clip-Cov and
+    KL-Cov need every row: their token covariance is taken over all the chunk's tokens."""
+    every = params.kl_loss_coef > 0 or params.entropy_coef > 0 or not params.skip_zero_rows
+    if every or params.loss in ("clip_cov", "kl_cov"):
         return torch.ones(advantages.shape[0], dtype=torch.bool)
     return (advantages != 0).any(-1)
 
@@ -96,37 +162,40 @@ class PolicyUpdateWorker:
         active = mini.index(contributing_rows(mini["advantages"], p))
         computed = max(engine.all_reduce_sum(float(active["response_mask"].sum())), 1)
         # loss terms add up over micro-batches; per-token rates are averaged over computed tokens
-        totals = dict.fromkeys(("pg_loss", "kl_loss", "entropy", "clip_frac", "approx_kl"), 0.0)
+        totals = dict.fromkeys(("pg_loss", "kl_loss", "entropy") + RATES[p.loss], 0.0)
+        norm_length = p.norm_length or None
         for micro in engine.micro_batches(active):
             if len(micro) == 0:
                 continue
             out = engine.forward(micro, grad=True, entropy=True, temperature=p.temperature)
             logprobs, mask = out["logprobs"], micro["response_mask"]
             old = logprobs.detach() if p.on_policy else micro["old_logprobs"]
-            loss, rates = ppo_policy_loss(
+            weights = None
+            if p.tis_cap > 0:
+                weights = policy_losses.tis_weights(old, micro["rollout_logprobs"], p.tis_cap)
+            loss, rates = policy_loss(
                 logprobs,
                 old,
                 micro["advantages"],
                 mask,
-                p.clip_low,
-                p.clip_high,
-                p.dual_clip,
-                p.agg,
-                num_tokens,
-                num_seqs,
+                p,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+                norm_length=norm_length,
+                token_weights=weights,
             )
             totals["pg_loss"] += float(loss.detach())
             share = float(mask.sum()) / computed
-            totals["clip_frac"] += rates["clip_frac"] * share
-            totals["approx_kl"] += rates["approx_kl"] * share
+            for key in RATES[p.loss]:
+                totals[key] += rates[key] * share
             totals["entropy"] += float(ops.masked_mean(out["entropy"].detach(), mask)) * share
             if p.entropy_coef > 0:
                 loss = loss - p.entropy_coef * ops.agg_loss(
-                    out["entropy"], mask, p.agg, num_tokens, num_seqs
+                    out["entropy"], mask, p.agg, num_tokens, num_seqs, norm_length
                 )
             if p.kl_loss_coef > 0:
                 kl = ops.kl_estimate(logprobs, micro["ref_logprobs"], p.kl_loss_kind)
-                kl_loss = ops.agg_loss(kl, mask, p.agg, num_tokens, num_seqs)
+                kl_loss = ops.agg_loss(kl, mask, p.agg, num_tokens, num_seqs, norm_length)
                 loss = loss + p.kl_loss_coef * kl_loss
                 totals["kl_loss"] += float(kl_loss.detach())
             engine.backward(loss)
@@ -167,6 +236,7 @@ SPEC = NodeSpec(
     optional_reads={
         "old_logprobs": lambda p: not p.on_policy,
         "ref_logprobs": lambda p: p.kl_loss_coef > 0,
+        "rollout_logprobs": lambda p: p.tis_cap > 0,
     },
     check=check,
     updates_per_step=mini_batch_updates,

@@ -2,6 +2,7 @@
 nothing about the resulting parameters."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -188,3 +189,71 @@ def test_critic_update_attends_to_tool_tokens_and_trains_only_sampled_ones():
 
     grads, _ = updated(model, CriticUpdateWorker, CriticParams(), rows=rows)
     assert_same(grads, reference_grads(model, loss_of))
+
+
+# -- the loss param ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo", "cispo", "gpg", "gmpo", "sapo"])
+def test_each_policy_loss_gives_the_same_update_in_micro_batches(loss):
+    # on-policy, so every loss starts at ratio 1 and has a gradient
+    model = tiny_model(seed=1)
+    params = policy.Params(loss=loss, on_policy=True, agg="seq-mean-token-sum-norm")
+    whole, metrics = updated(model, policy.PolicyUpdateWorker, params, micro_tokens=4096)
+    pieces, _ = updated(model, policy.PolicyUpdateWorker, params, micro_tokens=9)
+    assert_same(whole, pieces)
+    assert any(g.abs().sum() > 0 for g in whole.values())
+    assert set(policy.RATES[loss]) <= metrics.keys()
+
+
+@pytest.mark.parametrize("shift, scale", [(math.log(2.0), 0.5), (-math.log(4.0), 2.0)])
+def test_tis_weights_scale_the_update(shift, scale):
+    # rollout log-probs = old + shift: every weight is exp(-shift) = 0.5, or 4 capped at 2,
+    # so the gradient is the plain one times 0.5 or 2
+    model = tiny_model(seed=0)
+    rows = batch()
+    with_rollout = DataProto.from_dict(
+        {k: rows[k] for k in rows.keys()} | {"rollout_logprobs": rows["old_logprobs"] + shift}
+    )
+    plain, _ = updated(model, policy.PolicyUpdateWorker, policy.Params())
+    tis = policy.Params(tis_cap=2.0)
+    weighted, _ = updated(model, policy.PolicyUpdateWorker, tis, rows=with_rollout)
+    assert_same(weighted, {n: g * scale for n, g in plain.items()})
+    assert any(g.abs().sum() > 0 for g in plain.values())
+    assert "rollout_logprobs" in policy.SPEC.reads_for(policy.Params(tis_cap=2.0))
+    assert "rollout_logprobs" not in policy.SPEC.reads_for(policy.Params())
+
+
+def test_covariance_losses_compute_every_row():
+    adv = torch.zeros(3, 2)
+    assert policy.contributing_rows(adv, policy.Params(loss="clip_cov")).all()
+    assert policy.contributing_rows(adv, policy.Params(loss="kl_cov")).all()
+
+
+def test_loss_param_passes_its_params_to_the_pure_functions():
+    from flowrl import cov_losses, policy_losses
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(4, 6, dtype=torch.long)
+    logp, old, adv = (torch.randn(4, 6, generator=g) * 0.3 - 1 for _ in range(3))
+    p = dict(clip_low=0.1, clip_high=0.3, tau_pos=0.5, tau_neg=2.0, cov_ratio=0.2, cov_kl_coef=3.0)
+    counts = dict(num_tokens=30, num_seqs=5, norm_length=None, token_weights=None)
+    expected = {
+        "ppo": policy.ppo_policy_loss(logp, old, adv, mask, 0.1, 0.3, 1.5, num_tokens=30),
+        "gspo": policy_losses.gspo_policy_loss(logp, old, adv, mask, 0.1, 0.3, "token-mean", 30),
+        "cispo": policy_losses.cispo_policy_loss(logp, old, adv, mask, 0.1, 0.3, num_tokens=30),
+        "gpg": policy_losses.gpg_policy_loss(logp, adv, mask, num_tokens=30),
+        "gmpo": policy_losses.gmpo_policy_loss(logp, old, adv, mask, 0.1, 0.3, num_seqs=5),
+        "sapo": policy_losses.sapo_policy_loss(logp, old, adv, mask, 0.5, 2.0, "token-mean", 30),
+        "clip_cov": cov_losses.clip_cov_policy_loss(
+            logp, old, adv, mask, 0.1, 0.3, 0.2, num_tokens=30
+        ),
+        "kl_cov": cov_losses.kl_cov_policy_loss(logp, old, adv, mask, 0.2, 3.0, num_tokens=30),
+    }
+    assert set(expected) == set(policy.RATES)
+    for loss, (value, rates) in expected.items():
+        params = policy.Params(loss=loss, dual_clip=1.5, **p)
+        got, got_rates = policy.policy_loss(logp, old, adv, mask, params, **counts)
+        assert float(got) == pytest.approx(float(value)), loss
+        assert got_rates == pytest.approx(rates), loss  # e.g. cov_frac: the share picked
+        assert set(got_rates) >= set(policy.RATES[loss])
