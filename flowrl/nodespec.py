@@ -164,33 +164,46 @@ class NodeSpec:
         return self.updates_per_step(params, rows) if self.updates_per_step else 1
 
 
-def mini_batch_updates(params: Any, rows: int) -> int:
-    """`updates_per_step` of a node that makes `params.epochs` passes in mini-batches of
-    `params.mini_batch_size` rows (0 = the whole batch)."""
-    size = params.mini_batch_size or rows
-    return params.epochs * -(-rows // max(size, 1))
+@attrs.frozen
+class MiniBatches:
+    """The hooks of a train node that makes several passes over a step's rows in mini-batches:
+    `epochs` and `size` name the node's params (0 rows = the whole batch), so a node whose
+    params are called differently gets the same checks and schedule arithmetic:
+
+        batching = MiniBatches(epochs="passes", size="minibatch")
+        SPEC = NodeSpec(..., check=batching.check, updates_per_step=batching.updates)
+    """
+
+    epochs: str = "epochs"
+    size: str = "mini_batch_size"
+
+    def updates(self, params: Any, rows: int) -> int:
+        """Optimizer steps per training step: passes x mini-batches per pass."""
+        size = getattr(params, self.size) or rows
+        return getattr(params, self.epochs) * -(-rows // max(size, 1))
+
+    def check(self, params: Any, context: CheckContext) -> list[Finding]:
+        out, mini = [], getattr(params, self.size)
+        if mini > context.rows:
+            out.append(
+                Finding(
+                    f"{self.size} = {mini} exceeds the {context.rows} rows of a step "
+                    f"({context.prompts} prompts x {context.samples} samples)",
+                    f"set {self.size} <= {context.rows} (0 = the whole batch)",
+                )
+            )
+        if 0 < mini < context.workers:  # a whole batch smaller than the ranks: the compiler warns
+            out.append(
+                Finding(
+                    f"[nodes.{context.node}] gives {mini} rows to {context.workers} ranks: "
+                    "some ranks idle (raise data.batch_size or lower the pool's workers)",
+                    warning=True,
+                )
+            )
+        return out
 
 
-def mini_batch_findings(params: Any, context: CheckContext) -> list[Finding]:
-    """`check` of a node with `epochs` and `mini_batch_size` params (0 = the whole batch)."""
-    out, mini = [], params.mini_batch_size
-    if mini > context.rows:
-        out.append(
-            Finding(
-                f"mini_batch_size = {mini} exceeds the {context.rows} rows of a step "
-                f"({context.prompts} prompts x {context.samples} samples)",
-                f"set mini_batch_size <= {context.rows} (0 = the whole batch)",
-            )
-        )
-    if 0 < mini < context.workers:  # a whole batch smaller than the ranks: the compiler warns
-        out.append(
-            Finding(
-                f"[nodes.{context.node}] gives {mini} rows to {context.workers} ranks: "
-                "some ranks idle (raise data.batch_size or lower the pool's workers)",
-                warning=True,
-            )
-        )
-    return out
+MINI_BATCHES = MiniBatches()  # for params named epochs and mini_batch_size
 
 
 def split_output(out: Any) -> tuple[dict, dict]:

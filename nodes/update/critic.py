@@ -11,7 +11,7 @@ import attrs
 
 from flowrl import ops
 from flowrl.lazy import torch
-from flowrl.nodespec import NodeSpec, mini_batch_findings, mini_batch_updates
+from flowrl.nodespec import MINI_BATCHES, NodeSpec
 
 AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
@@ -108,6 +108,6 @@ SPEC = NodeSpec(
     worker=CriticUpdateWorker,
     mode="train",
     head="value",
-    check=mini_batch_findings,
-    updates_per_step=mini_batch_updates,
+    check=MINI_BATCHES.check,
+    updates_per_step=MINI_BATCHES.updates,
 )

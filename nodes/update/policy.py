@@ -15,7 +15,7 @@ import attrs
 
 from flowrl import cov_losses, ops, policy_losses
 from flowrl.lazy import torch
-from flowrl.nodespec import Finding, NodeSpec, mini_batch_findings, mini_batch_updates
+from flowrl.nodespec import MINI_BATCHES, Finding, NodeSpec
 
 AGG = ops.AGG_MODES
 # the per-token rates each loss reports (averaged over the computed tokens of a mini-batch)
@@ -205,7 +205,7 @@ class PolicyUpdateWorker:
 
 
 def check(params: Params, context) -> list[Finding]:
-    out = mini_batch_findings(params, context)
+    out = MINI_BATCHES.check(params, context)
     mini = params.mini_batch_size
     if params.on_policy and (params.epochs > 1 or 0 < mini < context.rows):
         out.append(
@@ -239,5 +239,5 @@ SPEC = NodeSpec(
         "rollout_logprobs": lambda p: p.tis_cap > 0,
     },
     check=check,
-    updates_per_step=mini_batch_updates,
+    updates_per_step=MINI_BATCHES.updates,
 )

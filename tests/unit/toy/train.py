@@ -3,7 +3,7 @@
 
 import attrs
 
-from flowrl.nodespec import NodeSpec, mini_batch_findings, mini_batch_updates
+from flowrl.nodespec import MINI_BATCHES, NodeSpec
 
 
 @attrs.frozen
@@ -26,6 +26,6 @@ SPEC = NodeSpec(
     mode="train",
     head="lm",
     optional_reads={"ref_logprobs": lambda p: p.kl_coef > 0},
-    check=mini_batch_findings,
-    updates_per_step=mini_batch_updates,
+    check=MINI_BATCHES.check,
+    updates_per_step=MINI_BATCHES.updates,
 )

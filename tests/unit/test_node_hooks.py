@@ -1,0 +1,86 @@
+"""The node contract's hooks: a node owns its checks, its optimizer-step count and its optional
+reads, so a user's node in its own file, with params named as it likes, gets what a built-in
+one gets; one node call checks the writes of every node."""
+
+import attrs
+import pytest
+import torch
+from test_graph_checks import GOOD, compile_text, problems
+
+from flowrl.nodespec import NodeSpec, RolloutParams
+from flowrl.protocol import DataProto
+from flowrl.runtime.node_call import NodeFailure, call_node
+from flowrl.runtime.pool_worker import pool_setups
+
+CUSTOM = GOOD.replace('uses = "{toy}/train.py"', 'uses = "{toy}/custom_update.py"')
+
+
+def test_user_node_with_other_param_names_gets_the_batch_check(tmp_path):
+    found = problems(tmp_path, CUSTOM, ["nodes.update.minibatch=64"])
+    # 2 prompts x 4 samples = 8 rows reach the update
+    assert [(p.where, p.message) for p in found] == [
+        ("[nodes.update]", "minibatch = 64 exceeds the 8 rows of a step (2 prompts x 4 samples)")
+    ]
+    assert "minibatch <= 8" in found[0].fix
+
+
+def test_user_node_gets_the_built_in_schedule_arithmetic(tmp_path):
+    custom = compile_text(tmp_path, CUSTOM, ["nodes.update.passes=2", "nodes.update.minibatch=3"])
+    builtin_like = compile_text(
+        tmp_path, GOOD, ["nodes.update.epochs=2", "nodes.update.mini_batch_size=3"]
+    )
+    # 8 rows in mini-batches of 3 -> 3 optimizer steps per pass, 2 passes
+    assert custom.pools["main"].updates_per_step == {"policy": 6}
+    assert builtin_like.pools["main"].updates_per_step == {"policy": 6}
+    # the learning-rate schedule spans every optimizer step of the run's 3 training steps
+    assert pool_setups(custom)["main"].total_steps == {"policy": 18}
+    assert pool_setups(builtin_like)["main"].total_steps == {"policy": 18}
+
+
+def test_optional_reads_follow_the_params(tmp_path):
+    with_kl = compile_text(tmp_path, GOOD)  # the toy update reads ref_logprobs when kl_coef > 0
+    assert "ref_logprob" in with_kl.spec.nodes
+    without = compile_text(tmp_path, GOOD, ["nodes.update.kl_coef=0"])
+    assert "ref_logprob" not in without.spec.nodes  # nothing reads its output: skipped
+
+
+def test_rollout_params_must_share_the_base():
+    @attrs.frozen
+    class Plain:
+        n: int = 1
+
+    with pytest.raises(ValueError, match="RolloutParams"):
+        NodeSpec(("prompts",), ("responses",), Plain, worker=object, mode="rollout")
+
+    @attrs.frozen
+    class Shared(RolloutParams):
+        pass
+
+    NodeSpec(("prompts",), ("responses",), Shared, worker=object, mode="rollout", rows="repeat")
+
+
+@attrs.frozen
+class NoParams:
+    pass
+
+
+def forgetful(batch, params):
+    return {"advantages": batch["scores"]}  # declares bonus too, forgets it
+
+
+FORGETFUL = NodeSpec(("scores",), ("advantages", "bonus"), NoParams, fn=forgetful)
+
+
+def test_node_call_names_a_node_that_forgets_a_declared_output():
+    batch = DataProto.from_dict({"scores": torch.ones(3)})
+    with pytest.raises(NodeFailure, match=r"node shaping returned keys \['advantages'\].*bonus"):
+        call_node("shaping", FORGETFUL, {}, batch, lambda b: forgetful(b, None), "here")
+
+
+def test_node_call_renames_in_and_out():
+    batch = DataProto.from_dict({"my_scores": torch.tensor([1.0, 2.0])})
+    spec = NodeSpec(("scores",), ("advantages",), NoParams, fn=forgetful)
+    rename = {"scores": "my_scores", "advantages": "adv"}
+    out, _ = call_node("a", spec, rename, batch, lambda b: forgetful(b, 0), "")
+    assert out.keys() == ["adv"]
+    torch.testing.assert_close(out["adv"], torch.tensor([1.0, 2.0]))
