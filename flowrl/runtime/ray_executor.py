@@ -4,6 +4,7 @@ Ranks of a multi-rank pool form a torch.distributed group (gloo on CPU, nccl on 
 data-parallel training. Calls are submitted without waiting, so independent items overlap.
 """
 
+import os
 import socket
 
 import ray
@@ -21,12 +22,7 @@ class RayExecutor(Executor):
     def __init__(self, plan, num_cpus: int | None = None):
         super().__init__(plan)
         if not ray.is_initialized():
-            ray.init(
-                num_cpus=num_cpus,
-                include_dashboard=False,
-                log_to_driver=True,
-                configure_logging=False,
-            )
+            _start_ray(num_cpus)
         actor_class = ray.remote(PoolWorker)
         self.groups, self.actors = {}, {}
         for name, setup in pool_setups(plan).items():
@@ -118,6 +114,23 @@ class RayExecutor(Executor):
                 ray.kill(actor)
             remove_placement_group(self.groups[name])
         ray.shutdown()
+
+
+def _start_ray(num_cpus: int | None) -> None:
+    """A new Ray instance of this process's own, bound to the loopback address, without the
+    dashboard; or, when RAY_ADDRESS is set, the cluster it names (docs/scaling.md)."""
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True, configure_logging=False)
+        return
+    ray.init(
+        address="local",  # never attach to another Ray instance found on the machine
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=True,
+        configure_logging=False,
+    )
 
 
 class _Handle:
