@@ -103,3 +103,10 @@ def test_the_circle_check_sees_a_deferred_import(tmp_path):
     assert sorted(cycle) == ["flowrl.runtime.executor", "flowrl.runtime.pool_worker"]
     (runtime / "pool_worker.py").write_text("from flowrl import protocol\n")
     assert import_cycles(tmp_path) == []
+
+
+def test_every_executor_name_is_a_backend_and_back():
+    from flowrl import schema
+    from flowrl.runtime import EXECUTORS
+
+    assert set(EXECUTORS) == set(schema.BACKENDS)
