@@ -175,7 +175,9 @@ def main(argv=None) -> int:
         print(e.report(), file=sys.stderr)
         return 2
     except Exception as e:  # a failed node or a bad data file: the message says what and where
-        if type(e).__name__ not in ("NodeFailure", "DataError", "ModelNotFound", "ScorerError"):
+        known = ("NodeFailure", "DataError", "ModelNotFound", "ScorerError")
+        stops = ("Stopped", "NonFiniteStop", "RunDirError")
+        if type(e).__name__ not in known + stops:
             raise
         print(f"flowrl: {e}", file=sys.stderr)
         return 1

@@ -49,6 +49,9 @@ class RunConfig:
     save_every: int = attrs.field(default=0, validator=_non_negative)  # 0 = at the end only
     keep_checkpoints: int = attrs.field(default=2, validator=_positive)  # newest kept
     log_samples: int = attrs.field(default=2, validator=_non_negative)  # generations per step
+    # stop after this many steps in a row whose update had a non-finite loss or gradient norm
+    # (each such optimizer step is skipped: the weights stay as they were)
+    max_nonfinite_steps: int = attrs.field(default=3, validator=_positive)
 
 
 @attrs.frozen

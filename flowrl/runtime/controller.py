@@ -9,8 +9,11 @@ A run directory holds graph.toml (the resolved graph), metrics.jsonl, samples.js
 trace.json (Chrome / Perfetto trace) and checkpoints/step_NNNNNN (written atomically).
 """
 
+import contextlib
 import json
 import random
+import signal
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -64,23 +67,33 @@ class Trainer:
         self.trace = Trace()
 
     def close(self) -> None:
+        from flowrl.rewards.pool import close_all
+
         self.executor.shutdown()
+        close_all()  # scorer processes
 
     # -- the loop ----------------------------------------------------------------------------
     def fit(self, resume: bool = False) -> None:
-        run = self.spec.run
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        _writable(self.run_dir)
         start_step = 0
         if resume:
             start_step = self._resume()
         else:
             (self.run_dir / "graph.toml").write_text(toml.dumps(self.spec.raw))
-        metrics_file = open(self.run_dir / "metrics.jsonl", "a")
-        samples_file = open(self.run_dir / "samples.jsonl", "a")
-        if resume:
-            metrics_file.write(json.dumps({"event": "resume", "step": start_step}) + "\n")
-        elif self.val_batch is not None:
-            _log(metrics_file, {"step": 0, **self.validate()})
+        with (
+            open(self.run_dir / "metrics.jsonl", "a") as metrics_file,
+            open(self.run_dir / "samples.jsonl", "a") as samples_file,
+            _stopped_by_signals(self.spec.file, self.run_dir),
+        ):
+            if resume:
+                _log(metrics_file, {"event": "resume", "step": start_step})
+            elif self.val_batch is not None:
+                _log(metrics_file, {"step": 0, **self.validate()})
+            self._loop(start_step, metrics_file, samples_file)
+        self.trace.write(self.run_dir / "trace.json")
+
+    def _loop(self, start_step: int, metrics_file, samples_file) -> None:
+        run, nonfinite = self.spec.run, 0
         bar = tqdm(
             range(start_step + 1, run.steps + 1),
             initial=start_step,
@@ -98,12 +111,30 @@ class Trainer:
             _log(metrics_file, metrics)
             _log_samples(samples_file, step, batch, run.log_samples)
             faults.point("logged", step)
+            skipped = sorted(
+                k.rpartition("/")[0]
+                for k, v in metrics.items()
+                if k.endswith("/nonfinite_skipped") and v > 0
+            )
+            nonfinite = nonfinite + 1 if skipped else 0
+            if skipped:
+                event = {"event": "nonfinite", "step": step, "nodes": skipped}
+                _log(metrics_file, event)
+                tqdm.write(
+                    f"step {step}: a loss or gradient norm of {', '.join(skipped)} was not "
+                    "finite; the optimizer step was skipped (weights unchanged)"
+                )
+            if nonfinite >= run.max_nonfinite_steps:
+                raise NonFiniteStop(
+                    f"{nonfinite} steps in a row (up to step {step}) had a non-finite loss or "
+                    f"gradient norm in {', '.join(skipped)}; stopping. Lower the learning rate "
+                    "or check the rewards, then resume: flowrl run "
+                    f"{self.spec.file} --resume {self.run_dir} (run.max_nonfinite_steps "
+                    "sets how many are tolerated)"
+                )
             if last or (run.save_every and step % run.save_every == 0):
                 self.save(step)
             bar.set_postfix(_postfix(metrics))
-        metrics_file.close()
-        samples_file.close()
-        self.trace.write(self.run_dir / "trace.json")
 
     def step(self, step: int) -> tuple[dict, object]:
         start = time.time()
@@ -145,9 +176,18 @@ class Trainer:
             "node_state": self.executor.node_state,
             "rng": _rng_state(),
         }
-        with checkpoint.writing(self.run_dir, step, self.spec.run.keep_checkpoints) as directory:
-            self.executor.broadcast("save", str(directory))
-            torch.save(state, directory / "controller.pt")
+        try:
+            with checkpoint.writing(self.run_dir, step, self.spec.run.keep_checkpoints) as out:
+                self.executor.broadcast("save", str(out))
+                torch.save(state, out / "controller.pt")
+        except OSError as e:  # a full disk or a folder made read-only during the run
+            previous = checkpoint.latest(self.run_dir)
+            raise RunDirError(
+                f"the checkpoint of step {step} could not be written under {self.run_dir} "
+                f"({e.strerror or e}); "
+                + (f"{previous} is intact" if previous else "no earlier checkpoint exists")
+                + f". Free space, then resume: flowrl run {self.spec.file} --resume {self.run_dir}"
+            ) from e
 
     def _resume(self) -> int:
         for temp in checkpoint.remove_temps(self.run_dir):
@@ -170,6 +210,55 @@ class Trainer:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+
+class NonFiniteStop(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient norm."""
+
+
+class Stopped(RuntimeError):
+    """SIGINT or SIGTERM stopped the run between or during steps."""
+
+
+@contextlib.contextmanager
+def _stopped_by_signals(file: str, run_dir: Path):
+    """Turn SIGINT and SIGTERM into `Stopped`, so the run unwinds: a checkpoint being
+    written is discarded (checkpoint.writing), the executor shuts its workers down (run's
+    `finally`), and the message says how to resume."""
+
+    def stop(signum, frame):
+        raise Stopped(
+            f"stopped by {signal.Signals(signum).name}; the last checkpoint is intact. "
+            f"Resume with: flowrl run {file} --resume {run_dir}"
+        )
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _writable(run_dir: Path) -> None:
+    """Create the run directory and check it takes files, before any model loads."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise RunDirError(
+            f"run directory {run_dir} is not writable ({e.strerror}): set run.out_dir to a "
+            "folder you can write, or free space"
+        ) from e
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be written."""
 
 
 def _new_run_dir(spec) -> Path:

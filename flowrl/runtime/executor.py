@@ -184,8 +184,10 @@ class Executor(abc.ABC):
                 spec.fn(view, decl.params, state) if spec.stateful else spec.fn(view, decl.params)
             )
 
+        context = {"base_dir": str(self.spec.base_dir)}  # relative paths in params resolve here
+        view = batch.select(decl.reads)
         writes, node_metrics = call_node(
-            node, spec, decl.rename, batch.select(decl.reads), run, "on the controller"
+            node, spec, decl.rename, view, run, "on the controller", context
         )
         _merge_metrics(metrics, node, [node_metrics])
         if spec.rows == "filter":
