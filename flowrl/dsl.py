@@ -19,70 +19,10 @@ import toml
 from flowrl import registry, schema
 from flowrl.errors import Collector, did_you_mean, one_of
 from flowrl.nodespec import NodeSpec
+from flowrl.schema import DEFAULT_POOL, GraphSpec, NodeDecl
 
 TOP_LEVEL = ("run", "data", "models", "pools", "nodes")
 NODE_KEYS = ("uses", "model", "rename")
-DEFAULT_POOL = "main"
-
-
-@attrs.frozen
-class NodeDecl:
-    """One `[nodes.<id>]` table, resolved."""
-
-    id: str
-    uses: str
-    spec: NodeSpec
-    params: Any  # an instance of spec.params
-    model: str | None
-    rename: dict[str, str]  # declared key -> graph key
-    location: str  # file:line of the node's SPEC
-
-    @property
-    def reads(self) -> tuple[str, ...]:
-        return tuple(self.rename.get(k, k) for k in self.spec.reads_for(self.params))
-
-    @property
-    def writes(self) -> tuple[str, ...]:
-        return tuple(self.rename.get(k, k) for k in self.spec.writes)
-
-    @property
-    def mode(self) -> str | None:
-        return self.spec.mode
-
-
-@attrs.frozen
-class GraphSpec:
-    file: str
-    run: schema.RunConfig
-    data: schema.DataConfig
-    models: dict[str, schema.ModelConfig]
-    pools: dict[str, schema.PoolConfig]
-    nodes: dict[str, NodeDecl]  # in file order
-    raw: dict  # the file's tables after overrides, for the run directory
-
-    @property
-    def base_dir(self) -> Path:
-        return Path(self.file).parent
-
-    def pool_of(self, node_id: str) -> str | None:
-        """The pool that runs a node: its model's pool, or for a rollout node the model's
-        rollout_pool when it has one; None for a controller node."""
-        decl = self.nodes[node_id]
-        if decl.model is None:
-            return None
-        model = self.models[decl.model]
-        if decl.mode == "rollout" and model.rollout_pool:
-            return model.rollout_pool
-        return model.pool
-
-    def models_on(self, pool: str) -> dict[str, schema.ModelConfig]:
-        """The models a pool loads. A model whose rollout runs on another pool is there too,
-        frozen: that pool generates with it and receives its weights after each update."""
-        out = {m: c for m, c in self.models.items() if c.pool == pool}
-        for name, config in self.models.items():
-            if config.rollout_pool == pool and config.pool != pool:
-                out[name] = attrs.evolve(config, pool=pool, trainable=False)
-        return out
 
 
 def load(file: str | Path, overrides: list[str] = ()) -> GraphSpec:

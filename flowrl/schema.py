@@ -2,9 +2,16 @@
 
 `[run]`, `[data]`, `[models.<name>]` and `[pools.<name>]` map onto the classes here; a node's
 own parameters live in its module's `Params` class. docs/graph-file.md documents every field.
+`GraphSpec` is a whole parsed file (flowrl/dsl.py builds it), `NodeDecl` one of its nodes.
+No torch or ray here.
 """
 
+from pathlib import Path
+from typing import Any
+
 import attrs
+
+from flowrl.nodespec import NodeSpec
 
 BACKENDS = ("ray", "local")
 HEADS = ("lm", "value")
@@ -13,6 +20,18 @@ OFFLOAD = ("never", "always", "auto")
 DEVICES = ("cpu", "cuda")
 STRATEGIES = ("", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # "" = auto
 DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_POOL = "main"  # the pool of a graph that declares none
+
+# What a prompt batch holds before any node runs (flowrl/data/loader.py builds it).
+DATASET_KEYS = (
+    "prompts",
+    "prompt_mask",
+    "uid",
+    "prompt_text",
+    "ground_truth",
+    "data_source",
+    "extra_info",
+)
 
 
 def _choice(*choices):
@@ -83,6 +102,68 @@ class PoolConfig:
     nodes: int = attrs.field(default=1, validator=_positive)  # machines the pool spans
     # Ray placement-group strategy; "" = PACK on one node, STRICT_SPREAD over several
     strategy: str = attrs.field(default="", validator=_choice(*STRATEGIES))
+
+
+@attrs.frozen
+class NodeDecl:
+    """One `[nodes.<id>]` table, resolved."""
+
+    id: str
+    uses: str
+    spec: NodeSpec
+    params: Any  # an instance of spec.params
+    model: str | None
+    rename: dict[str, str]  # declared key -> graph key
+    location: str  # file:line of the node's SPEC
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return tuple(self.rename.get(k, k) for k in self.spec.reads_for(self.params))
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        return tuple(self.rename.get(k, k) for k in self.spec.writes)
+
+    @property
+    def mode(self) -> str | None:
+        return self.spec.mode
+
+
+@attrs.frozen
+class GraphSpec:
+    """A parsed and validated graph file: its tables as the classes above, nodes resolved."""
+
+    file: str
+    run: RunConfig
+    data: DataConfig
+    models: dict[str, ModelConfig]
+    pools: dict[str, PoolConfig]
+    nodes: dict[str, NodeDecl]  # in file order
+    raw: dict  # the file's tables after overrides, for the run directory
+
+    @property
+    def base_dir(self) -> Path:
+        return Path(self.file).parent
+
+    def pool_of(self, node_id: str) -> str | None:
+        """The pool that runs a node: its model's pool, or for a rollout node the model's
+        rollout_pool when it has one; None for a controller node."""
+        decl = self.nodes[node_id]
+        if decl.model is None:
+            return None
+        model = self.models[decl.model]
+        if decl.mode == "rollout" and model.rollout_pool:
+            return model.rollout_pool
+        return model.pool
+
+    def models_on(self, pool: str) -> dict[str, ModelConfig]:
+        """The models a pool loads. A model whose rollout runs on another pool is there too,
+        frozen: that pool generates with it and receives its weights after each update."""
+        out = {m: c for m, c in self.models.items() if c.pool == pool}
+        for name, config in self.models.items():
+            if config.rollout_pool == pool and config.pool != pool:
+                out[name] = attrs.evolve(config, pool=pool, trainable=False)
+        return out
 
 
 TABLES = {"run": RunConfig, "data": DataConfig}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl import compiler, dsl, graph, registry
+from flowrl import compiler, dsl, graph, registry, schema
 from flowrl.cli import main
 from flowrl.errors import GraphErrors
 
@@ -173,7 +173,7 @@ def test_dot_output_is_deterministic():
 def test_keys_glossary_covers_every_key():
     glossary = (ROOT / "docs/keys.md").read_text()
     documented = set(re.findall(r"^\| `(\w+)` \|", glossary, flags=re.M))
-    used = set(graph.DATASET_KEYS)
+    used = set(schema.DATASET_KEYS)
     for name in registry.builtin_names():
         spec = registry.resolve(name).spec
         used |= set(spec.reads) | set(spec.writes)

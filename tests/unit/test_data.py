@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from flowrl.data import DataError, PromptDataset, PromptLoader, arithmetic_rows, load_rows
+from flowrl.schema import DATASET_KEYS
 from flowrl.testing import tiny_tokenizer
 
 
@@ -80,3 +81,8 @@ def test_loader_resumes_exactly():
 def test_batch_larger_than_dataset_is_a_clear_error():
     with pytest.raises(DataError, match="batch_size = 20 but only 10 prompts"):
         PromptLoader(PromptDataset(rows_of(10), tiny_tokenizer(), 64), 20, seed=0)
+
+
+def test_batch_holds_exactly_the_dataset_keys():
+    batch = PromptDataset(rows_of(3), tiny_tokenizer(), 64).collate([0, 2])
+    assert sorted(batch.keys()) == sorted(DATASET_KEYS)
