@@ -10,8 +10,8 @@ from pathlib import Path
 
 import attrs
 
-from flowrl import compiler, dsl, graph, registry, render
-from flowrl.errors import GraphErrors
+from flowrl import compiler, dsl, graph, registry, render, schema
+from flowrl.errors import FlowrlError, GraphErrors
 
 
 def graph_path(file: str) -> str:
@@ -133,7 +133,7 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="train with a graph")
     r.add_argument("file")
     r.add_argument("overrides", nargs="*", help=over)
-    r.add_argument("--backend", choices=["ray", "local"], help="default: run.backend")
+    r.add_argument("--backend", choices=schema.BACKENDS, help="default: run.backend")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue from RUN_DIR's last checkpoint")
     r.set_defaults(func=cmd_run)
 
@@ -172,9 +172,7 @@ def main(argv=None) -> int:
     except GraphErrors as e:
         print(e.report(), file=sys.stderr)
         return 2
-    except Exception as e:  # a failed node or a bad data file: the message says what and where
-        if type(e).__name__ not in ("NodeFailure", "DataError", "ModelNotFound", "ScorerError"):
-            raise
+    except FlowrlError as e:  # a failed node or a bad data file: the message says what and where
         print(f"flowrl: {e}", file=sys.stderr)
         return 1
 

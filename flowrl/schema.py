@@ -11,10 +11,9 @@ from typing import Any
 
 import attrs
 
-from flowrl.nodespec import NodeSpec
+from flowrl.nodespec import HEADS, NodeSpec
 
 BACKENDS = ("ray", "local")
-HEADS = ("lm", "value")
 SCHEDULES = ("constant", "cosine")
 OFFLOAD = ("never", "always", "auto")
 DEVICES = ("cpu", "cuda")

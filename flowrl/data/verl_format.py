@@ -7,9 +7,11 @@ Each row: `prompt` (a list of {role, content} chat messages, or a plain string),
 import json
 from pathlib import Path
 
+from flowrl.errors import FlowrlError
 
-class DataError(ValueError):
-    pass
+
+class DataError(FlowrlError, ValueError):
+    """A data file that cannot be read, or a row that is not in verl's format."""
 
 
 def load_rows(path: str | Path) -> list[dict]:
