@@ -4,23 +4,23 @@
 
 A node table holds `uses` (which node module), `model` (for nodes that run a model), `rename`
 (declared key -> key in this graph) and the node's params. Command-line overrides
-(`run.steps=50`, `nodes.advantage.lam=0.9`) are applied to the parsed file and validated like it.
+(`run.steps=50`, `nodes.advantage.lam=0.9`, flowrl/overrides.py) are applied to the parsed file
+and validated like it.
 No torch or ray here.
 """
 
+import re
 from pathlib import Path
-from typing import Any
 
 import attrs
-import toml
 
 from flowrl import registry, schema
 from flowrl.errors import Collector, did_you_mean, one_of
 from flowrl.nodespec import NodeSpec
+from flowrl.overrides import TOP_LEVEL, addressable, apply_overrides
 from flowrl.schema import DEFAULT_POOL, GraphSpec, NodeDecl
-from flowrl.typed_toml import build_attrs
+from flowrl.typed_toml import build_attrs, read_toml
 
-TOP_LEVEL = ("run", "data", "models", "pools", "nodes")
 NODE_KEYS = ("uses", "model", "rename")
 
 
@@ -28,67 +28,15 @@ def load(file: str | Path, overrides: list[str] = ()) -> GraphSpec:
     """Parse and validate a graph file; raises GraphErrors listing every problem."""
     file = str(file)
     errors = Collector(file)
-    try:
-        raw = toml.loads(Path(file).read_text())
-    except FileNotFoundError:
-        errors.add("file", "no such file", "check the path")
-        errors.raise_if_any()
-    except toml.TomlDecodeError as e:
-        errors.add(f"line {e.lineno}", f"not valid TOML: {e.msg}", "fix the syntax on that line")
-        errors.raise_if_any()
+    raw = read_toml(Path(file), errors)
+    errors.raise_if_any()
     overridden = apply_overrides(raw, overrides, errors)
     spec = _build(file, raw, errors, overridden)
     errors.raise_if_any()
     return spec
 
 
-def apply_overrides(raw: dict, overrides: list[str], errors: Collector) -> set[str]:
-    """Set `a.b.c=value` entries in `raw` (values parsed as TOML); returns the dotted keys set.
-
-    `models.x.lr`, `pools.x.workers` and `nodes.x.lam` must name an existing model, pool or node.
-    """
-    done = set()
-    for item in overrides:
-        path, sep, text = item.partition("=")
-        parts = path.strip().split(".")
-        if not sep or len(parts) < 2 or not all(parts):
-            errors.add(
-                "command line",
-                f'override "{item}" is not table.key=value',
-                "write e.g. run.steps=50 or nodes.advantage.lam=0.9",
-            )
-            continue
-        head, name = parts[0], parts[1]
-        if head not in TOP_LEVEL:
-            errors.add(
-                "command line",
-                f'override "{item}": unknown table "{head}"{did_you_mean(head, TOP_LEVEL)}',
-                f"tables: {one_of(TOP_LEVEL)}",
-            )
-            continue
-        table = raw.setdefault(head, {})
-        if len(parts) > 2 and head in ("models", "pools", "nodes") and name not in table:
-            errors.add(
-                "command line",
-                f'override "{item}": no [{head}.{name}] in the file{did_you_mean(name, table)}',
-                f"{head} here: {one_of(table) or 'none'}",
-            )
-            continue
-        for part in parts[1:-1]:
-            table = table.setdefault(part, {})
-        table[parts[-1]] = _parse_value(text.strip())
-        done.add(path.strip())
-    return done
-
-
-def _parse_value(text: str) -> Any:
-    try:
-        return toml.loads(f"v = {text}")["v"]
-    except toml.TomlDecodeError:
-        return text  # a bare word, e.g. backend=local
-
-
-def _build(file, raw, errors: Collector, overridden: set[str]) -> GraphSpec | None:
+def _build(file, raw, errors: Collector, overridden: dict[str, str]) -> GraphSpec | None:
     for key in raw:
         if key not in TOP_LEVEL:
             errors.add(
@@ -106,7 +54,8 @@ def _build(file, raw, errors: Collector, overridden: set[str]) -> GraphSpec | No
         name: build_attrs(schema.ModelConfig, table, f"models.{name}", errors, overridden)
         for name, table in _tables(raw, "models", errors).items()
     }
-    models = {name: _place(name, m, pools, errors) for name, m in models.items() if m}
+    # a model whose table is wrong stays, as None: its nodes are not told it is unknown
+    models = {name: m and _place(name, m, pools, errors) for name, m in models.items()}
     for name, pool in pools.items():
         if pool:
             _check_pool(name, pool, errors)
@@ -123,6 +72,16 @@ def _build(file, raw, errors: Collector, overridden: set[str]) -> GraphSpec | No
     return GraphSpec(file, run, data, models, pools, nodes, raw)
 
 
+def _check_id(head: str, name: str, errors: Collector) -> None:
+    if not addressable(name):
+        errors.add(
+            f'[{head}."{name}"]',
+            f'the id "{name}" cannot be named in a command-line override '
+            f"({head}.<id>.<key>=value): ids are made of letters, digits, _ and -",
+            f'rename it, e.g. to "{re.sub(r"[^A-Za-z0-9_-]", "_", name)}", and every use of it',
+        )
+
+
 def _table(raw, name, errors) -> dict:
     value = raw.get(name, {})
     if not isinstance(value, dict):
@@ -134,6 +93,7 @@ def _table(raw, name, errors) -> dict:
 def _tables(raw, name, errors) -> dict[str, dict]:
     out = {}
     for key, value in _table(raw, name, errors).items():
+        _check_id(name, key, errors)
         if isinstance(value, dict):
             out[key] = value
         else:
@@ -147,6 +107,7 @@ def _tables(raw, name, errors) -> dict[str, dict]:
 
 def _place(name, model: schema.ModelConfig, pools, errors) -> schema.ModelConfig:
     """Fill in the pool of a model that names none, when there is only one pool."""
+    pools = {p: c for p, c in pools.items() if addressable(p)}  # suggest only valid ids
     if not model.pool:
         if len(pools) == 1:
             model = attrs.evolve(model, pool=next(iter(pools)))
@@ -196,7 +157,8 @@ def _node(node_id, table, models, base_dir, errors: Collector, overridden) -> No
     where = f"[nodes.{node_id}]"
     uses = table.get("uses")
     if not isinstance(uses, str):
-        errors.add(where, "missing `uses`", 'name the node module, e.g. uses = "advantage.gae"')
+        what = "missing `uses`" if uses is None else f'"uses" = {uses!r} should be a string'
+        errors.add(where, what, 'name the node module, e.g. uses = "advantage.gae"')
         return None
     try:
         ref = registry.resolve(uses, base_dir)
@@ -265,14 +227,20 @@ def _check_model(where, spec: NodeSpec, model, models, errors: Collector) -> Non
             f"add model = one of {one_of(models) or '(define a [models.<name>] table)'}",
         )
         return
+    names = [m for m in models if addressable(m)]  # suggest only ids that are valid
+    if not isinstance(model, str):
+        errors.add(where, f'"model" = {model!r} should be a string', f"use one of {one_of(names)}")
+        return
     if model not in models:
         errors.add(
             where,
-            f'unknown model "{model}"{did_you_mean(model, models)}',
-            f"define [models.{model}] or use one of {one_of(models) or 'none'}",
+            f'unknown model "{model}"{did_you_mean(model, names)}',
+            f"define [models.{model}] or use one of {one_of(names) or 'none'}",
         )
         return
     config = models[model]
+    if config is None:  # its table has errors, reported there
+        return
     if spec.mode == "train" and not config.trainable:
         errors.add(
             where,

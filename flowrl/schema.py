@@ -12,6 +12,25 @@ from typing import Any
 import attrs
 
 from flowrl.nodespec import HEADS, NodeSpec
+from flowrl.validators import (
+    MAX_DATASET,
+    MAX_MEMORY_GB,
+    MAX_PARAMS,
+    MAX_PER_WORKER,
+    MAX_ROWS,
+    MAX_SEED,
+    MAX_STEPS,
+    MAX_TOKENS,
+    MAX_WORKERS,
+    at_least,
+    checked,
+    count,
+    interval,
+    not_empty,
+    one_of,
+    pair,
+    positive,
+)
 
 BACKENDS = ("ray", "local")
 SCHEDULES = ("constant", "cosine")
@@ -33,74 +52,59 @@ DATASET_KEYS = (
 )
 
 
-def _choice(*choices):
-    return attrs.validators.in_(choices)
-
-
-def _positive(instance, attribute, value):
-    if value <= 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value}")
-
-
-def _non_negative(instance, attribute, value):
-    if value < 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
-
-
 @attrs.frozen
 class RunConfig:
-    steps: int = attrs.field(default=20, validator=_positive)  # training steps (one batch each)
-    seed: int = 0  # seeds data order, sampling and initialisation
-    backend: str = attrs.field(default="ray", validator=_choice(*BACKENDS))  # or "local"
+    steps: int = checked(20, count(1, MAX_STEPS))  # training steps (one batch each)
+    seed: int = checked(0, count(0, MAX_SEED))  # seeds data order, sampling and initialisation
+    backend: str = checked("ray", one_of(BACKENDS))  # or "local"
     out_dir: str = "runs"  # run directories go under it
-    num_cpus: int = attrs.field(default=0, validator=_non_negative)  # for Ray; 0 = all cores
-    val_every: int = attrs.field(default=0, validator=_non_negative)  # 0 = first and last only
-    val_size: int = attrs.field(default=64, validator=_non_negative)  # held-out prompts; 0 = off
-    save_every: int = attrs.field(default=0, validator=_non_negative)  # 0 = at the end only
-    keep_checkpoints: int = attrs.field(default=2, validator=_positive)  # newest kept
-    log_samples: int = attrs.field(default=2, validator=_non_negative)  # generations per step
+    num_cpus: int = checked(0, count(0, MAX_WORKERS))  # for Ray; 0 = all cores
+    val_every: int = checked(0, count(0, MAX_STEPS))  # 0 = first and last only
+    val_size: int = checked(64, count(0, MAX_ROWS))  # held-out prompts; 0 = off
+    save_every: int = checked(0, count(0, MAX_STEPS))  # 0 = at the end only
+    keep_checkpoints: int = checked(2, count(1, MAX_STEPS))  # newest kept
+    log_samples: int = checked(2, count(0, MAX_ROWS))  # generations per step
 
 
 @attrs.frozen
 class DataConfig:
-    source: str = "arithmetic"  # "arithmetic", or a .parquet / .jsonl file in verl's format
+    source: str = checked("arithmetic", not_empty())  # "arithmetic", or a .parquet / .jsonl file
     val_source: str = ""  # default: the validation split of `source`
-    batch_size: int = attrs.field(default=4, validator=_positive)  # prompts per step
-    max_prompt_len: int = attrs.field(default=256, validator=_positive)  # longer are dropped
-    train_size: int = attrs.field(default=0, validator=_non_negative)  # synthetic task; 0 = all
+    batch_size: int = checked(4, count(1, MAX_ROWS))  # prompts per step
+    max_prompt_len: int = checked(256, count(1, MAX_TOKENS))  # longer are dropped
+    train_size: int = checked(0, count(0, MAX_DATASET))  # synthetic task; 0 = all
     shuffle: bool = True  # reshuffled every epoch from the seed
 
 
 @attrs.frozen
 class ModelConfig:
-    path: str = "smollm2-135m-instruct"  # alias, local HF directory, or "tiny" (tests)
+    path: str = checked("smollm2-135m-instruct", not_empty())  # alias, HF directory, or "tiny"
     trainable: bool = False  # frozen models (reference) are never updated
-    head: str = attrs.field(default="lm", validator=_choice(*HEADS))  # "value" for critics
+    head: str = checked("lm", one_of(HEADS))  # "value" for critics
     pool: str = ""  # which pool hosts it; may be left out when there is one pool
     rollout_pool: str = ""  # pool of its rollout engine; "" = the same (hybrid engine)
-    dtype: str = attrs.field(default="float32", validator=_choice(*DTYPES))  # of the weights
-    lr: float = attrs.field(default=1e-6, validator=_positive)  # AdamW peak learning rate
-    weight_decay: float = 0.0  # AdamW decoupled weight decay
-    betas: list[float] = attrs.field(factory=lambda: [0.9, 0.999])  # AdamW betas
-    warmup_steps: int = attrs.field(default=0, validator=_non_negative)  # linear, optimizer steps
-    schedule: str = attrs.field(default="constant", validator=_choice(*SCHEDULES))  # after warmup
-    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
-    grad_clip: float = 1.0  # max global grad norm; 0 = off
-    micro_tokens: int = attrs.field(default=4096, validator=_positive)  # tokens per micro-batch
-    n_params: int = attrs.field(default=0, validator=_non_negative)  # 0 = known from the path
+    dtype: str = checked("float32", one_of(DTYPES))  # of the weights
+    lr: float = checked(1e-6, positive())  # AdamW peak learning rate
+    weight_decay: float = checked(0.0, at_least(0))  # AdamW decoupled weight decay
+    betas: list[float] = checked([0.9, 0.999], pair(interval(0, 1, high_open=True)))  # AdamW betas
+    warmup_steps: int = checked(0, count(0, MAX_STEPS))  # linear, optimizer steps
+    schedule: str = checked("constant", one_of(SCHEDULES))  # after warmup
+    min_lr_ratio: float = checked(0.0, interval(0, 1))  # cosine floor, as a fraction of lr
+    grad_clip: float = checked(1.0, at_least(0))  # max global grad norm; 0 = off
+    micro_tokens: int = checked(4096, count(1, MAX_TOKENS))  # tokens per micro-batch
+    n_params: int = checked(0, count(0, MAX_PARAMS))  # 0 = known from the path
 
 
 @attrs.frozen
 class PoolConfig:
-    workers: int = attrs.field(default=1, validator=_positive)  # ranks (one process each)
-    device: str = attrs.field(default="cpu", validator=_choice(*DEVICES))  # "cpu" or "cuda"
-    devices_per_worker: int = attrs.field(default=1, validator=_positive)  # GPUs per rank
-    cpus_per_worker: int = attrs.field(default=1, validator=_positive)  # torch threads per rank
-    offload: str = attrs.field(default="auto", validator=_choice(*OFFLOAD))  # never/always/auto
-    device_memory_gb: float = attrs.field(default=0.0, validator=_non_negative)  # 0 = per device
-    nodes: int = attrs.field(default=1, validator=_positive)  # machines the pool spans
-    # Ray placement-group strategy; "" = PACK on one node, STRICT_SPREAD over several
-    strategy: str = attrs.field(default="", validator=_choice(*STRATEGIES))
+    workers: int = checked(1, count(1, MAX_WORKERS))  # ranks (one process each)
+    device: str = checked("cpu", one_of(DEVICES))  # "cpu" or "cuda"
+    devices_per_worker: int = checked(1, count(1, MAX_PER_WORKER))  # GPUs per rank
+    cpus_per_worker: int = checked(1, count(1, MAX_PER_WORKER))  # torch threads per rank
+    offload: str = checked("auto", one_of(OFFLOAD))  # never/always/auto
+    device_memory_gb: float = checked(0.0, at_least(0, MAX_MEMORY_GB))  # 0 = per device
+    nodes: int = checked(1, count(1, MAX_WORKERS))  # machines the pool spans
+    strategy: str = checked("", one_of(STRATEGIES))  # Ray placement; "" = PACK or STRICT_SPREAD
 
 
 @attrs.frozen

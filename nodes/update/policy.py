@@ -13,22 +13,31 @@ import attrs
 from flowrl import ops
 from flowrl.lazy import torch
 from flowrl.nodespec import NodeSpec
-
-AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+from flowrl.validators import (
+    MAX_EPOCHS,
+    MAX_ROWS,
+    above,
+    at_least,
+    checked,
+    count,
+    one_of,
+    positive,
+    zero_or,
+)
 
 
 @attrs.frozen
 class Params:
-    epochs: int = 1  # passes over the step's rows
-    mini_batch_size: int = 0  # rows per optimizer step over all ranks; 0 = the whole batch
-    clip_low: float = 0.2  # ratio floor 1 - clip_low
-    clip_high: float = 0.2  # ratio ceiling 1 + clip_high (DAPO: 0.28)
-    dual_clip: float = 0.0  # c > 1 bounds the loss of negative advantages; 0 = off
-    agg: str = attrs.field(default="token-mean", validator=attrs.validators.in_(AGG))  # loss agg
+    epochs: int = checked(1, count(1, MAX_EPOCHS))  # passes over the step's rows
+    mini_batch_size: int = checked(0, count(0, MAX_ROWS))  # rows per optimizer step; 0 = all
+    clip_low: float = checked(0.2, at_least(0))  # ratio floor 1 - clip_low
+    clip_high: float = checked(0.2, at_least(0))  # ratio ceiling 1 + clip_high (DAPO: 0.28)
+    dual_clip: float = checked(0.0, zero_or(above(1)))  # bounds the loss of negative advantages
+    agg: str = checked("token-mean", one_of(ops.AGG_MODES))  # loss aggregation
     entropy_coef: float = 0.0  # entropy bonus weight
-    kl_loss_coef: float = 0.0  # KL(policy || ref) as a loss term; reads ref_logprobs if > 0
-    kl_loss_kind: str = "k3"  # k1, k2, k3 or abs
-    temperature: float = 1.0  # divide logits as the sampler did
+    kl_loss_coef: float = checked(0.0, at_least(0))  # weight of the KL(policy || ref) loss term
+    kl_loss_kind: str = checked("k3", one_of(ops.KL_KINDS))  # KL estimator of the loss
+    temperature: float = checked(1.0, positive())  # divide logits as the sampler did
     on_policy: bool = False  # old log-probs = this forward's, detached (epochs = 1, 1 mini-batch)
     skip_zero_rows: bool = True  # skip rows with no gradient (zero advantage, no KL/entropy)
 

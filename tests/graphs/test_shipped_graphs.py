@@ -212,3 +212,24 @@ def test_graph_file_reference_is_current():
 
     text = reference.DOC.read_text()
     assert reference.refreshed(text) == text, "run: python -m flowrl.reference --write"
+
+
+def test_graph_file_reference_lists_every_rule_and_choice():
+    import attrs
+
+    from flowrl import reference
+    from flowrl.validators import describe
+
+    lines = reference.DOC.read_text().splitlines()
+    tables = [schema.RunConfig, schema.DataConfig, schema.ModelConfig, schema.PoolConfig]
+    tables += [registry.resolve(name).spec.params for name in registry.builtin_names()]
+    for cls in tables:
+        for field in attrs.fields(attrs.resolve_types(cls)):
+            rule = describe(field.validator)
+            rows = [line for line in lines if line.startswith(f"| `{field.name}` |")]
+            if rule:
+                assert any(f"| {rule} |" in row for row in rows), f"{cls}.{field.name}: {rule}"
+            else:  # every count has a range; only flags, free numbers and names go without
+                assert field.type in (bool, float, str), f"{cls}.{field.name} has no rule"
+    for choice in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "STRICT_SPREAD"):
+        assert f'"{choice}"' in "\n".join(lines)

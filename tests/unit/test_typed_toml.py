@@ -84,12 +84,15 @@ def test_validator_failure_is_a_problem_not_an_exception():
 
 
 def test_override_origin_is_named():
-    _, (problem,) = build({"rate": "x"}, overridden={"t.rate"})
-    assert "(from the command line)" in problem.message
+    _, (problem,) = build({"rate": "x"}, overridden={"t.rate": "t.rate=x"})
+    assert problem.message.startswith('override "t.rate=x": "rate" = \'x\' (from the command')
 
 
 def test_type_names_and_toml_defaults():
-    assert type_name(Literal["a", "b"]) == "one of 'a', 'b'"
-    assert type_name(list[int]) == "a list"
-    assert toml_value(attrs.Factory(lambda: [1, 2])) == "[ 1, 2,]"
+    assert type_name(Literal["a", "b"]) == 'one of "a", "b"'
+    assert type_name(list[int]) == "a list of integers"
+    assert toml_value(attrs.Factory(lambda: [1, 2])) == "[1, 2]"
+    assert toml_value({"a": "b", "c": True}) == '{ a = "b", c = true }'
+    assert type_name(str | None) == "a string"
+    assert type_name(list[float]) == "a list of numbers"
     assert toml_value(None) == "(unset)"
