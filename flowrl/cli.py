@@ -1,28 +1,79 @@
 """`flowrl run | check | plan | render | nodes`.
 
 check, plan, render and nodes import neither torch nor ray; `run` imports the runtime lazily.
-A bad graph file exits with code 2 and a list of its problems, never a traceback.
+A bad graph file exits with code 2 and a list of its problems, any other flowrl error (a failed
+node, a bad data file) with code 1 and its message: never a traceback for a user's mistake.
+A graph is a path (with a directory part, or ending in .toml), or the bare name of a shipped
+graph ("grpo").
 """
 
 import argparse
+import os
 import sys
+from importlib.resources import files
 from pathlib import Path
 
 import attrs
 
 from flowrl import compiler, dsl, graph, registry, render, schema
-from flowrl.errors import FlowrlError, GraphErrors
+from flowrl.errors import FlowrlError, GraphErrors, Problem, did_you_mean, one_of
+from flowrl.overrides import TOP_LEVEL
 
 
 def graph_path(file: str) -> str:
-    """`file`, or when it does not exist, the shipped graph of that name (graphs/ppo.toml or
-    ppo), so an installed flowrl runs its own graphs from any directory."""
-    if Path(file).exists():
-        return file
-    from importlib.resources import files
+    """The graph file that `file` names; raises GraphErrors when there is none.
 
-    shipped = files("flowrl.graphs") / Path(file).with_suffix(".toml").name
-    return str(shipped) if shipped.is_file() else file
+    A path (it has a directory part, or ends in .toml) is that file, existing or not (the
+    loader reports a missing one). A bare name ("grpo") is the shipped graph of that name, so
+    an installed flowrl runs its own graphs from any directory.
+    """
+    if not is_bare_name(file):
+        if not Path(file).exists() and Path(file).stem in shipped_graphs():
+            name = Path(file).stem
+            raise GraphErrors(
+                [
+                    Problem(
+                        file,
+                        "file",
+                        "no such file",
+                        f'check the path, or write "{name}" '
+                        "(no directory, no .toml) for the shipped graph of that name",
+                    )
+                ]
+            )
+        return file
+    shipped = files("flowrl.graphs") / f"{file}.toml"
+    if shipped.is_file():
+        return str(shipped)
+    names = shipped_graphs()
+    raise GraphErrors(
+        [
+            Problem(
+                file,
+                "file",
+                f'no shipped graph named "{file}"{did_you_mean(file, names)}',
+                f"shipped graphs: {one_of(names)}; or give the path of a .toml file",
+            )
+        ]
+    )
+
+
+def is_bare_name(file: str) -> bool:
+    return not ("/" in file or os.sep in file or file.endswith(".toml"))
+
+
+def shipped_graphs() -> list[str]:
+    return sorted(
+        p.name.removesuffix(".toml")
+        for p in files("flowrl.graphs").iterdir()
+        if p.name.endswith(".toml")
+    )
+
+
+def say_which(file: str, path: str) -> None:
+    """Name the shipped graph a bare name stands for (on stderr: stdout may be a plan)."""
+    if path != file:
+        print(f"flowrl: {file} is the shipped graph {path}", file=sys.stderr)
 
 
 def load_plan(file: str, overrides=()):
@@ -33,12 +84,16 @@ def load_plan(file: str, overrides=()):
 
 
 def cmd_check(args) -> int:
+    graphs = [f for f in args.files if not is_override(f)]
+    args.overrides = [*args.overrides, *(f for f in args.files if is_override(f))]
+    if not graphs:
+        print("flowrl check: no graph file given (overrides alone check nothing)", file=sys.stderr)
+        return 2
     status = 0
-    files = [f for f in args.files if "=" not in f or Path(f).exists()]
-    args.overrides = [*args.overrides, *(f for f in args.files if f not in files)]
-    for file in files:
+    for file in graphs:
         try:
-            spec, built, plan = load_plan(file, args.overrides)
+            path = graph_path(file)
+            spec, built, plan = load_plan(path, args.overrides)
         except GraphErrors as e:
             print(e.report(), file=sys.stderr)
             status = 2
@@ -47,11 +102,21 @@ def cmd_check(args) -> int:
             _count(len(things), what)
             for things, what in ((spec.nodes, "node"), (spec.models, "model"), (spec.pools, "pool"))
         )
-        print(f"{file}: ok ({counts}, {plan.batch['rows']} rows per step)")
+        shipped = f" (the shipped graph {file})" if path != file else ""
+        print(f"{path}{shipped}: ok ({counts}, {plan.batch['rows']} rows per step)")
         print(node_table(spec, built))
         for warning in plan.warnings:
             print(f"  warning: {warning}")
     return status
+
+
+def is_override(arg: str) -> bool:
+    """An argument of `check` that is an override (table.key=value, or a table.key missing its
+    value) rather than a graph file."""
+    if Path(arg).exists():
+        return False
+    head = arg.split(".", 1)[0]
+    return "=" in arg or (head in TOP_LEVEL and "." in arg and is_bare_name(arg))
 
 
 def _count(n: int, what: str) -> str:
@@ -79,12 +144,14 @@ def node_table(spec, built) -> str:
 
 
 def cmd_plan(args) -> int:
+    say_which(args.file, graph_path(args.file))
     _, _, plan = load_plan(args.file, args.overrides)
     print(plan.to_json() if args.json else plan.text(), end="")
     return 0
 
 
 def cmd_render(args) -> int:
+    say_which(args.file, graph_path(args.file))
     _, built, plan = load_plan(args.file, args.overrides)
     dot = plan.to_dot() if args.plan else render.graph_dot(built)
     out = args.output or str(Path(args.file).with_suffix(".plan.svg" if args.plan else ".svg"))
@@ -118,6 +185,7 @@ def cmd_nodes(args) -> int:
 
 
 def cmd_run(args) -> int:
+    say_which(args.file, graph_path(args.file))
     spec, built, plan = load_plan(args.file, args.overrides)
     from flowrl.runtime.controller import run  # torch and ray load from here on
 
@@ -168,13 +236,18 @@ def main(argv=None) -> int:
     if extra:
         args.overrides = [*args.overrides, *extra]
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return code
     except GraphErrors as e:
         print(e.report(), file=sys.stderr)
         return 2
     except FlowrlError as e:  # a failed node or a bad data file: the message says what and where
         print(f"flowrl: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader went away (`flowrl nodes | head -1`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 141  # as a shell reports a command ended by SIGPIPE
 
 
 if __name__ == "__main__":

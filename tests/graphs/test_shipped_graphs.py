@@ -202,8 +202,12 @@ def test_shipped_graph_found_by_name_from_anywhere(tmp_path, monkeypatch):
     from flowrl.cli import graph_path
 
     monkeypatch.chdir(tmp_path)
-    assert Path(graph_path("graphs/ppo.toml")).read_text() == (ROOT / "graphs/ppo.toml").read_text()
+    assert Path(graph_path("ppo")).read_text() == (ROOT / "graphs/ppo.toml").read_text()
     assert Path(graph_path("grpo")).name == "grpo.toml"
+    # a path is that file: a missing one is an error, with the shipped graph's bare name as fix
+    with pytest.raises(GraphErrors) as info:
+        graph_path("graphs/ppo.toml")
+    assert 'write "ppo"' in info.value.problems[0].fix
     assert graph_path("nothing.toml") == "nothing.toml"  # left for the loader to report
 
 
