@@ -155,11 +155,14 @@ def cmd_render(args) -> int:
     _, built, plan = load_plan(args.file, args.overrides)
     dot = plan.to_dot() if args.plan else render.graph_dot(built)
     out = args.output or str(Path(args.file).with_suffix(".plan.svg" if args.plan else ".svg"))
-    if out.endswith(".dot"):
-        Path(out).write_text(dot)
-        print(f"wrote {out}")
-        return 0
-    ok, message = render.write_svg(dot, out)
+    try:
+        if out.endswith(".dot"):
+            Path(out).write_text(dot)
+            ok, message = True, f"wrote {out}"
+        else:
+            ok, message = render.write_svg(dot, out)
+    except OSError as e:
+        ok, message = False, f"flowrl: cannot write {out}: {e.strerror or e}"
     print(message, file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1
 

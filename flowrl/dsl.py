@@ -17,7 +17,7 @@ import attrs
 from flowrl import registry, schema
 from flowrl.errors import Collector, did_you_mean, one_of
 from flowrl.nodespec import NodeSpec
-from flowrl.overrides import TOP_LEVEL, addressable, apply_overrides
+from flowrl.overrides import TOP_LEVEL, addressable, apply_overrides, said
 from flowrl.schema import DEFAULT_POOL, GraphSpec, NodeDecl
 from flowrl.typed_toml import build_attrs, read_toml
 
@@ -55,7 +55,7 @@ def _build(file, raw, errors: Collector, overridden: dict[str, str]) -> GraphSpe
         for name, table in _tables(raw, "models", errors).items()
     }
     # a model whose table is wrong stays, as None: its nodes are not told it is unknown
-    models = {name: m and _place(name, m, pools, errors) for name, m in models.items()}
+    models = {name: m and _place(name, m, pools, errors, overridden) for name, m in models.items()}
     for name, pool in pools.items():
         if pool:
             _check_pool(name, pool, errors)
@@ -105,7 +105,7 @@ def _tables(raw, name, errors) -> dict[str, dict]:
     return out
 
 
-def _place(name, model: schema.ModelConfig, pools, errors) -> schema.ModelConfig:
+def _place(name, model: schema.ModelConfig, pools, errors, overridden) -> schema.ModelConfig:
     """Fill in the pool of a model that names none, when there is only one pool."""
     pools = {p: c for p, c in pools.items() if addressable(p)}  # suggest only valid ids
     if not model.pool:
@@ -120,13 +120,15 @@ def _place(name, model: schema.ModelConfig, pools, errors) -> schema.ModelConfig
     elif model.pool not in pools:
         errors.add(
             f"[models.{name}]",
-            f'pool "{model.pool}" is not defined{did_you_mean(model.pool, pools)}',
+            f'{said(overridden, f"models.{name}.pool")}pool "{model.pool}" is not defined'
+            f"{did_you_mean(model.pool, pools)}",
             f"pools: {one_of(pools)}",
         )
     if model.rollout_pool and model.rollout_pool not in pools:
         errors.add(
             f"[models.{name}] rollout_pool",
-            f'pool "{model.rollout_pool}" is not defined{did_you_mean(model.rollout_pool, pools)}',
+            f'{said(overridden, f"models.{name}.rollout_pool")}pool "{model.rollout_pool}" is '
+            f"not defined{did_you_mean(model.rollout_pool, pools)}",
             f'pools: {one_of(pools)}; or leave rollout_pool out to generate on "{model.pool}"',
         )
     return model
@@ -158,7 +160,8 @@ def _node(node_id, table, models, base_dir, errors: Collector, overridden) -> No
     uses = table.get("uses")
     if not isinstance(uses, str):
         what = "missing `uses`" if uses is None else f'"uses" = {uses!r} should be a string'
-        errors.add(where, what, 'name the node module, e.g. uses = "advantage.gae"')
+        fix = 'name the node module, e.g. uses = "advantage.gae"'
+        errors.add(where, said(overridden, f"nodes.{node_id}.uses") + what, fix)
         return None
     try:
         ref = registry.resolve(uses, base_dir)
@@ -166,7 +169,7 @@ def _node(node_id, table, models, base_dir, errors: Collector, overridden) -> No
         hint = did_you_mean(uses, registry.builtin_names())
         errors.add(
             where,
-            f"{e}{hint}",
+            f"{said(overridden, f'nodes.{node_id}.uses')}{e}{hint}",
             "run `flowrl nodes` for the built-in nodes, or give a "
             "path to a .py file that defines SPEC",
         )
@@ -178,7 +181,7 @@ def _node(node_id, table, models, base_dir, errors: Collector, overridden) -> No
         return None
     spec = ref.spec
     model = table.get("model")
-    _check_model(where, spec, model, models, errors)
+    _check_model(where, spec, model, models, errors, said(overridden, f"nodes.{node_id}.model"))
     rename = table.get("rename", {})
     declared = set(spec.reads) | set(spec.writes) | _extra_read_names(spec)
     if not isinstance(rename, dict) or not all(isinstance(v, str) for v in rename.values()):
@@ -211,7 +214,8 @@ def _extra_read_names(spec: NodeSpec) -> set[str]:
         return set()
 
 
-def _check_model(where, spec: NodeSpec, model, models, errors: Collector) -> None:
+def _check_model(where, spec: NodeSpec, model, models, errors: Collector, said="") -> None:
+    """Problems with a node's `model`; `said` names the override that set it, if one did."""
     if not spec.uses_model:
         if model is not None:
             errors.add(
@@ -229,12 +233,14 @@ def _check_model(where, spec: NodeSpec, model, models, errors: Collector) -> Non
         return
     names = [m for m in models if addressable(m)]  # suggest only ids that are valid
     if not isinstance(model, str):
-        errors.add(where, f'"model" = {model!r} should be a string', f"use one of {one_of(names)}")
+        errors.add(
+            where, f'{said}"model" = {model!r} should be a string', f"use one of {one_of(names)}"
+        )
         return
     if model not in models:
         errors.add(
             where,
-            f'unknown model "{model}"{did_you_mean(model, names)}',
+            f'{said}unknown model "{model}"{did_you_mean(model, names)}',
             f"define [models.{model}] or use one of {one_of(names) or 'none'}",
         )
         return

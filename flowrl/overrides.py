@@ -73,6 +73,12 @@ def _override_problem(raw: dict, parts: list[str]) -> tuple[str, str] | None:
     return None
 
 
+def said(overridden: dict[str, str], key: str) -> str:
+    """'override "KEY=VALUE": ' when the command line set the dotted `key`, else ''."""
+    item = overridden.get(key)
+    return f'override "{item}": ' if item is not None else ""
+
+
 def addressable(name: str) -> bool:
     """Whether a table id can be named in a dotted override: letters, digits, _ and -."""
     return bool(ID.fullmatch(name))

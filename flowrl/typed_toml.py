@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 
+from flowrl import overrides
 from flowrl.errors import Collector, did_you_mean, one_of
 from flowrl.validators import describe, finite
 
@@ -104,10 +105,8 @@ def build_attrs(cls, table: dict, where: str, errors: Collector, overridden: Map
     fields = {(f.alias or f.name): f for f in attrs.fields(cls) if f.init}
     kwargs, ok = {}, True
     for key, value in table.items():
-        said, origin = "", ""
-        override = overridden.get(f"{where}.{key}")
-        if override is not None:
-            said, origin = f'override "{override}": ', " (from the command line)"
+        said = overrides.said(overridden, f"{where}.{key}")
+        origin = " (from the command line)" if said else ""
         if key not in fields:
             errors.add(
                 f"[{where}]",

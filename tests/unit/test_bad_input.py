@@ -274,6 +274,24 @@ CASES = [
     ),
     ("override-no-value", GRPO, ["run.steps"], ['override "run.steps"', "table.key=value"]),
     (
+        "override-pool",
+        GRPO,
+        ["models.policy.pool=gpu"],
+        ['override "models.policy.pool=gpu"', "[models.policy]", 'pool "gpu" is not defined'],
+    ),
+    (
+        "override-model",
+        GRPO,
+        ["nodes.generate.model=polcy"],
+        ['override "nodes.generate.model=polcy"', "[nodes.generate]", 'did you mean "policy"'],
+    ),
+    (
+        "override-uses",
+        GRPO,
+        ["nodes.advantage.uses=advantage.grp"],
+        ['override "nodes.advantage.uses=advantage.grp"', "[nodes.advantage]", '"advantage.grpo"'],
+    ),
+    (
         "override-into-value",
         GRPO,
         ["nodes.generate.n.x=1"],
@@ -419,3 +437,10 @@ def test_closed_output_pipe_gives_no_traceback():
         os.close(write)
     assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr
     assert result.returncode == 141
+
+
+def test_unwritable_render_output_is_a_message(tmp_path, capsys):
+    (tmp_path / "file").write_text("")  # a file where a directory is expected
+    out = tmp_path / "file" / "g.dot"
+    assert main(["render", str(ROOT / "graphs/grpo.toml"), "-o", str(out)]) == 1
+    assert f"flowrl: cannot write {out}" in capsys.readouterr().err
