@@ -27,35 +27,18 @@ def graph_path(file: str) -> str:
     loader reports a missing one). A bare name ("grpo") is the shipped graph of that name, so
     an installed flowrl runs its own graphs from any directory.
     """
-    if not is_bare_name(file):
-        if not Path(file).exists() and Path(file).stem in shipped_graphs():
-            name = Path(file).stem
-            raise GraphErrors(
-                [
-                    Problem(
-                        file,
-                        "file",
-                        "no such file",
-                        f'check the path, or write "{name}" '
-                        "(no directory, no .toml) for the shipped graph of that name",
-                    )
-                ]
-            )
-        return file
-    shipped = files("flowrl.graphs") / f"{file}.toml"
-    if shipped.is_file():
-        return str(shipped)
     names = shipped_graphs()
-    raise GraphErrors(
-        [
-            Problem(
-                file,
-                "file",
-                f'no shipped graph named "{file}"{did_you_mean(file, names)}',
-                f"shipped graphs: {one_of(names)}; or give the path of a .toml file",
-            )
-        ]
-    )
+    if not is_bare_name(file):
+        stem = Path(file).stem
+        if not Path(file).exists() and stem in names:
+            fix = f'check the path, or write "{stem}" (no directory, no .toml): the shipped graph'
+            raise GraphErrors([Problem(file, "file", "no such file", fix)])
+        return file
+    if file in names:
+        return str(files("flowrl.graphs") / f"{file}.toml")
+    message = f'no shipped graph named "{file}"{did_you_mean(file, names)}'
+    fix = f"shipped graphs: {one_of(names)}; or give the path of a .toml file"
+    raise GraphErrors([Problem(file, "file", message, fix)])
 
 
 def is_bare_name(file: str) -> bool:

@@ -115,7 +115,7 @@ def build_attrs(cls, table: dict, where: str, errors: Collector, overridden: Map
             )
             ok = False
             continue
-        converted, problem = checked(value, fields[key])
+        converted, problem = check_value(value, fields[key])
         if problem:
             default = f"default: {key} = {toml_value(fields[key].default)}"
             shown = repr(value) if isinstance(value, str) else toml_value(value)
@@ -127,12 +127,13 @@ def build_attrs(cls, table: dict, where: str, errors: Collector, overridden: Map
         return None
     try:
         return cls(**kwargs)
-    except (ValueError, TypeError) as e:  # a check across fields, in __attrs_post_init__
-        errors.add(f"[{where}]", _message(e), "see docs/graph-file.md for the allowed values")
+    except Exception as e:  # a check across fields, in __attrs_post_init__ (maybe a user's)
+        message = _message(e) if isinstance(e, ValueError | TypeError) else f"{e!r}"
+        errors.add(f"[{where}]", message, "see docs/graph-file.md for the allowed values")
         return None
 
 
-def checked(value, field: attrs.Attribute) -> tuple[Any, str]:
+def check_value(value, field: attrs.Attribute) -> tuple[Any, str]:
     """(value converted to the field's type, "") or (None, what is wrong with it)."""
     converted, good = convert(value, field.type)
     if not good:

@@ -96,3 +96,19 @@ def test_type_names_and_toml_defaults():
     assert type_name(str | None) == "a string"
     assert type_name(list[float]) == "a list of numbers"
     assert toml_value(None) == "(unset)"
+
+
+def test_check_across_fields_is_reported():
+    @attrs.frozen
+    class Window:
+        low: int = 0
+        high: int = 1
+
+        def __attrs_post_init__(self):
+            if self.low >= self.high:
+                raise ValueError(f"low = {self.low} must be below high = {self.high}")
+
+    errors = Collector("g.toml")
+    assert build_attrs(Window, {"low": 3}, "w", errors) is None
+    (problem,) = errors.problems
+    assert problem.where == "[w]" and problem.message == "low = 3 must be below high = 1"
