@@ -1,8 +1,10 @@
 """The CLI's error handling and choices: one error base, constants from one place."""
 
+import attrs
 import pytest
+from flowrl.nodes.update import critic, policy
 
-from flowrl import cli, nodespec, schema
+from flowrl import cli, nodespec, ops, schema
 from flowrl.data import DataError
 from flowrl.errors import FlowrlError, GraphErrors
 from flowrl.models import ModelNotFound
@@ -47,3 +49,13 @@ def test_heads_are_defined_once():
     from flowrl.models import loading
 
     assert schema.HEADS is nodespec.HEADS and loading.HEADS is nodespec.HEADS
+
+
+def test_loss_aggregation_modes_are_defined_once():
+    for params in (critic.Params, policy.Params):
+        with pytest.raises(ValueError):
+            params(agg="sum")
+        for mode in ops.AGG_MODES:
+            assert params(agg=mode).agg == mode
+    assert not hasattr(critic, "AGG") and not hasattr(policy, "AGG")
+    assert attrs.fields(policy.Params).agg.default in ops.AGG_MODES
