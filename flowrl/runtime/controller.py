@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from flowrl.data import PromptDataset, PromptLoader, make_rows
+from flowrl.errors import FlowrlError
 from flowrl.models import load_tokenizer
 from flowrl.nodespec import GREEDY
 from flowrl.runtime import checkpoint, faults, make_executor
@@ -212,11 +213,11 @@ class Trainer:
 # -- helpers ---------------------------------------------------------------------------------
 
 
-class NonFiniteStop(RuntimeError):
+class NonFiniteStop(FlowrlError, RuntimeError):
     """Too many steps in a row had a non-finite loss or gradient norm."""
 
 
-class Stopped(RuntimeError):
+class Stopped(FlowrlError, RuntimeError):
     """SIGINT or SIGTERM stopped the run between or during steps."""
 
 
@@ -257,7 +258,7 @@ def _writable(run_dir: Path) -> None:
         ) from e
 
 
-class RunDirError(RuntimeError):
+class RunDirError(FlowrlError, RuntimeError):
     """The run directory cannot be written."""
 
 

@@ -8,11 +8,12 @@ when a node runs, and how a node that returns the wrong keys fails, is written o
 
 from collections.abc import Callable
 
+from flowrl.errors import FlowrlError
 from flowrl.nodespec import KEEP, NodeSpec, split_output
 from flowrl.protocol import DataProto
 
 
-class NodeFailure(RuntimeError):
+class NodeFailure(FlowrlError, RuntimeError):
     """A node failed: names the node, where it ran, and the batch it was given."""
 
 

@@ -16,13 +16,14 @@ import attrs
 from flowrl.lazy import torch
 from flowrl.nodespec import Finding, NodeSpec
 from flowrl.rewards import ScorerError, resolve_scorer, score_value
+from flowrl.validators import checked, count, positive
 
 
 @attrs.frozen
 class Params:
     scorer: str = "auto"  # "auto", "arithmetic", "gsm8k", or "file.py:function"
-    workers: int = 2  # child processes that score rows; 0 = in this process, no timeout
-    timeout_s: float = 10.0  # seconds one row's scorer may take
+    workers: int = checked(2, count(0, 256))  # scoring processes; 0 = in this one, no timeout
+    timeout_s: float = checked(10.0, positive())  # seconds one row's scorer may take
     fallback_score: float = 0.0  # the score of a row whose scorer failed or timed out
 
 
@@ -76,10 +77,6 @@ def check(params: Params, context) -> list[Finding]:
         out.append(Finding(f"scorer: {e}", 'use "auto", a built-in name or "file.py:function"'))
     except Exception as e:  # the scorer's module failed to import
         out.append(Finding(f"scorer {params.scorer}: importing it failed: {e}", "fix that file"))
-    if params.timeout_s <= 0:
-        out.append(Finding(f"timeout_s = {params.timeout_s} must be > 0", "e.g. timeout_s = 10"))
-    if params.workers < 0:
-        out.append(Finding(f"workers = {params.workers} must be >= 0", "0 = in this process"))
     return out
 
 
