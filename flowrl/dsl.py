@@ -60,6 +60,8 @@ def _build(file, raw, errors: Collector, overridden: dict[str, str]) -> GraphSpe
         if pool:
             _check_pool(name, pool, errors)
     base_dir = Path(file).parent
+    if data:
+        _check_data(data, base_dir, errors, overridden)
     nodes = {}
     for node_id, table in _tables(raw, "nodes", errors).items():
         decl = _node(node_id, table, models, base_dir, errors, overridden)
@@ -70,6 +72,29 @@ def _build(file, raw, errors: Collector, overridden: dict[str, str]) -> GraphSpe
     if errors.problems:
         return None
     return GraphSpec(file, run, data, models, pools, nodes, raw)
+
+
+def _check_data(data: schema.DataConfig, base_dir: Path, errors: Collector, overridden) -> None:
+    """A data file must exist and have a format the loader reads (its rows are read at run)."""
+    for key in ("source", "val_source"):
+        source = getattr(data, key)
+        if not source or source in schema.BUILTIN_SOURCES:
+            continue
+        path = Path(source) if Path(source).is_absolute() else base_dir / source
+        origin = said(overridden, f"data.{key}")
+        if path.suffix not in schema.DATA_SUFFIXES:
+            errors.add(
+                f"[data] {key}",
+                f'{origin}"{source}" is neither a built-in source nor a data file',
+                f"use {one_of(schema.BUILTIN_SOURCES)} or a "
+                f"{' / '.join(schema.DATA_SUFFIXES)} file in verl's format",
+            )
+        elif not path.is_file():
+            errors.add(
+                f"[data] {key}",
+                f"{origin}no data file {path}",
+                "data paths are relative to the graph file's folder; check the path",
+            )
 
 
 def _check_id(head: str, name: str, errors: Collector) -> None:

@@ -40,6 +40,8 @@ OFFLOAD = ("never", "always", "auto")
 DEVICES = ("cpu", "cuda")
 STRATEGIES = ("", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # "" = auto
 DTYPES = ("float32", "bfloat16", "float16")
+BUILTIN_SOURCES = ("arithmetic",)  # data.source names that are not files (flowrl/data/)
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")  # data files the loader reads
 DEFAULT_POOL = "main"  # the pool of a graph that declares none
 
 # What a prompt batch holds before any node runs (flowrl/data/loader.py builds it).

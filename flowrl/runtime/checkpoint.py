@@ -1,6 +1,6 @@
 """Checkpoint directories, written atomically: a temp directory renamed into place.
 
-    run_dir/checkpoints/step_000010/{controller.pt, pool-<name>.pt}
+    run_dir/checkpoints/step_000010/{controller.json, pool-<name>.pt}  (no pickle: JSON and tensors)
 
 A run killed while writing leaves only a `.tmp-` directory, which `latest` ignores, so the
 previous checkpoint stays the one a `--resume` continues from; `remove_temps` clears such

@@ -11,6 +11,7 @@ trace.json (Chrome / Perfetto trace) and checkpoints/step_NNNNNN (written atomic
 
 import contextlib
 import json
+import os
 import random
 import signal
 import threading
@@ -45,6 +46,7 @@ def run(plan, backend: str | None = None, resume: str | None = None) -> Path:
 
 class Trainer:
     def __init__(self, plan, run_dir: Path, backend: str):
+        _check_devices(plan)
         spec = plan.spec
         self.spec, self.plan, self.run_dir = spec, plan, run_dir
         _seed_everything(spec.run.seed)
@@ -153,6 +155,7 @@ class Trainer:
             else 0.0
         )
         out["tokens_per_s"] = tokens / seconds
+        out.update(_process_metrics())
         return out, batch
 
     def validate(self) -> dict:
@@ -171,7 +174,7 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save(self, step: int) -> None:
-        state = {
+        state = {  # plain JSON: opening a run directory never unpickles anything
             "step": step,
             "loader": self.loader.state_dict(),
             "node_state": self.executor.node_state,
@@ -180,7 +183,7 @@ class Trainer:
         try:
             with checkpoint.writing(self.run_dir, step, self.spec.run.keep_checkpoints) as out:
                 self.executor.broadcast("save", str(out))
-                torch.save(state, out / "controller.pt")
+                (out / "controller.json").write_text(json.dumps(state))
         except OSError as e:  # a full disk or a folder made read-only during the run
             previous = checkpoint.latest(self.run_dir)
             raise RunDirError(
@@ -198,7 +201,7 @@ class Trainer:
             raise SystemExit(
                 f"--resume {self.run_dir}: no checkpoint in {self.run_dir}/checkpoints"
             )
-        state = torch.load(directory / "controller.pt", weights_only=False)
+        state = json.loads((directory / "controller.json").read_text())
         self.executor.broadcast("load", str(directory))
         self.executor.sync_rollout_pools()  # a separate rollout copy gets the loaded weights
         self.loader.load_state_dict(state["loader"])
@@ -242,6 +245,24 @@ def _stopped_by_signals(file: str, run_dir: Path):
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+class DeviceError(FlowrlError, RuntimeError):
+    """A pool asks for a device this machine does not have."""
+
+
+def _check_devices(plan) -> None:
+    """A CUDA pool on a machine without CUDA fails here, by name, before any model loads (on a
+    Ray cluster, RAY_ADDRESS set, the cluster's GPUs count instead: Ray places the pool)."""
+    if os.environ.get("RAY_ADDRESS") or torch.cuda.is_available():
+        return
+    for name, pool in plan.pools.items():
+        if pool.device == "cuda":
+            raise DeviceError(
+                f'{plan.file}: [pools.{name}] device = "cuda", but this machine has no CUDA '
+                'device: set device = "cpu" (e.g. pools.'
+                f'{name}.device="cpu" on the command line), or run where GPUs are'
+            )
 
 
 def _writable(run_dir: Path) -> None:
@@ -288,6 +309,17 @@ def _batch_metrics(batch) -> dict:
         out["response_length/max"] = float(lengths.max())
     out["rows"] = len(batch)
     return out
+
+
+def _process_metrics() -> dict:
+    """The controller process's resident memory and open file descriptors (Linux), to see
+    leaks in long runs; empty elsewhere."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        fds = len(os.listdir("/proc/self/fd"))
+    except (OSError, ValueError, IndexError):
+        return {}
+    return {"process/rss_mb": pages * os.sysconf("SC_PAGE_SIZE") / 2**20, "process/open_fds": fds}
 
 
 def _timings(slices) -> dict:
@@ -345,14 +377,19 @@ def _seed_everything(seed: int) -> None:
 
 
 def _rng_state() -> dict:
+    """Python's, NumPy's and torch's generator states as JSON values."""
+    version, internal, gauss = random.getstate()
+    name, keys, position, has_gauss, cached = np.random.get_state()
     return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
+        "python": [version, list(internal), gauss],
+        "numpy": [name, keys.tolist(), position, has_gauss, cached],
+        "torch": torch.get_rng_state().tolist(),
     }
 
 
 def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, position, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), position, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))

@@ -141,7 +141,8 @@ class PoolWorker:
     def load(self, directory: str) -> None:
         path = Path(directory) / f"pool-{self.setup.pool}.pt"
         if path.exists():
-            self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+            # tensors and plain containers only: loading someone's run never runs code
+            self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
     def export_weights(self, model: str):
         """Rank 0's weights of `model` as CPU tensors, for a rollout pool: (state, (start, end));

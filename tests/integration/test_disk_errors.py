@@ -26,7 +26,7 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tiny_plan, tmp_pat
         trainer.close()
     checkpoints = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000001"]
-    assert (checkpoints / "step_000001" / "controller.pt").is_file()
+    assert (checkpoints / "step_000001" / "controller.json").is_file()
 
 
 def test_unwritable_run_directory_is_a_clear_error(tiny_plan, tmp_path):

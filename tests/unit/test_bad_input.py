@@ -444,3 +444,30 @@ def test_unwritable_render_output_is_a_message(tmp_path, capsys):
     out = tmp_path / "file" / "g.dot"
     assert main(["render", str(ROOT / "graphs/grpo.toml"), "-o", str(out)]) == 1
     assert f"flowrl: cannot write {out}" in capsys.readouterr().err
+
+
+def test_missing_or_unknown_data_file_is_named(tmp_path):
+    from flowrl import dsl
+    from flowrl.errors import GraphErrors
+
+    graph = ROOT / "graphs" / "grpo.toml"
+    for value, words in (
+        ('"nowhere/train.parquet"', "no data file"),
+        ('"train.csv"', "neither a built-in source nor a data file"),
+    ):
+        with pytest.raises(GraphErrors) as info:
+            dsl.load(graph, [f"data.source={value}"])
+        (problem,) = info.value.problems
+        assert problem.where == "[data] source" and words in problem.message
+        assert "data.source=" in problem.message  # quotes the override
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_pool_without_cuda_is_named_before_anything_loads(monkeypatch):
+    from flowrl import compile
+    from flowrl.runtime.controller import DeviceError, _check_devices
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    plan = compile(ROOT / "graphs" / "grpo.toml", ['pools.main.device="cuda"'])
+    with pytest.raises(DeviceError, match=r'\[pools.main\] device = "cuda".*device = "cpu"'):
+        _check_devices(plan)
