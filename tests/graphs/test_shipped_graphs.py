@@ -223,3 +223,16 @@ def test_graph_file_reference_lists_every_rule_and_choice():
                 assert field.type in (bool, float, str), f"{cls}.{field.name} has no rule"
     for choice in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "STRICT_SPREAD"):
         assert f'"{choice}"' in "\n".join(lines)
+
+
+def test_flowrl_compile_is_public_and_torch_free():
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['ray'] = None\n"
+        "import flowrl\n"
+        "plan = flowrl.compile('graphs/ppo.toml', ['run.steps=3'])\n"
+        "assert plan.spec.run.steps == 3 and plan.pools['main'].workers == 1\n"
+        "assert plan.batch.rows == plan.batch.prompts * plan.batch.samples\n"
+        "assert 'torch' not in [m.split('.')[0] for m in sys.modules if sys.modules[m]]\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
