@@ -59,10 +59,11 @@ class GraphSpec:
     pools: dict[str, schema.PoolConfig]
     nodes: dict[str, NodeDecl]  # in file order
     raw: dict  # the file's tables after overrides, for the run directory
+    root: str = ""  # where relative paths resolve, when not the file's folder (replay)
 
     @property
     def base_dir(self) -> Path:
-        return Path(self.file).parent
+        return Path(self.root) if self.root else Path(self.file).parent
 
     def pool_of(self, node_id: str) -> str | None:
         """The pool that runs a node: its model's pool, or for a rollout node the model's
@@ -85,8 +86,12 @@ class GraphSpec:
         return out
 
 
-def load(file: str | Path, overrides: list[str] = ()) -> GraphSpec:
-    """Parse and validate a graph file; raises GraphErrors listing every problem."""
+def load(file: str | Path, overrides: list[str] = (), base_dir: str | Path = "") -> GraphSpec:
+    """Parse and validate a graph file; raises GraphErrors listing every problem.
+
+    `base_dir`: where its relative paths (node files, data, scorers) resolve; default the
+    file's folder (`flowrl replay` loads a run directory's graph.toml against the original's).
+    """
     file = str(file)
     errors = Collector(file)
     try:
@@ -98,7 +103,7 @@ def load(file: str | Path, overrides: list[str] = ()) -> GraphSpec:
         errors.add(f"line {e.lineno}", f"not valid TOML: {e.msg}", "fix the syntax on that line")
         errors.raise_if_any()
     overridden = apply_overrides(raw, overrides, errors)
-    spec = _build(file, raw, errors, overridden)
+    spec = _build(file, raw, errors, overridden, str(base_dir))
     errors.raise_if_any()
     return spec
 
@@ -149,7 +154,7 @@ def _parse_value(text: str) -> Any:
         return text  # a bare word, e.g. backend=local
 
 
-def _build(file, raw, errors: Collector, overridden: set[str]) -> GraphSpec | None:
+def _build(file, raw, errors: Collector, overridden: set[str], root="") -> GraphSpec | None:
     for key in raw:
         if key not in TOP_LEVEL:
             errors.add(
@@ -171,7 +176,7 @@ def _build(file, raw, errors: Collector, overridden: set[str]) -> GraphSpec | No
     for name, pool in pools.items():
         if pool:
             _check_pool(name, pool, errors)
-    base_dir = Path(file).parent
+    base_dir = Path(root) if root else Path(file).parent
     nodes = {}
     for node_id, table in _tables(raw, "nodes", errors).items():
         decl = _node(node_id, table, models, base_dir, errors, overridden)
@@ -181,7 +186,7 @@ def _build(file, raw, errors: Collector, overridden: set[str]) -> GraphSpec | No
         errors.add("[nodes]", "the graph has no nodes", "add [nodes.<id>] tables with `uses`")
     if errors.problems:
         return None
-    return GraphSpec(file, run, data, models, pools, nodes, raw)
+    return GraphSpec(file, run, data, models, pools, nodes, raw, root)
 
 
 def _table(raw, name, errors) -> dict:

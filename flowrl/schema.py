@@ -37,6 +37,16 @@ def _non_negative(instance, attribute, value):
         raise ValueError(f"{attribute.name} must be >= 0, got {value}")
 
 
+def _names(instance, attribute, value):
+    """A list of distinct, non-empty names (e.g. node ids)."""
+    bad = [v for v in value if not isinstance(v, str) or not v]
+    if bad:
+        raise ValueError(f"{attribute.name} must list names, got {bad[0]!r}")
+    twice = sorted({v for v in value if value.count(v) > 1})
+    if twice:
+        raise ValueError(f"{attribute.name} names {', '.join(twice)} more than once")
+
+
 @attrs.frozen
 class RunConfig:
     steps: int = attrs.field(default=20, validator=_positive)  # training steps (one batch each)
@@ -49,6 +59,8 @@ class RunConfig:
     save_every: int = attrs.field(default=0, validator=_non_negative)  # 0 = at the end only
     keep_checkpoints: int = attrs.field(default=2, validator=_positive)  # newest kept
     log_samples: int = attrs.field(default=2, validator=_non_negative)  # generations per step
+    save_inputs: list[str] = attrs.field(factory=list, validator=_names)  # keep inputs to replay
+    save_inputs_last: int = attrs.field(default=1, validator=_positive)  # of the last K steps
 
 
 @attrs.frozen
