@@ -61,9 +61,9 @@ def load_plan(run_dir, overrides=()):
 
 def load(run_dir, step: int, node: str, rank: int = 0, overrides=()) -> ReplayCall:
     """Load the saved call of `node` at `step` on `rank` and what it needs to run again."""
+    plan = load_plan(run_dir, overrides)
     saved = inputs.find(run_dir, step, node, rank)
     info = json.loads((saved / "call.json").read_text())
-    plan = load_plan(run_dir, overrides)
     if node not in plan.spec.nodes:
         raise LookupError(f"the graph of {run_dir} has no node {node}")
     decl = plan.spec.nodes[node]
