@@ -73,7 +73,9 @@ def load(run_dir, step: int, node: str, rank: int = 0, overrides=()) -> ReplayCa
     if info.get("validation"):
         notes.append("a validation call: its params are the greedy ones validation used")
     if decl.model is None:
-        state = _controller_state(saved, run_dir, node, info["state_step"], notes)
+        state = None
+        if decl.spec.stateful:
+            state = _controller_state(saved, run_dir, node, info["state_step"], notes)
         call = _controller_call(decl.spec, params, state)
         return ReplayCall(node, decl, params, batch, call, None, info, notes)
     engine = _engine(plan, decl, run_dir, info["state_step"], notes)
@@ -109,6 +111,7 @@ def _controller_call(spec, params, state):
 def _controller_state(saved: Path, run_dir, node: str, state_step: int, notes) -> dict:
     """A stateful controller node's state: saved with the call, else from the checkpoint."""
     if (saved / "state.pt").is_file():
+        notes.append("node state: as saved with the call")
         return torch.load(saved / "state.pt", weights_only=False)
     found = _checkpoint(run_dir, state_step, notes)
     if found is None:

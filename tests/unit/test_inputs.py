@@ -157,3 +157,27 @@ def test_replay_params_are_the_saved_ones_unless_overridden():
     assert replay._params(decl, saved, []) == Params(scale=3.0)
     assert replay._params(decl, saved, ["nodes.shaping.scale=7.0"]) == Params(scale=7.0)
     assert replay._params(decl, saved, ["nodes.other.scale=7.0"]) == Params(scale=3.0)
+
+
+def test_replay_of_a_stateful_controller_node_restores_its_state_and_params(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "graph.toml").write_text(
+        GOOD.format(toy=TOY).replace(f'"{TOY}/adv.py"', '"counting_adv.py"')
+    )
+    (run_dir / "run.json").write_text(json.dumps({"base_dir": str(TOY)}))  # where it ran from
+    counting = replay.load_plan(run_dir).spec.nodes["advantage"]
+    batch = DataProto.from_dict(
+        {"scores": torch.tensor([1.0, 2.0])}, {"uid": ["a", "a"]}, {"step": 5}
+    )
+    record = inputs.Recording(str(run_dir), step=5, state_step=4)
+    params = counting.spec.params(scale=3.0)
+    state = {"calls": 3}  # the node's state when step 5 ran: 3 calls before
+    saver = record.saver("advantage", "counting_adv.py", params, state=state)
+    with pytest.raises(NodeFailure):  # the call fails: its batch, params and state are kept
+        call_node("advantage", counting.spec, {}, batch, broken, "", None, saver)
+    call = replay.load(run_dir, 5, "advantage")
+    assert call.params.scale == 3.0 and "node state: as saved with the call" in call.notes
+    writes, _ = call.run()
+    # 4th call, scale 3: [1, 2] * 4 * 3
+    torch.testing.assert_close(writes["advantages"], torch.tensor([12.0, 24.0]))
