@@ -1,4 +1,4 @@
-"""`flowrl run | check | plan | render | nodes`.
+"""`flowrl run | replay | check | plan | render | nodes`.
 
 check, plan, render and nodes import neither torch nor ray; `run` imports the runtime lazily.
 A bad graph file exits with code 2 and a list of its problems, any other flowrl error (a failed
@@ -175,7 +175,52 @@ def cmd_run(args) -> int:
     _, _, plan = load_plan(args.file, args.overrides)
     from flowrl.runtime.controller import run  # torch and ray load from here on
 
-    run(plan, backend=args.backend, resume=args.resume)
+    try:
+        run(plan, backend=args.backend, resume=args.resume)
+    except Exception as e:
+        if args.pdb:
+            _debug(e)
+        raise
+    return 0
+
+
+def _debug(error: Exception) -> None:
+    """`--pdb`: the post-mortem debugger where a node failed, when it failed in this process;
+    a node that failed in a Ray worker is replayed in-process instead (docs/debugging.md)."""
+    from flowrl.runtime import replay
+
+    if replay.in_this_process(error):
+        replay.post_mortem(error)
+        return
+    print(
+        "--pdb: the node failed in a Ray worker process, out of this debugger's reach: run "
+        "the replay command below with --pdb to debug it here (or run with --backend local)",
+        file=sys.stderr,
+    )
+
+
+def cmd_replay(args) -> int:
+    from flowrl.runtime import replay  # torch loads from here on
+
+    try:
+        call = replay.load(args.run_dir, args.step, args.node, args.rank, args.overrides)
+    except (FileNotFoundError, LookupError) as e:  # no such run, saved call or node
+        print(f"flowrl: {e}", file=sys.stderr)
+        return 1
+    print(f"replaying node {args.node} of step {args.step}, rank {args.rank}")
+    for note in call.notes:
+        print(f"  {note}")
+    try:
+        writes, metrics = call.run()
+    except Exception as e:
+        import traceback
+
+        cause = replay.innermost(e)
+        traceback.print_exception(type(cause), cause, cause.__traceback__)
+        if args.pdb:
+            replay.post_mortem(e)
+        raise
+    print(replay.describe(writes, metrics))
     return 0
 
 
@@ -189,7 +234,17 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("overrides", nargs="*", help=over)
     r.add_argument("--backend", choices=schema.BACKENDS, help="default: run.backend")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue from RUN_DIR's last checkpoint")
+    r.add_argument("--pdb", action="store_true", help="post-mortem debugger where a node failed")
     r.set_defaults(func=cmd_run)
+
+    rp = sub.add_parser("replay", help="run one node call of a run again, in this process")
+    rp.add_argument("run_dir", metavar="RUN_DIR")
+    rp.add_argument("--step", type=int, required=True, help="the training step (metrics.jsonl)")
+    rp.add_argument("--node", required=True, help="the node id")
+    rp.add_argument("--rank", type=int, default=0, help="the pool rank (default 0)")
+    rp.add_argument("--pdb", action="store_true", help="post-mortem debugger if it fails")
+    rp.add_argument("overrides", nargs="*", help="e.g. nodes.update_policy.clip_high=0.28")
+    rp.set_defaults(func=cmd_replay)
 
     c = sub.add_parser("check", help="validate graph files without loading any model")
     c.add_argument("files", nargs="+", help="graph files, then any KEY=VALUE overrides")

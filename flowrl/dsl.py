@@ -24,19 +24,23 @@ from flowrl.typed_toml import build_attrs, read_toml
 NODE_KEYS = ("uses", "model", "rename")
 
 
-def load(file: str | Path, overrides: list[str] = ()) -> GraphSpec:
-    """Parse and validate a graph file; raises GraphErrors listing every problem."""
+def load(file: str | Path, overrides: list[str] = (), base_dir: str | Path = "") -> GraphSpec:
+    """Parse and validate a graph file; raises GraphErrors listing every problem.
+
+    `base_dir`: where its relative paths (node files, data, scorers) resolve; default the
+    file's folder (`flowrl replay` loads a run directory's graph.toml against the original's).
+    """
     file = str(file)
     errors = Collector(file)
     raw = read_toml(Path(file), errors)
     errors.raise_if_any()
     overridden = apply_overrides(raw, overrides, errors)
-    spec = _build(file, raw, errors, overridden)
+    spec = _build(file, raw, errors, overridden, str(base_dir))
     errors.raise_if_any()
     return spec
 
 
-def _build(file, raw, errors: Collector, overridden: dict[str, str]) -> GraphSpec | None:
+def _build(file, raw, errors: Collector, overridden: dict[str, str], root="") -> GraphSpec | None:
     for key in raw:
         if key not in TOP_LEVEL:
             errors.add(
@@ -59,7 +63,7 @@ def _build(file, raw, errors: Collector, overridden: dict[str, str]) -> GraphSpe
     for name, pool in pools.items():
         if pool:
             _check_pool(name, pool, errors)
-    base_dir = Path(file).parent
+    base_dir = Path(root) if root else Path(file).parent
     if data:
         _check_data(data, base_dir, errors, overridden)
     nodes = {}
@@ -71,7 +75,7 @@ def _build(file, raw, errors: Collector, overridden: dict[str, str]) -> GraphSpe
         errors.add("[nodes]", "the graph has no nodes", "add [nodes.<id>] tables with `uses`")
     if errors.problems:
         return None
-    return GraphSpec(file, run, data, models, pools, nodes, raw)
+    return GraphSpec(file, run, data, models, pools, nodes, raw, root)
 
 
 def _check_data(data: schema.DataConfig, base_dir: Path, errors: Collector, overridden) -> None:

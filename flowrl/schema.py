@@ -61,6 +61,16 @@ def _backend_name() -> Rule:
     return Rule(one_of(ROLLOUT_BACKENDS).text, lambda name: name in ROLLOUT_BACKENDS)
 
 
+def _names(instance, attribute, value):
+    """A list of distinct, non-empty names (e.g. node ids)."""
+    bad = [v for v in value if not isinstance(v, str) or not v]
+    if bad:
+        raise ValueError(f"{attribute.name} must list names, got {bad[0]!r}")
+    twice = sorted({v for v in value if value.count(v) > 1})
+    if twice:
+        raise ValueError(f"{attribute.name} names {', '.join(twice)} more than once")
+
+
 @attrs.frozen
 class RunConfig:
     steps: int = checked(20, count(1, MAX_STEPS))  # training steps (one batch each)
@@ -76,6 +86,8 @@ class RunConfig:
     # stop after this many steps in a row whose update had a non-finite loss or gradient norm
     # (each such optimizer step is skipped: the weights stay as they were)
     max_nonfinite_steps: int = checked(3, count(1, MAX_STEPS))
+    save_inputs: list[str] = attrs.field(factory=list, validator=_names)  # keep inputs to replay
+    save_inputs_last: int = checked(1, count(1, MAX_STEPS))  # of the last K steps
 
 
 @attrs.frozen
@@ -156,10 +168,11 @@ class GraphSpec:
     pools: dict[str, PoolConfig]
     nodes: dict[str, NodeDecl]  # in file order
     raw: dict  # the file's tables after overrides, for the run directory
+    root: str = ""  # where relative paths resolve, when not the file's folder (replay)
 
     @property
     def base_dir(self) -> Path:
-        return Path(self.file).parent
+        return Path(self.root) if self.root else Path(self.file).parent
 
     def pool_of(self, node_id: str) -> str | None:
         """The pool that runs a node: its model's pool, or for a rollout node the model's

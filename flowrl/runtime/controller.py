@@ -5,8 +5,10 @@
         batch, metrics = executor.run_step(batch) # every plan item, independent ones overlapped
         log(metrics); validate / checkpoint when due
 
-A run directory holds graph.toml (the resolved graph), metrics.jsonl, samples.jsonl,
-trace.json (Chrome / Perfetto trace) and checkpoints/step_NNNNNN (written atomically).
+A run directory holds graph.toml (the resolved graph), run.json (where the graph file was:
+its relative paths resolve from there), metrics.jsonl, samples.jsonl, trace.json (Chrome /
+Perfetto trace), checkpoints/step_NNNNNN (written atomically), and for `flowrl replay` the
+inputs of a failed node call (failures/) and of the nodes in run.save_inputs (inputs/).
 """
 
 import contextlib
@@ -29,6 +31,7 @@ from flowrl.errors import FlowrlError
 from flowrl.models import load_tokenizer
 from flowrl.nodespec import GREEDY
 from flowrl.runtime import checkpoint, faults, make_executor
+from flowrl.runtime.inputs import Recording
 from flowrl.runtime.trace import Trace
 
 
@@ -83,6 +86,9 @@ class Trainer:
             start_step = self._resume()
         else:
             (self.run_dir / "graph.toml").write_text(toml.dumps(self.spec.raw))
+            source = {"graph": str(Path(self.spec.file).resolve())}
+            source["base_dir"] = str(Path(self.spec.base_dir).resolve())
+            (self.run_dir / "run.json").write_text(json.dumps(source, indent=2) + "\n")
         with (
             open(self.run_dir / "metrics.jsonl", "a") as metrics_file,
             open(self.run_dir / "samples.jsonl", "a") as samples_file,
@@ -91,7 +97,7 @@ class Trainer:
             if resume:
                 _log(metrics_file, {"event": "resume", "step": start_step})
             elif self.val_batch is not None:
-                _log(metrics_file, {"step": 0, **self.validate()})
+                _log(metrics_file, {"step": 0, **self.validate(0)})
             self._loop(start_step, metrics_file, samples_file)
         self.trace.write(self.run_dir / "trace.json")
 
@@ -110,7 +116,7 @@ class Trainer:
             if self.val_batch is not None and (
                 last or (run.val_every and step % run.val_every == 0)
             ):
-                metrics.update(self.validate())
+                metrics.update(self.validate(step))
             _log(metrics_file, metrics)
             _log_samples(samples_file, step, batch, run.log_samples)
             faults.point("logged", step)
@@ -143,7 +149,9 @@ class Trainer:
         start = time.time()
         batch = next(self.loader)
         batch.meta.update(step=step, seed=self.spec.run.seed)
-        batch, metrics, slices = self.executor.run_step(batch)
+        run = self.spec.run
+        record = self._record(step, step - 1, keep=tuple(run.save_inputs))
+        batch, metrics, slices = self.executor.run_step(batch, record=record)
         seconds = time.time() - start
         self.trace.add(slices, step)
         out = {"step": step, "time_s": seconds, **_batch_metrics(batch), **metrics}
@@ -158,15 +166,25 @@ class Trainer:
         out.update(_process_metrics())
         return out, batch
 
-    def validate(self) -> dict:
-        """Greedy decoding on the validation prompts, scored by the graph's own reward nodes."""
+    def _record(self, step: int, state_step: int, keep=(), validation=False) -> Recording:
+        """Where this walk's node calls keep their inputs (flowrl/runtime/inputs.py)."""
+        run_dir = str(self.run_dir.resolve())
+        last = self.spec.run.save_inputs_last
+        return Recording(run_dir, step, state_step, keep, last, validation)
+
+    def validate(self, step: int = 0) -> dict:
+        """Greedy decoding on the validation prompts, scored by the graph's own reward nodes;
+        `step`: the training steps done (names a failed call's saved inputs)."""
         validation = self.plan.validation
         if not validation.nodes:
             return {}
         greedy = dict.fromkeys(validation.greedy, GREEDY)
         batch = self.val_batch.index(slice(0, len(self.val_batch)))
         batch.meta.update(step=0, seed=self.spec.run.seed)
-        out, _, _ = self.executor.run_step(batch, only=set(validation.nodes), overrides=greedy)
+        record = self._record(step, step, validation=True)
+        out, _, _ = self.executor.run_step(
+            batch, only=set(validation.nodes), overrides=greedy, record=record
+        )
         result = {"val/score": float(out["scores"].float().mean())}
         if "response_mask" in out:
             result["val/response_length"] = float(out["response_mask"].sum(-1).float().mean())
