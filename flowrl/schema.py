@@ -61,14 +61,14 @@ def _backend_name() -> Rule:
     return Rule(one_of(ROLLOUT_BACKENDS).text, lambda name: name in ROLLOUT_BACKENDS)
 
 
-def _names(instance, attribute, value):
+def _names() -> Rule:
     """A list of distinct, non-empty names (e.g. node ids)."""
-    bad = [v for v in value if not isinstance(v, str) or not v]
-    if bad:
-        raise ValueError(f"{attribute.name} must list names, got {bad[0]!r}")
-    twice = sorted({v for v in value if value.count(v) > 1})
-    if twice:
-        raise ValueError(f"{attribute.name} names {', '.join(twice)} more than once")
+
+    def test(value) -> bool:
+        good = all(isinstance(v, str) and v for v in value)
+        return good and len(set(value)) == len(value)
+
+    return Rule("a list of distinct node ids", test)
 
 
 @attrs.frozen
@@ -86,7 +86,7 @@ class RunConfig:
     # stop after this many steps in a row whose update had a non-finite loss or gradient norm
     # (each such optimizer step is skipped: the weights stay as they were)
     max_nonfinite_steps: int = checked(3, count(1, MAX_STEPS))
-    save_inputs: list[str] = attrs.field(factory=list, validator=_names)  # keep inputs to replay
+    save_inputs: list[str] = checked([], _names())  # nodes whose inputs are kept, to replay
     save_inputs_last: int = checked(1, count(1, MAX_STEPS))  # of the last K steps
 
 

@@ -18,7 +18,7 @@ def test_example_graph_compiles_with_a_checkpoint_every_step():
     plan = compiler.compile_graph(graph.build(dsl.load(EXAMPLE / "grpo_stats.toml")))
     assert plan.spec.run.save_every == 1 and plan.spec.run.steps == 4
     assert plan.spec.nodes["update_policy"].params.stats_every == 3  # fails at step 3
-    assert (ROOT / plan.spec.nodes["reward"].params.scorer.split(":")[0]).is_file()
+    assert (plan.spec.base_dir / plan.spec.nodes["reward"].params.scorer.split(":")[0]).is_file()
 
 
 def test_example_node_has_the_bug_and_the_documented_fix_removes_it():

@@ -129,7 +129,7 @@ def test_save_inputs_must_name_nodes_of_the_graph(tmp_path):
     assert len(found) == 1 and 'save_inputs names "updte"' in found[0].message
     assert 'did you mean "update"' in found[0].message
     twice = problems(tmp_path, GOOD, ['run.save_inputs=["update", "update"]'])
-    assert "save_inputs names update more than once" in twice[0].message
+    assert "must be a list of distinct node ids" in twice[0].message
     assert problems(tmp_path, GOOD, ["run.save_inputs_last=0"])
 
 
