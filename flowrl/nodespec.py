@@ -8,7 +8,8 @@ Two kinds of node:
 
 - controller nodes give `fn`: `fn(batch, params) -> writes` runs on the controller, no model.
   With `stateful=True` it is `fn(batch, params, state)`, where `state` is a dict the runtime
-  keeps across steps and saves in checkpoints (e.g. an adaptive KL coefficient).
+  keeps across steps and saves in checkpoints as JSON (e.g. an adaptive KL coefficient), so
+  it holds numbers, strings, lists and dicts only.
 - model nodes give `worker` and `mode`: the runtime builds `worker(engine, params)` once on each
   rank of the pool that hosts the node's model and calls `worker(batch)` with that rank's rows.
 

@@ -201,7 +201,7 @@ class Trainer:
         try:
             with checkpoint.writing(self.run_dir, step, self.spec.run.keep_checkpoints) as out:
                 self.executor.broadcast("save", str(out))
-                (out / "controller.json").write_text(json.dumps(state))
+                (out / "controller.json").write_text(_state_json(state))
         except OSError as e:  # a full disk or a folder made read-only during the run
             previous = checkpoint.latest(self.run_dir)
             raise RunDirError(
@@ -327,6 +327,16 @@ def _batch_metrics(batch) -> dict:
         out["response_length/max"] = float(lengths.max())
     out["rows"] = len(batch)
     return out
+
+
+def _state_json(state: dict) -> str:
+    try:
+        return json.dumps(state)
+    except TypeError as e:
+        raise TypeError(
+            f"a stateful node keeps a value a checkpoint cannot store ({e}): keep numbers, "
+            "strings, lists and dicts in its state"
+        ) from e
 
 
 def _process_metrics() -> dict:

@@ -24,23 +24,13 @@ class Params:
     horizon: int = checked(10000, count(1))  # adaptive: how fast beta moves (in rows)
 
 
-class FixedKLController:
-    def __init__(self, coef: float):
-        self.value = coef
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        pass
-
-
-class AdaptiveKLController:
-    """beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon (Ziegler et al. 2019)."""
-
-    def __init__(self, coef: float, target: float, horizon: int):
-        self.value, self.target, self.horizon = coef, target, horizon
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        error = min(max(current_kl / self.target - 1, -0.2), 0.2)
-        self.value *= 1 + error * n_steps / self.horizon
+def next_kl_coef(coef: float, current_kl: float, rows: int, params) -> float:
+    """The fixed controller keeps beta; the adaptive one (Ziegler et al. 2019) moves it:
+    beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * rows / horizon."""
+    if params.controller == "fixed":
+        return coef
+    error = min(max(current_kl / params.target_kl - 1, -0.2), 0.2)
+    return coef * (1 + error * rows / params.horizon)
 
 
 def kl_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef, kind):
@@ -55,14 +45,7 @@ def kl_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef, kin
 
 
 def run(batch, params, state):
-    if "controller" not in state:
-        state["controller"] = (
-            FixedKLController(params.kl_coef)
-            if params.controller == "fixed"
-            else AdaptiveKLController(params.kl_coef, params.target_kl, params.horizon)
-        )
-    controller = state["controller"]
-    coef = controller.value
+    coef = state.setdefault("kl_coef", params.kl_coef)  # kept across steps and checkpoints
     rewards, kl = kl_token_rewards(
         batch["scores"],
         batch["old_logprobs"],
@@ -72,7 +55,7 @@ def run(batch, params, state):
         params.kl_kind,
     )
     mean_kl = float(kl.mean()) if len(kl) else 0.0
-    controller.update(mean_kl, len(kl))
+    state["kl_coef"] = next_kl_coef(coef, mean_kl, len(kl), params)
     return {"token_rewards": rewards}, {"kl": mean_kl, "kl_coef": coef}
 
 
