@@ -4,6 +4,8 @@ generate around a compiled plan's steps. No SGLang here: the real engine runs on
 tests/gpu."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -218,6 +220,178 @@ def test_make_rollout_builds_it_with_the_default_factory(monkeypatch):
 
 
 def test_without_sglang_building_it_says_how_to_install(monkeypatch):
-    monkeypatch.setitem(__import__("sys").modules, "sglang", None)  # import sglang fails
+    monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang fails
     with pytest.raises(ImportError, match=r'pip install -e "\.\[sglang\]"'):
         SGLangRollout(tiny_model(), tiny_tokenizer(), "cuda:0")
+
+
+# -- around a compiled plan's steps ---------------------------------------------------------
+
+
+@pytest.fixture
+def sglang_trainer(tmp_path, monkeypatch):
+    """A Trainer over a tiny-model graph with the policy's rollout on "sglang": the pool is
+    "cuda" in the plan (as the check requires) but built on the CPU, the engine a FakeEngine.
+    Returns make(graph, offload) -> (trainer, the fake engines built)."""
+    from flowrl.cli import load_plan
+    from flowrl.runtime import controller, pool_worker
+
+    engines = []
+
+    def factory(**server_args):
+        engines.append(FakeEngine(**server_args))
+        return engines[-1]
+
+    monkeypatch.setattr(sglang_backend, "sglang_engine", factory)
+    monkeypatch.setattr(pool_worker, "_device", lambda kind, rank: "cpu")
+    monkeypatch.setattr(controller, "_check_devices", lambda plan: None)
+    monkeypatch.setattr(controller, "_check_packages", lambda plan: None)
+    trainers = []
+
+    def make(graph: str, offload: str):
+        from flowrl import dsl
+
+        spec = dsl.load(ROOT / "graphs" / graph)
+        overrides = [f'models.{m}.path="tiny"' for m in spec.models]
+        overrides += [f'pools.{p}.device="cuda"' for p in spec.pools]
+        overrides += [f'pools.{p}.offload="{offload}"' for p in spec.pools]
+        overrides += [
+            'models.policy.rollout="sglang"',
+            "run.val_size=0",
+            "data.batch_size=2",
+            "data.train_size=8",
+            "nodes.generate.n=2",
+            "nodes.generate.max_new_tokens=6",
+            f'run.out_dir="{tmp_path}"',
+        ]
+        _, _, plan = load_plan(str(ROOT / "graphs" / graph), overrides)
+        trainers.append(controller.Trainer(plan, tmp_path / "run", "local"))
+        return trainers[-1], engines
+
+    yield make
+    for trainer in trainers:
+        trainer.close()
+
+
+def test_offload_always_releases_after_generate_and_resumes_and_pushes_before_the_next(
+    sglang_trainer,
+):
+    trainer, engines = sglang_trainer("grpo.toml", "always")
+    trainer.step(1)
+    trainer.step(2)
+    (engine,) = engines  # the policy's; the reference generates nothing
+    release = ("release", ("weights", "kv_cache"))
+    # step 1: the weights pushed at start are current; after generate both parts leave; the
+    # reload before the update and the sync after it leave SGLang's copy off the device;
+    # step 2: resume the weights, push the trained ones, flush, resume the KV cache, generate
+    assert kinds(engine.calls) == [
+        "update",
+        "flush",
+        "generate",
+        release,
+        *RESUME_ALL,
+        "generate",
+        release,
+    ]
+
+
+def test_offload_never_pushes_and_flushes_after_each_update(sglang_trainer):
+    trainer, engines = sglang_trainer("grpo.toml", "never")
+    trainer.step(1)
+    trainer.step(2)
+    (engine,) = engines
+    push = ["update", "flush"]
+    assert kinds(engine.calls) == [*push, "generate", *push, "generate", *push]
+    policy = trainer.executor.workers["main"][0].train["policy"].module
+    pushed = {name: t for bucket in engine.pushed[-1:] for name, t in bucket}
+    for name, tensor in policy.named_parameters():  # the last push: the trained weights
+        if name in pushed:
+            assert torch.equal(pushed[name], tensor)
+
+
+def test_a_separate_rollout_pool_pushes_the_weights_it_receives(sglang_trainer):
+    trainer, engines = sglang_trainer("grpo_disaggregated.toml", "never")
+    trainer.step(1)
+    (engine,) = engines  # on pool "gen": the import of the trained weights reaches SGLang
+    assert kinds(engine.calls) == ["update", "flush", "generate", "update", "flush"]
+    gen = trainer.executor.workers["gen"][0].train["policy"].module
+    train = trainer.executor.workers["train"][0].train["policy"].module
+    for name, tensor in gen.named_parameters():
+        assert torch.equal(tensor, dict(train.named_parameters())[name])
+
+
+# -- flowrl check --------------------------------------------------------------------------
+
+
+def test_check_refuses_sglang_on_a_pool_that_is_not_cuda():
+    from flowrl import dsl
+    from flowrl.errors import GraphErrors
+
+    graph = ROOT / "graphs/grpo_sglang.toml"
+    with pytest.raises(GraphErrors) as info:
+        dsl.load(graph, ['pools.main.device="cpu"'])
+    (problem,) = info.value.problems
+    assert problem.file == str(graph) and problem.where == "[models.policy] rollout"
+    assert 'override "pools.main.device="cpu"": rollout = "sglang" runs on "cuda"' in (
+        problem.message
+    )
+    assert 'set device = "cuda" in [pools.main], or rollout = "hf"' in problem.fix
+    # a separate rollout pool is the one that must be a GPU pool
+    disaggregated = ROOT / "graphs/grpo_disaggregated.toml"
+    overrides = ["models.policy.rollout=sglang", 'pools.train.device="cuda"']
+    with pytest.raises(GraphErrors) as info:
+        dsl.load(disaggregated, overrides)
+    (problem,) = info.value.problems
+    assert 'its pool "gen" has device = "cpu"' in problem.message
+    dsl.load(disaggregated, [*overrides, 'pools.gen.device="cuda"'])  # fine
+
+
+def test_check_warns_with_the_install_command_when_the_package_is_missing(monkeypatch, capsys):
+    from flowrl.cli import main
+    from flowrl.engines import rollout
+
+    graph = str(ROOT / "graphs/grpo_sglang.toml")
+    monkeypatch.setitem(rollout.PACKAGE, "sglang", "no_such_package_here")
+    assert main(["check", graph]) == 0  # the graph is right; this machine lacks a package
+    out = capsys.readouterr().out
+    assert '[models.policy] rollout = "sglang" needs the no_such_package_here package' in out
+    assert 'pip install -e ".[sglang]"' in out
+    monkeypatch.setitem(rollout.PACKAGE, "sglang", "json")  # one that is installed
+    assert main(["check", graph]) == 0
+    assert "needs the" not in capsys.readouterr().out
+
+
+def test_run_stops_before_loading_a_model_when_the_package_is_missing(monkeypatch):
+    from flowrl.cli import load_plan
+    from flowrl.engines import rollout
+    from flowrl.runtime.controller import MissingPackage, _check_packages
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    _, _, plan = load_plan(str(ROOT / "graphs/grpo_sglang.toml"))
+    monkeypatch.setitem(rollout.PACKAGE, "sglang", "no_such_package_here")
+    with pytest.raises(MissingPackage) as info:
+        _check_packages(plan)
+    message = str(info.value)
+    assert message.startswith(f'{plan.file}: [models.policy] rollout = "sglang" needs')
+    assert 'pip install -e ".[sglang]"' in message
+    monkeypatch.setitem(rollout.PACKAGE, "sglang", "json")
+    _check_packages(plan)  # installed: nothing to say
+
+
+BLOCKED = (
+    "import sys; sys.modules['sglang'] = None  # any `import sglang` now fails\n"
+    "from flowrl.cli import main\n"
+    "code = main(sys.argv[1:])\n"
+    "assert 'flowrl.engines.sglang_backend' not in sys.modules\n"
+    "sys.exit(code)\n"
+)
+
+
+def test_check_of_every_shipped_graph_runs_without_sglang():
+    graphs = sorted(str(p) for p in (ROOT / "graphs").glob("*.toml"))
+    result = subprocess.run(
+        [sys.executable, "-c", BLOCKED, "check", *graphs], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert "grpo_sglang.toml: ok" in result.stdout
+    assert 'rollout = "sglang" needs the sglang package, not installed here' in result.stdout
