@@ -103,6 +103,20 @@ def test_sglang_is_in_the_table_and_has_the_contracts_shape(backend):
     assert backend.device == torch.device("cuda:3") and backend.parts == ("weights", "kv_cache")
 
 
+def test_its_methods_take_the_contracts_parameters_first_with_the_same_defaults():
+    import inspect
+
+    def params(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    for name in ("generate", "offload", "reload", "sync_weights"):
+        contract = params(getattr(RolloutBackend, name))
+        ours = params(getattr(SGLangRollout, name))
+        assert ours[: len(contract)] == contract, name
+        for extra in ours[len(contract) :]:  # logprobs=False; parts=(...): all optional
+            assert extra[2] is not inspect.Parameter.empty, (name, extra)
+
+
 def test_weight_buckets_cover_every_parameter_once_within_the_size_and_without_copies():
     module = tiny_model()
     named = dict(module.named_parameters())
