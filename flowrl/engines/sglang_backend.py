@@ -34,7 +34,7 @@ same names. Nothing here has run against a real SGLang: this task had no GPU mac
   dtype, mem_fraction_static, tp_size, base_gpu_id, random_seed, port, log_level.
 - `Engine.generate(input_ids=list[list[int]], sampling_params=dict, return_logprob=bool)` ->
   one dict per request: "output_ids" (list[int], every sampled token, a matched stop token
-  included) and "meta_info": {"output_token_logprobs": [(logprob, token_id, text|None)],
+  included: schedule_batch.py's Req finish check keeps it) and "meta_info": {"output_token_logprobs": [(logprob, token_id, text|None)],
   "finish_reason": {"type": "stop" | "length", ...}}. Sampling params: max_new_tokens,
   temperature (0 = greedy: SGLang sets top_k = 1), top_p, top_k (-1 = off), stop_token_ids.
 - `Engine.update_weights_from_tensor(named_tensors: list[tuple[str, Tensor]],
