@@ -25,18 +25,21 @@ a run is not reproducible sample for sample; log-probs are SGLang's (after tempe
 top-k / top-p; greedy: the model's at temperature 1), which differ slightly from the trainer's:
 truncated importance sampling (update.policy's tis_cap) corrects for that.
 
-SGLang API relied on, read in sgl-project/sglang at commit 001067ff (python/sglang/srt/
-entrypoints/engine.py, server_args.py, sampling/sampling_params.py, constants.py; PyPI sglang
-0.5.23 is the newest listed); verl v0.6.1's in-process rollout (sglang_rollout.py) calls the
-same names. Nothing here has run against a real SGLang: this task had no GPU machine.
+SGLang API relied on, read in sgl-project/sglang's main branch at commit
+001067fffe33427bee0ed2f007fb7551a1d76b44 (python/sglang/srt/entrypoints/engine.py,
+server_args.py, sampling/sampling_params.py, constants.py, managers/schedule_batch.py; the
+newest release on PyPI is 0.5.23, pyproject asks for >= 0.5); verl v0.6.1's in-process rollout
+(sglang_rollout.py) calls the same names. Nothing here has run against a real SGLang: this
+task had no GPU machine.
 - `sglang.Engine(**server_args)`, ServerArgs fields used: model_path, skip_tokenizer_init,
   enable_memory_saver, load_format ("dummy": random weights, replaced by the first push),
   dtype, mem_fraction_static, tp_size, base_gpu_id, random_seed, port, log_level.
 - `Engine.generate(input_ids=list[list[int]], sampling_params=dict, return_logprob=bool)` ->
   one dict per request: "output_ids" (list[int], every sampled token, a matched stop token
-  included: schedule_batch.py's Req finish check keeps it) and "meta_info": {"output_token_logprobs": [(logprob, token_id, text|None)],
-  "finish_reason": {"type": "stop" | "length", ...}}. Sampling params: max_new_tokens,
-  temperature (0 = greedy: SGLang sets top_k = 1), top_p, top_k (-1 = off), stop_token_ids.
+  included: schedule_batch.py's Req finish check keeps it) and "meta_info":
+  {"output_token_logprobs": [(logprob, token_id, text|None)], "finish_reason": {"type":
+  "stop" | "length", ...}}. Sampling params: max_new_tokens, temperature (0 = greedy:
+  SGLang sets top_k = 1), top_p, top_k (-1 = off), stop_token_ids.
 - `Engine.update_weights_from_tensor(named_tensors: list[tuple[str, Tensor]],
   load_format: str | None = None, flush_cache: bool = True)`; names are the HF checkpoint's.
 - `Engine.flush_cache()`, `Engine.release_memory_occupation(tags: list[str] | None)`,
