@@ -53,6 +53,7 @@ import copy
 import shutil
 import socket
 import tempfile
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -107,12 +108,14 @@ class SGLangRollout:
         self.bucket_bytes = bucket_bytes
         self.released: set[str] = set()  # memory tags released and not yet resumed
         self.model_dir = Path(tempfile.mkdtemp(prefix="flowrl-sglang-"))
+        # removed by shutdown, or when this object goes or the process exits
+        self._remove_dir = weakref.finalize(self, shutil.rmtree, self.model_dir, True)
         write_model_dir(module, tokenizer, self.model_dir)
         factory = engine_factory or sglang_engine
         try:
             self.engine = self._start(factory, mem_fraction, seed)
         except BaseException:
-            shutil.rmtree(self.model_dir, ignore_errors=True)
+            self._remove_dir()
             raise
         self._push()
 
@@ -169,7 +172,7 @@ class SGLangRollout:
     def shutdown(self) -> None:
         """Stop the engine's processes and remove the model directory written for it."""
         self.engine.shutdown()
-        shutil.rmtree(self.model_dir, ignore_errors=True)
+        self._remove_dir()
 
     def _start(self, factory: Callable, mem_fraction: float, seed: int):
         """The engine on this rank's GPU, with dummy weights (the module's are pushed next)."""
