@@ -15,6 +15,7 @@ import attrs
 import networkx as nx
 
 from flowrl import registry
+from flowrl.engines.rollout import INSTALL, missing_package
 from flowrl.errors import Collector, did_you_mean
 from flowrl.schema import DATASET_KEYS, GraphSpec
 
@@ -191,4 +192,10 @@ def _warnings(spec: GraphSpec, writers: dict[str, str]) -> list[str]:
             out.append(f"[models.{name}] is not used by any node")
         elif model.trainable and name not in trained:
             out.append(f"[models.{name}] is trainable but no node trains it")
+        if name in used and (package := missing_package(model.rollout)):
+            out.append(
+                f'[models.{name}] rollout = "{model.rollout}" needs the {package} package, '
+                f"not installed here: {INSTALL[model.rollout]} (`flowrl run` stops on it "
+                "before loading a model)"
+            )
     return out

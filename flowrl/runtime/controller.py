@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from flowrl.data import PromptDataset, PromptLoader, make_rows
+from flowrl.engines.rollout import INSTALL, missing_package
 from flowrl.errors import FlowrlError
 from flowrl.models import load_tokenizer
 from flowrl.nodespec import GREEDY
@@ -50,6 +51,7 @@ def run(plan, backend: str | None = None, resume: str | None = None) -> Path:
 class Trainer:
     def __init__(self, plan, run_dir: Path, backend: str):
         _check_devices(plan)
+        _check_packages(plan)
         spec = plan.spec
         self.spec, self.plan, self.run_dir = spec, plan, run_dir
         _seed_everything(spec.run.seed)
@@ -280,6 +282,24 @@ def _check_devices(plan) -> None:
                 f'{plan.file}: [pools.{name}] device = "cuda", but this machine has no CUDA '
                 'device: set device = "cpu" (e.g. pools.'
                 f'{name}.device="cpu" on the command line), or run where GPUs are'
+            )
+
+
+class MissingPackage(FlowrlError, RuntimeError):
+    """A graph picks a rollout backend whose package is not installed."""
+
+
+def _check_packages(plan) -> None:
+    """A rollout backend whose package is not installed (sglang) fails here, by name, before
+    any model loads (on a Ray cluster, RAY_ADDRESS set, the workers' packages count: skipped)."""
+    if os.environ.get("RAY_ADDRESS"):
+        return
+    for name in sorted({d.model for d in plan.spec.nodes.values() if d.mode == "rollout"}):
+        backend = plan.spec.models[name].rollout
+        if package := missing_package(backend):
+            raise MissingPackage(
+                f'{plan.file}: [models.{name}] rollout = "{backend}" needs the {package} '
+                f"package, which is not installed: {INSTALL[backend]}"
             )
 
 

@@ -127,8 +127,8 @@ class PoolWorker:
         else:
             train_parts = tuple(p for p in parts if p != "kv_cache")
             getattr(self.train[model], kind)(train_parts)
-            if "kv_cache" in parts and model in self.rollout:
-                getattr(self.rollout[model], kind)()
+            if model in self.rollout:
+                _move_rollout(self.rollout[model], kind, parts)
         return None, (start, time.time())
 
     def state_dict(self) -> dict:
@@ -168,6 +168,8 @@ class PoolWorker:
         state, _ = exported
         with torch.no_grad():
             self.train[model].module.load_state_dict(state)
+        if model in self.rollout:  # a backend with its own copy (sglang) takes them too
+            self.rollout[model].sync_weights(self.train[model].module)
         return None, (start, time.time())
 
     def where(self) -> dict:
@@ -192,6 +194,17 @@ class PoolWorker:
 
     def ping(self) -> int:
         return self.rank
+
+
+def _move_rollout(rollout, kind: str, parts: tuple) -> None:
+    """Offload or reload a rollout backend's share of `parts`: the kv_cache part, or with a
+    `parts` attribute (a backend holding its own weights) those of its parts that move."""
+    owned = getattr(rollout, "parts", None)
+    if owned is None:
+        if "kv_cache" in parts:
+            getattr(rollout, kind)()
+    elif moving := tuple(p for p in parts if p in owned):
+        getattr(rollout, kind)(moving)
 
 
 def _device(kind: str, rank: int) -> str:

@@ -27,7 +27,19 @@ def tiny_overrides(graph: str, tmp_path, **extra) -> list[str]:
         f'run.out_dir="{tmp_path}"',
     ]
     out += [f"pools.{name}.cpus_per_worker=1" for name in spec.pools]
+    out += cpu_fallback(spec)
     out += [f"{k}={v}" for k, v in extra.items()]
+    return out
+
+
+def cpu_fallback(spec) -> list[str]:
+    """A GPU graph (graphs/grpo_sglang.toml) trains here on CPU, with flowrl's decode loop in
+    place of its GPU-only rollout backend, so its wiring is tested on every run;
+    tests/gpu/test_sglang.py runs it as written where there is a GPU and SGLang."""
+    from flowrl.engines.rollout import DEVICE
+
+    out = [f'pools.{name}.device="cpu"' for name, p in spec.pools.items() if p.device != "cpu"]
+    out += [f'models.{name}.rollout="hf"' for name, m in spec.models.items() if m.rollout in DEVICE]
     return out
 
 
