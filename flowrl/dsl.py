@@ -43,7 +43,7 @@ class NodeDecl:
 
     @property
     def writes(self) -> tuple[str, ...]:
-        return tuple(self.rename.get(k, k) for k in self.spec.writes)
+        return tuple(self.rename.get(k, k) for k in self.spec.writes_for(self.params))
 
     @property
     def mode(self) -> str | None:
@@ -302,7 +302,7 @@ def _node(node_id, table, models, base_dir, errors: Collector, overridden) -> No
 
 
 def _extra_read_names(spec: NodeSpec) -> set[str]:
-    return set(spec.optional_reads)
+    return set(spec.optional_reads) | set(spec.optional_writes)
 
 
 def _check_model(where, spec: NodeSpec, model, models, errors: Collector) -> None:

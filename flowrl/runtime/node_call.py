@@ -24,6 +24,7 @@ def call_node(
     run: Callable[[DataProto], object],
     where: str,
     meta: dict | None = None,
+    params=None,
 ) -> tuple[DataProto, dict]:
     """Run one node on `batch` (graph keys); returns (its writes under graph keys, metrics).
 
@@ -33,6 +34,7 @@ def call_node(
             `worker(batch)`, returning writes or (writes, metrics).
         where: for messages, e.g. "on the controller" or "on pool main, rank 1".
         meta: added to the batch's meta for this call (e.g. rank, world_size).
+        params: the node's params, which decide its optional writes (None: none).
 
     A filter node (rows="filter") returns only `keep`; any other node exactly its declared
     writes. Anything else raises NodeFailure naming the node.
@@ -46,7 +48,8 @@ def call_node(
             f"node {node_id} failed {where}: {type(e).__name__}: {e}\n"
             f"  its batch: {batch.describe()}"
         ) from e
-    expected = {KEEP} if spec.rows == "filter" else set(spec.writes)
+    declared = spec.writes if params is None else spec.writes_for(params)
+    expected = {KEEP} if spec.rows == "filter" else set(declared)
     if set(writes) != expected:
         missing, extra = sorted(expected - set(writes)), sorted(set(writes) - expected)
         raise NodeFailure(

@@ -108,7 +108,8 @@ class PoolWorker:
             worker = spec.worker(worker.engine, attrs.evolve(worker.params, **overrides))
         where = f"on pool {self.setup.pool}, rank {self.rank}"
         meta = {"rank": self.rank, "world_size": self.world_size}
-        out, metrics = call_node(node_id, spec, rename, batch, worker, where, meta)
+        params = getattr(worker, "params", None)  # decides the optional writes
+        out, metrics = call_node(node_id, spec, rename, batch, worker, where, meta, params)
         return out, metrics, (start, time.time())
 
     def transition(self, kind: str, model: str, parts: tuple):
