@@ -2,7 +2,9 @@
 
 reads: scores, old_logprobs, ref_logprobs, response_mask -> writes: token_rewards
 r_t = -beta * KL_t on every token, plus the sequence score on its last token (the last 1 of
-response_mask: the last sampled token). beta is fixed or adapted each step toward a target KL.
+response_mask: the last sampled token). beta is fixed or adapted each step toward a target KL
+(`kl_input`: verl's per-token mean by default). Metrics: kl (per sequence, summed over its
+tokens), kl_token_mean (per token) and kl_coef.
 """
 
 from __future__ import annotations
@@ -11,19 +13,21 @@ import attrs
 
 from flowrl import ops
 from flowrl.lazy import torch
-from flowrl.nodespec import NodeSpec
+from flowrl.nodespec import NodeSpec, choice
+
+# what the adaptive controller compares with target_kl: each row's mean KL per trained token,
+# averaged over rows (verl's input, so verl's target_kl = 0.1 carries over), or each row's
+# summed KL averaged over rows (Ziegler et al.'s per-sequence KL, target ~ 6 nats)
+KL_INPUTS = ("token-mean", "seq-sum")
 
 
 @attrs.frozen
 class Params:
     kl_coef: float = 0.001  # beta (the starting value for the adaptive controller)
-    kl_kind: str = attrs.field(
-        default="k1", validator=attrs.validators.in_(ops.KL_KINDS)
-    )  # estimator
-    controller: str = attrs.field(
-        default="fixed", validator=attrs.validators.in_(("fixed", "adaptive"))
-    )  # noqa: E501
-    target_kl: float = 6.0  # adaptive: the KL per sequence to steer toward
+    kl_kind: str = choice(ops.KL_KINDS, "k1")  # the per-token estimator
+    controller: str = choice(("fixed", "adaptive"), "fixed")  # how beta moves
+    kl_input: str = choice(KL_INPUTS, "token-mean")  # adaptive: the KL it steers (see below)
+    target_kl: float = 0.1  # adaptive: the KL to steer toward, in kl_input's units (verl's)
     horizon: int = 10000  # adaptive: how fast beta moves (in rows)
 
 
@@ -74,9 +78,11 @@ def run(batch, params, state):
         coef,
         params.kl_kind,
     )
-    mean_kl = float(kl.mean()) if len(kl) else 0.0
-    controller.update(mean_kl, len(kl))
-    return {"token_rewards": rewards}, {"kl": mean_kl, "kl_coef": coef}
+    lengths = batch["response_mask"].sum(-1).clamp(min=1)  # (b,)
+    seq_sum = float(kl.mean()) if len(kl) else 0.0
+    token_mean = float((kl / lengths).mean()) if len(kl) else 0.0
+    controller.update(token_mean if params.kl_input == "token-mean" else seq_sum, len(kl))
+    return {"token_rewards": rewards}, {"kl": seq_sum, "kl_token_mean": token_mean, "kl_coef": coef}
 
 
 SPEC = NodeSpec(

@@ -41,15 +41,15 @@ class Params:
     mini_batch_size: int = 0  # rows per optimizer step over all ranks; 0 = the whole batch
     clip_low: float = 0.2  # ratio floor 1 - clip_low
     clip_high: float = 0.2  # ratio ceiling 1 + clip_high (DAPO: 0.28)
-    dual_clip: float = 0.0  # c > 1 bounds the loss of negative advantages; 0 = off
-    agg: str = attrs.field(default="token-mean", validator=attrs.validators.in_(AGG))  # loss agg
+    dual_clip: float = 3.0  # c > 1 bounds the loss of negative advantages (verl: 3); 0 = off
+    agg: str = _one_of(AGG, "token-mean")  # how token losses add up (see ops.agg_loss)
     entropy_coef: float = 0.0  # entropy bonus weight
     kl_loss_coef: float = 0.0  # KL(policy || ref) as a loss term; reads ref_logprobs if > 0
-    kl_loss_kind: str = "k3"  # k1, k2, k3 or abs
+    kl_loss_kind: str = _one_of(ops.KL_KINDS, "k3")  # the KL estimator (k2 is verl's "mse")
     temperature: float = 1.0  # divide logits as the sampler did
     on_policy: bool = False  # old log-probs = this forward's, detached (epochs = 1, 1 mini-batch)
     skip_zero_rows: bool = True  # skip rows with no gradient (zero advantage, no KL/entropy)
-    loss: str = _one_of(tuple(RATES), "ppo")  # ppo, gspo, cispo, gpg, gmpo, sapo, clip_cov, kl_cov
+    loss: str = _one_of(tuple(RATES), "ppo")  # the policy loss (see `policy_loss`)
     tis_cap: float = 0.0  # truncated IS cap C on exp(old - rollout); reads rollout_logprobs if > 0
     norm_length: int = 0  # divisor of agg seq-mean-token-sum-norm; 0 = the padded response length
     tau_pos: float = 1.0  # loss sapo: gate temperature where A > 0
