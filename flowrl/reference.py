@@ -26,9 +26,24 @@ def field_comments(cls) -> dict[str, str]:
             continue
         for line in inspect.getsource(klass).splitlines():
             match = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.*)$", line)
-            if match:
+            if match and not match.group(2).startswith("noqa"):
                 out[match.group(1)] = match.group(2).strip()
     return out
+
+
+def allowed_values(field) -> tuple:
+    """The values an enumerated field takes: the options of its `attrs.validators.in_` (also
+    inside `and_`), or of a validator with an `options` attribute; () for other fields."""
+    todo, found = [field.validator], []
+    while todo:
+        validator = todo.pop()
+        if validator is None:
+            continue
+        todo.extend(getattr(validator, "_validators", ()))  # attrs.validators.and_
+        options = getattr(validator, "options", None)
+        if options is not None:
+            found.extend(options)
+    return tuple(dict.fromkeys(found))
 
 
 def table(cls) -> list[str]:
@@ -40,7 +55,12 @@ def table(cls) -> list[str]:
         if isinstance(default, attrs.Factory):
             default = default.factory()
         kind = getattr(field.type, "__name__", str(field.type))
-        rows.append(f"| `{field.name}` | {kind} | `{default!r}` | {comments.get(field.name, '')} |")
+        meaning = comments.get(field.name, "")
+        values = allowed_values(field)
+        if values:
+            choices = ", ".join(f'`"{v}"`' if isinstance(v, str) else f"`{v!r}`" for v in values)
+            meaning = f"{meaning}; one of {choices}" if meaning else f"one of {choices}"
+        rows.append(f"| `{field.name}` | {kind} | `{default!r}` | {meaning} |")
     return rows
 
 
@@ -71,10 +91,16 @@ def markdown() -> str:
             f"{name.replace('.', '/')}.py`; reads {_keys(ref.spec.reads)}; writes "
             f"{_keys(ref.spec.writes)}"
             + (
-                f"; reads also {_keys(ref.spec.optional_reads)} depending on its params."
+                f"; reads also {_keys(ref.spec.optional_reads)} depending on its params"
                 if ref.spec.optional_reads
-                else "."
-            ),
+                else ""
+            )
+            + (
+                f"; writes also {_keys(ref.spec.optional_writes)} depending on its params"
+                if ref.spec.optional_writes
+                else ""
+            )
+            + ".",
             "",
         ]
         parts += [*table(ref.spec.params), ""] if attrs.fields(ref.spec.params) else []

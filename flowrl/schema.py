@@ -27,6 +27,9 @@ def _rollout_backend(instance, attribute, value):
         raise ValueError(f"'{attribute.name}' must be in {tuple(ROLLOUT_BACKENDS)} (got {value!r})")
 
 
+_rollout_backend.options = ROLLOUT_BACKENDS  # the allowed names, for docs/graph-file.md
+
+
 def _positive(instance, attribute, value):
     if value <= 0:
         raise ValueError(f"{attribute.name} must be > 0, got {value}")

@@ -26,7 +26,7 @@ class Params:
     kl_coef: float = 0.001  # beta (the starting value for the adaptive controller)
     kl_kind: str = choice(ops.KL_KINDS, "k1")  # the per-token estimator
     controller: str = choice(("fixed", "adaptive"), "fixed")  # how beta moves
-    kl_input: str = choice(KL_INPUTS, "token-mean")  # adaptive: the KL it steers (see below)
+    kl_input: str = choice(KL_INPUTS, "token-mean")  # adaptive: KL per token (verl) or per row
     target_kl: float = 0.1  # adaptive: the KL to steer toward, in kl_input's units (verl's)
     horizon: int = 10000  # adaptive: how fast beta moves (in rows)
 
