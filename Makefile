@@ -2,8 +2,10 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 GRAPH ?= graphs/ppo.toml
+STEPS ?= 20
+SEEDS ?= 0,1
 
-.PHONY: setup run test test-fast bench lint format
+.PHONY: setup run test test-fast bench algorithms lint format
 
 setup:
 	@command -v dot >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
@@ -25,6 +27,9 @@ test-fast:
 bench: setup  # flowrl against TRL's GRPOTrainer, side by side (~13 min on 2 cores)
 	$(PIP) install -q -e ".[dev,bench]"
 	$(PYTHON) bench/grpo_vs_trl.py
+
+algorithms: setup  # every algorithm graph on the embedded model -> docs/algorithms.md (~2 h)
+	$(PYTHON) bench/algorithms.py --steps $(STEPS) --seeds $(SEEDS) --write
 
 lint:
 	ruff check flowrl nodes tests bench
