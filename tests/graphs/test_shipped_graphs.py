@@ -253,3 +253,12 @@ def test_dapo_plan_orders_the_filter_before_every_reader_of_its_rows():
     text = plan.text()
     assert "refill: generate, reward, filter run on up to 4 prompt batches" in text
     assert plan.batch.rows_per_node["update_policy"] == 32  # 4 groups x 8 samples
+
+
+def test_nodes_lists_the_keys_that_depend_on_params(capsys):
+    assert main(["nodes"]) == 0
+    out = capsys.readouterr().out
+    generate = out[out.index("\ngenerate  ") : out.index("\nlogprob  ")]
+    assert "+ rollout_logprobs (depending on its params)" in generate
+    update = out[out.index("\nupdate.policy  ") :]
+    assert "+ old_logprobs, ref_logprobs, rollout_logprobs (depending on its params)" in update
