@@ -5,7 +5,7 @@ GRAPH ?= graphs/ppo.toml
 STEPS ?= 20
 SEEDS ?= 0,1
 
-.PHONY: setup run test test-fast bench algorithms lint format
+.PHONY: setup run test test-fast bench soak algorithms lint format
 
 setup:
 	@command -v dot >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
@@ -27,6 +27,9 @@ test-fast:
 bench: setup  # flowrl against TRL's GRPOTrainer, side by side (~13 min on 2 cores)
 	$(PIP) install -q -e ".[dev,bench]"
 	$(PYTHON) bench/grpo_vs_trl.py
+
+soak: setup  # 300 tiny-model steps, a flaky scorer, SIGKILL + resume every 50 (not in CI)
+	$(PYTHON) bench/soak/run.py
 
 algorithms: setup  # every algorithm graph on the embedded model -> docs/algorithms.md (~2 h)
 	$(PYTHON) bench/algorithms.py --steps $(STEPS) --seeds $(SEEDS) --write

@@ -12,6 +12,8 @@ from pathlib import Path
 import attrs
 
 from flowrl import registry, schema
+from flowrl.typed_toml import toml_value
+from flowrl.validators import describe
 
 BEGIN = "<!-- BEGIN GENERATED: python -m flowrl.reference --write -->"
 END = "<!-- END GENERATED -->"
@@ -31,37 +33,25 @@ def field_comments(cls) -> dict[str, str]:
     return out
 
 
-def allowed_values(field) -> tuple:
-    """The values an enumerated field takes: the options of its `attrs.validators.in_` (also
-    inside `and_`), or of a validator with an `options` attribute; () for other fields."""
-    todo, found = [field.validator], []
-    while todo:
-        validator = todo.pop()
-        if validator is None:
-            continue
-        todo.extend(getattr(validator, "_validators", ()))  # attrs.validators.and_
-        options = getattr(validator, "options", None)
-        if options is not None:
-            found.extend(options)
-    return tuple(dict.fromkeys(found))
-
-
 def table(cls) -> list[str]:
     attrs.resolve_types(cls)
     comments = field_comments(cls)
-    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    rows = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
     for field in attrs.fields(cls):
-        default = field.default
-        if isinstance(default, attrs.Factory):
-            default = default.factory()
         kind = getattr(field.type, "__name__", str(field.type))
-        meaning = comments.get(field.name, "")
-        values = allowed_values(field)
-        if values:
-            choices = ", ".join(f'`"{v}"`' if isinstance(v, str) else f"`{v!r}`" for v in values)
-            meaning = f"{meaning}; one of {choices}" if meaning else f"one of {choices}"
-        rows.append(f"| `{field.name}` | {kind} | `{default!r}` | {meaning} |")
+        rows.append(
+            f"| `{field.name}` | {kind} | `{toml_value(field.default)}` | {allowed(field)} "
+            f"| {comments.get(field.name, '').replace('|', chr(92) + '|')} |"
+        )
     return rows
+
+
+def allowed(field: attrs.Attribute) -> str:
+    """The field's rule in words, as the checks enforce it."""
+    rule = describe(field.validator).replace("|", "\\|")
+    if rule:
+        return rule
+    return {bool: "true, false", float: "any finite number"}.get(field.type, "any")
 
 
 def markdown() -> str:

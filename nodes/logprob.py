@@ -9,11 +9,12 @@ from __future__ import annotations
 import attrs
 
 from flowrl.nodespec import NodeSpec
+from flowrl.validators import checked, positive
 
 
 @attrs.frozen
 class Params:
-    temperature: float = 1.0  # divide logits as the sampler did
+    temperature: float = checked(1.0, positive())  # divide logits as the sampler did
 
 
 class LogprobWorker:

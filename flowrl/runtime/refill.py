@@ -25,13 +25,17 @@ from flowrl.protocol import DataProto
 LEFT_PADDED = ("prompts", "prompt_mask")
 
 
-def refilled_step(executor, refill, first: DataProto, more: Callable[[int], DataProto]):
+def refilled_step(
+    executor, refill, first: DataProto, more: Callable[[int], DataProto], record=None
+):
     """One training step under `refill` (a `flowrl.plan.RefillPlan`).
 
     Args:
         executor: runs partial walks of the plan.
         first: the step's first prompt batch.
         more: round k -> the k-th further prompt batch (k = 1, 2, ...).
+        record: what the walks keep of their node calls (`Executor.run_step`); a node kept
+            by run.save_inputs keeps its last round's inputs.
 
     Returns:
         (the trained batch, metrics, slices), as `Executor.run_step`. When nothing is kept,
@@ -40,7 +44,9 @@ def refilled_step(executor, refill, first: DataProto, more: Callable[[int], Data
     parts, metrics, slices = [], [], []
     batch = first
     for round_ in range(1, refill.rounds + 1):
-        out, round_metrics, round_slices = executor.run_step(batch, only=set(refill.before))
+        out, round_metrics, round_slices = executor.run_step(
+            batch, only=set(refill.before), record=record
+        )
         parts.append(out)
         metrics.append(round_metrics)
         slices += round_slices
@@ -55,7 +61,9 @@ def refilled_step(executor, refill, first: DataProto, more: Callable[[int], Data
     step_metrics = {**ops.mean_metrics(metrics), **summary}
     if len(kept) == 0:
         return kept, step_metrics, slices
-    out, after_metrics, after_slices = executor.run_step(kept, only=set(refill.after))
+    out, after_metrics, after_slices = executor.run_step(
+        kept, only=set(refill.after), record=record
+    )
     return out, {**step_metrics, **after_metrics}, slices + after_slices
 
 

@@ -13,12 +13,13 @@ import attrs
 
 from flowrl import estimators
 from flowrl.nodespec import NodeSpec
+from flowrl.validators import checked, positive
 
 
 @attrs.frozen
 class Params:
     scale_by_std: bool = False  # divide by the group's std + eps (the paper's F_norm = 1: off)
-    eps: float = 1e-6  # added to the std
+    eps: float = checked(1e-6, positive())  # added to the std
 
 
 def run(batch, params):

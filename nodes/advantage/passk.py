@@ -12,11 +12,12 @@ import attrs
 
 from flowrl import estimators
 from flowrl.nodespec import Finding, NodeSpec
+from flowrl.validators import MAX_SAMPLES, checked, count
 
 
 @attrs.frozen
 class Params:
-    k: int = 4  # samples per pass@k attempt; at most the generate node's n
+    k: int = checked(4, count(1, MAX_SAMPLES))  # samples per pass@k attempt; at most n
 
 
 def run(batch, params):
@@ -25,10 +26,10 @@ def run(batch, params):
 
 
 def check(params: Params, context) -> list[Finding]:
-    if not 1 <= params.k <= context.samples:
+    if params.k > context.samples:
         return [
             Finding(
-                f"k = {params.k} needs 1 <= k <= the {context.samples} samples of each prompt",
+                f"k = {params.k} needs k <= the {context.samples} samples of each prompt",
                 f"set k <= {context.samples}, or raise n on the generate node",
             )
         ]

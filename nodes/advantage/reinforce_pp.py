@@ -13,15 +13,16 @@ import attrs
 
 from flowrl import ops
 from flowrl.lazy import torch
-from flowrl.nodespec import Finding, NodeSpec, choice
+from flowrl.nodespec import Finding, NodeSpec
+from flowrl.validators import checked, interval, one_of
 
 BASELINES = ("none", "group")
 
 
 @attrs.frozen
 class Params:
-    gamma: float = 1.0  # discount of the return-to-go (baseline "none" only)
-    baseline: str = choice(BASELINES, "none")  # "group": REINFORCE++-baseline
+    gamma: float = checked(1.0, interval(0, 1))  # discount of the return-to-go (baseline "none")
+    baseline: str = checked("none", one_of(BASELINES))  # "group": REINFORCE++-baseline
 
 
 def discounted_returns(token_rewards, response_mask, gamma: float):

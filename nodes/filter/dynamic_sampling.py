@@ -16,12 +16,13 @@ import attrs
 from flowrl import ops
 from flowrl.lazy import torch
 from flowrl.nodespec import Finding, NodeSpec, Refill
+from flowrl.validators import MAX_ROWS, checked, count
 
 
 @attrs.frozen
 class Params:
-    min_groups: int = 0  # refill until this many groups are kept; 0 = train on what is kept
-    max_rounds: int = 4  # refill: the most prompt batches a step samples
+    min_groups: int = checked(0, count(0, MAX_ROWS))  # refill to this many groups; 0 = no refill
+    max_rounds: int = checked(4, count(1, 1000))  # refill: the most prompt batches a step samples
 
 
 def varied_groups(scores, uid):
@@ -39,8 +40,6 @@ def run(batch, params):
 
 
 def check(params: Params, context) -> list[Finding]:
-    if params.min_groups < 0 or params.max_rounds < 1:
-        return [Finding("min_groups must be >= 0 and max_rounds >= 1", "e.g. max_rounds = 4")]
     most = context.prompts * params.max_rounds
     if params.min_groups > most:
         return [

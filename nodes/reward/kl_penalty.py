@@ -13,7 +13,8 @@ import attrs
 
 from flowrl import ops
 from flowrl.lazy import torch
-from flowrl.nodespec import NodeSpec, choice
+from flowrl.nodespec import NodeSpec
+from flowrl.validators import at_least, checked, count, one_of, positive
 
 # what the adaptive controller compares with target_kl: each row's mean KL per trained token,
 # averaged over rows (verl's input, so verl's target_kl = 0.1 carries over), or each row's
@@ -23,12 +24,12 @@ KL_INPUTS = ("token-mean", "seq-sum")
 
 @attrs.frozen
 class Params:
-    kl_coef: float = 0.001  # beta (the starting value for the adaptive controller)
-    kl_kind: str = choice(ops.KL_KINDS, "k1")  # the per-token estimator
-    controller: str = choice(("fixed", "adaptive"), "fixed")  # how beta moves
-    kl_input: str = choice(KL_INPUTS, "token-mean")  # adaptive: KL per token (verl) or per row
-    target_kl: float = 0.1  # adaptive: the KL to steer toward, in kl_input's units (verl's)
-    horizon: int = 10000  # adaptive: how fast beta moves (in rows)
+    kl_coef: float = checked(0.001, at_least(0))  # beta (the adaptive controller's start)
+    kl_kind: str = checked("k1", one_of(ops.KL_KINDS))  # KL estimator
+    controller: str = checked("fixed", one_of(("fixed", "adaptive")))  # how beta evolves
+    kl_input: str = checked("token-mean", one_of(KL_INPUTS))  # adaptive: KL per token or per row
+    target_kl: float = checked(0.1, positive())  # adaptive: the KL to steer toward (verl's)
+    horizon: int = checked(10000, count(1))  # adaptive: how fast beta moves (in rows)
 
 
 class FixedKLController:

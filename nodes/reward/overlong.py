@@ -14,13 +14,14 @@ from __future__ import annotations
 import attrs
 
 from flowrl.nodespec import Finding, NodeSpec
+from flowrl.validators import MAX_TOKENS, at_least, checked, count
 
 
 @attrs.frozen
 class Params:
-    max_len: int = 32  # L: the response cap, the generate node's max_new_tokens
-    buffer_len: int = 8  # B: the penalty grows over the last B tokens before L
-    penalty_factor: float = 1.0  # the penalty at L
+    max_len: int = checked(32, count(1, MAX_TOKENS))  # L: the generate node's max_new_tokens
+    buffer_len: int = checked(8, count(1, MAX_TOKENS))  # B: the penalty grows over the last B
+    penalty_factor: float = checked(1.0, at_least(0))  # the penalty at L
 
 
 def overlong_penalty(response_mask, max_len: int, buffer_len: int, penalty_factor: float):
@@ -41,10 +42,10 @@ def run(batch, params):
 
 
 def check(params: Params, context) -> list[Finding]:
-    if not 0 < params.buffer_len <= params.max_len:
+    if params.buffer_len > params.max_len:
         return [
             Finding(
-                f"buffer_len = {params.buffer_len} must be in 1..max_len ({params.max_len})",
+                f"buffer_len = {params.buffer_len} must be at most max_len ({params.max_len})",
                 "e.g. buffer_len = max_len // 5",
             )
         ]

@@ -138,7 +138,7 @@ class Recording(Executor):
         if method == "transition":
             self.log.append((args[0], args[1], args[2]))
             return [(None, (0.0, 0.0))]
-        node, chunk, _ = args
+        node, chunk = args[0], args[1]
         self.log.append(("call", node))
         decl = self.spec.nodes[node]
         rows = len(chunk) * (decl.params.n if decl.spec.rows == "repeat" else 1)
