@@ -254,7 +254,7 @@ def _node(node_id, table, models, base_dir, errors: Collector, overridden) -> No
 
 
 def _extra_read_names(spec: NodeSpec) -> set[str]:
-    return set(spec.optional_reads)
+    return set(spec.optional_reads) | set(spec.optional_writes)
 
 
 def _check_model(where, spec: NodeSpec, model, models, errors: Collector, said="") -> None:

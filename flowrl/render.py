@@ -65,9 +65,10 @@ def graph_dot(graph) -> str:
             keys = dot_escape(", ".join(data["keys"]))
             lines.append(f'  "{dot_escape(source)}" -> "{dot_escape(target)}" [label="{keys}"];')
         else:
+            why = "model state" if data["kind"] == "state" else "rows"
             lines.append(
                 f'  "{dot_escape(source)}" -> "{dot_escape(target)}" '
-                '[style=dashed, label="model state", color="#999999"];'
+                f'[style=dashed, label="{why}", color="#999999"];'
             )
     lines.append("}")
     return "\n".join(lines) + "\n"

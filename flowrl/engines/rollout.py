@@ -60,6 +60,7 @@ class RolloutBackend(Protocol):
         top_k: int = 0,
         do_sample: bool = True,
         generator: torch.Generator | None = None,
+        logprobs: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Sample n responses per prompt.
 
@@ -72,12 +73,16 @@ class RolloutBackend(Protocol):
                 (top_k = 0 and top_p = 1.0 are off).
             do_sample: False (or temperature 0) picks the most likely token: greedy.
             generator: the random source of sampling, on `device`; None = torch's global one.
+            logprobs: also return "logprobs", each sampled token's log-prob under the
+                distribution it was drawn from (after temperature, top-k, top-p; greedy: the
+                model's at temperature 1), for truncated importance sampling.
 
         Returns:
             {"responses": (b*n, t) int64 right-padded with the pad id, "response_mask":
             (b*n, t) int64, 1 on each response up to and including its first EOS}, t the
-            longest response; CPU tensors made outside inference mode, so a train engine may
-            use them directly.
+            longest response; with `logprobs`, "logprobs": (b*n, t) float32, 0 past each
+            response; CPU tensors made outside inference mode, so a train engine may use them
+            directly.
         """
         ...
 

@@ -12,6 +12,7 @@ inputs of a failed node call (failures/) and of the nodes in run.save_inputs (in
 """
 
 import contextlib
+import functools
 import json
 import os
 import random
@@ -33,6 +34,7 @@ from flowrl.models import load_tokenizer
 from flowrl.nodespec import GREEDY
 from flowrl.runtime import checkpoint, faults, make_executor
 from flowrl.runtime.inputs import Recording
+from flowrl.runtime.refill import refilled_step
 from flowrl.runtime.trace import Trace
 
 
@@ -149,11 +151,16 @@ class Trainer:
 
     def step(self, step: int) -> tuple[dict, object]:
         start = time.time()
-        batch = next(self.loader)
-        batch.meta.update(step=step, seed=self.spec.run.seed)
+        batch = self._prompts(step)
         run = self.spec.run
         record = self._record(step, step - 1, keep=tuple(run.save_inputs))
-        batch, metrics, slices = self.executor.run_step(batch, record=record)
+        if self.plan.refill is not None:  # a filter that samples more prompts (DAPO)
+            more = functools.partial(self._prompts, step)
+            batch, metrics, slices = refilled_step(
+                self.executor, self.plan.refill, batch, more, record
+            )
+        else:
+            batch, metrics, slices = self.executor.run_step(batch, record=record)
         seconds = time.time() - start
         self.trace.add(slices, step)
         out = {"step": step, "time_s": seconds, **_batch_metrics(batch), **metrics}
@@ -167,6 +174,14 @@ class Trainer:
         out["tokens_per_s"] = tokens / seconds
         out.update(_process_metrics())
         return out, batch
+
+    def _prompts(self, step: int, round_: int = 0):
+        """The next prompt batch, with the meta that seeds its sampling."""
+        batch = next(self.loader)
+        batch.meta.update(step=step, seed=self.spec.run.seed)
+        if round_:
+            batch.meta["round"] = round_
+        return batch
 
     def _record(self, step: int, state_step: int, keep=(), validation=False) -> Recording:
         """Where this walk's node calls keep their inputs (flowrl/runtime/inputs.py)."""
@@ -338,14 +353,15 @@ def _rollout_model(spec) -> str:
 
 
 def _batch_metrics(batch) -> dict:
-    out = {}
+    out = {"rows": len(batch)}
+    if len(batch) == 0:  # a filter kept nothing: no update this step
+        return out
     if "scores" in batch:
         out["score/mean"] = float(batch["scores"].float().mean())
     if "response_mask" in batch:
         lengths = batch["response_mask"].sum(-1).float()
         out["response_length/mean"] = float(lengths.mean())
         out["response_length/max"] = float(lengths.max())
-    out["rows"] = len(batch)
     return out
 
 
@@ -371,10 +387,14 @@ def _process_metrics() -> dict:
 
 
 def _timings(slices) -> dict:
-    """Seconds per plan item: the longest rank's run (they run in parallel)."""
-    out = {}
+    """Seconds per plan item: summed over the item's runs on a track (a refilling step runs
+    some items once per prompt batch), then the longest rank's (they run in parallel)."""
+    per_track: dict[tuple, float] = {}
     for s in slices:
-        out[s.name] = max(out.get(s.name, 0.0), s.end - s.start)
+        per_track[s.name, s.track] = per_track.get((s.name, s.track), 0.0) + s.end - s.start
+    out: dict[str, float] = {}
+    for (name, _), seconds in per_track.items():
+        out[name] = max(out.get(name, 0.0), seconds)
     return out
 
 

@@ -115,7 +115,10 @@ class PoolWorker:
         if record is not None:
             uses = next(n.uses for n in self.setup.nodes if n.id == node_id)
             saver = record.saver(node_id, uses, worker.params, self.rank, self.world_size)
-        out, metrics = call_node(node_id, spec, rename, batch, worker, where, meta, saver)
+        params = getattr(worker, "params", None)  # decides the optional writes
+        out, metrics = call_node(
+            node_id, spec, rename, batch, worker, where, meta, saver, params=params
+        )
         return out, metrics, (start, time.time())
 
     def transition(self, kind: str, model: str, parts: tuple):

@@ -22,10 +22,13 @@ def tiny_overrides(graph: str, tmp_path, **extra) -> list[str]:
         "run.val_every=0",
         "data.batch_size=2",
         "data.train_size=64",
-        "nodes.generate.max_new_tokens=6",
-        f'nodes.reward.scorer="{SCORER}:compute_score"',
         f'run.out_dir="{tmp_path}"',
     ]
+    for node, decl in spec.nodes.items():  # every rollout and rule reward (ReMax has two)
+        if decl.uses == "generate":
+            out.append(f"nodes.{node}.max_new_tokens=6")
+        if decl.uses == "reward.rule":
+            out.append(f'nodes.{node}.scorer="{SCORER}:compute_score"')
     out += [f"pools.{name}.cpus_per_worker=1" for name in spec.pools]
     out += cpu_fallback(spec)
     out += [f"{k}={v}" for k, v in extra.items()]
