@@ -10,7 +10,7 @@ from pathlib import Path
 
 import attrs
 
-from flowrl import compiler, registry, render
+from flowrl import compiler, registry, render, tiny_run
 from flowrl.errors import GraphErrors
 
 
@@ -120,6 +120,8 @@ def cmd_nodes(args) -> int:
 
 
 def cmd_run(args) -> int:
+    if args.tiny:  # the tiny model first, so the command line's own overrides win
+        args.overrides = [*tiny_run.tiny_overrides(graph_path(args.file)), *args.overrides]
     _, _, plan = load_plan(args.file, args.overrides)
     from flowrl.runtime.controller import run  # torch and ray load from here on
 
@@ -137,6 +139,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("overrides", nargs="*", help=over)
     r.add_argument("--backend", choices=["ray", "local"], help="default: run.backend")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue from RUN_DIR's last checkpoint")
+    r.add_argument("--tiny", action="store_true", help="try the graph on a tiny random model")
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("check", help="validate graph files without loading any model")

@@ -4,31 +4,15 @@ from pathlib import Path
 
 import pytest
 
+from flowrl import testing
 from flowrl.cli import load_plan
 
 ROOT = Path(__file__).resolve().parents[2]
-SCORER = Path(__file__).with_name("varied_scorer.py")
 
 
 def tiny_overrides(graph: str, tmp_path, **extra) -> list[str]:
-    from flowrl import dsl
-
-    spec = dsl.load(ROOT / "graphs" / graph)
-    out = [f'models.{name}.path="tiny"' for name in spec.models]
-    out += [f"models.{name}.lr=0.01" for name, m in spec.models.items() if m.trainable]
-    out += [
-        "run.steps=2",
-        "run.val_size=4",
-        "run.val_every=0",
-        "data.batch_size=2",
-        "data.train_size=64",
-        "nodes.generate.max_new_tokens=6",
-        f'nodes.reward.scorer="{SCORER}:compute_score"',
-        f'run.out_dir="{tmp_path}"',
-    ]
-    out += [f"pools.{name}.cpus_per_worker=1" for name in spec.pools]
-    out += [f"{k}={v}" for k, v in extra.items()]
-    return out
+    """flowrl.testing.tiny_overrides for a shipped graph, run dirs under tmp_path."""
+    return testing.tiny_overrides(ROOT / "graphs" / graph, tmp_path, **extra)
 
 
 @pytest.fixture
