@@ -8,6 +8,7 @@ A node table holds `uses` (which node module), `model` (for nodes that run a mod
 No torch or ray here.
 """
 
+import importlib.util
 import types
 import typing
 from pathlib import Path
@@ -171,6 +172,8 @@ def _build(file, raw, errors: Collector, overridden: set[str]) -> GraphSpec | No
     for name, pool in pools.items():
         if pool:
             _check_pool(name, pool, errors)
+    if run:
+        _check_loggers(run, errors)
     base_dir = Path(file).parent
     nodes = {}
     for node_id, table in _tables(raw, "nodes", errors).items():
@@ -251,6 +254,19 @@ def _check_pool(name: str, pool: schema.PoolConfig, errors: Collector) -> None:
             f"{pool.strategy} puts the pool's bundles on one node, but nodes = {pool.nodes}",
             'use "STRICT_SPREAD" (one node per bundle) or "SPREAD", or leave strategy out',
         )
+
+
+def _check_loggers(run: schema.RunConfig, errors: Collector) -> None:
+    """A logger whose package is missing fails here, not after the models have loaded."""
+    for name in run.loggers:
+        package = schema.LOGGER_PACKAGES[name]
+        if package and importlib.util.find_spec(package) is None:
+            errors.add(
+                "[run] loggers",
+                f'"{name}" needs the package {package}, which is not installed',
+                f"pip install {package}  (or pip install 'flowrl[{name}]'); "
+                f'or remove "{name}" from loggers',
+            )
 
 
 def _node(node_id, table, models, base_dir, errors: Collector, overridden) -> NodeDecl | None:

@@ -15,6 +15,8 @@ OFFLOAD = ("never", "always", "auto")
 DEVICES = ("cpu", "cuda")
 STRATEGIES = ("", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # "" = auto
 DTYPES = ("float32", "bfloat16", "float16")
+# run.loggers: each logger's pip package ("" = none needed); flowrl/runtime/loggers.py has them
+LOGGER_PACKAGES = {"jsonl": "", "tensorboard": "tensorboard", "wandb": "wandb"}
 
 
 def _choice(*choices):
@@ -25,6 +27,13 @@ def _rollout_backend(instance, attribute, value):
     """A name in the one table of rollout backends (flowrl/engines/rollout.py)."""
     if value not in ROLLOUT_BACKENDS:
         raise ValueError(f"'{attribute.name}' must be in {tuple(ROLLOUT_BACKENDS)} (got {value!r})")
+
+
+def _loggers(instance, attribute, value):
+    for name in value:
+        if name not in LOGGER_PACKAGES:
+            choices = tuple(LOGGER_PACKAGES)
+            raise ValueError(f"'{attribute.name}' entries must be in {choices} (got {name!r})")
 
 
 def _positive(instance, attribute, value):
@@ -49,6 +58,7 @@ class RunConfig:
     save_every: int = attrs.field(default=0, validator=_non_negative)  # 0 = at the end only
     keep_checkpoints: int = attrs.field(default=2, validator=_positive)  # newest kept
     log_samples: int = attrs.field(default=2, validator=_non_negative)  # generations per step
+    loggers: list[str] = attrs.field(factory=list, validator=_loggers)  # jsonl, tensorboard, wandb
 
 
 @attrs.frozen

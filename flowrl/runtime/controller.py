@@ -24,6 +24,7 @@ from flowrl.data import PromptDataset, PromptLoader, make_rows
 from flowrl.models import load_tokenizer
 from flowrl.nodespec import GREEDY
 from flowrl.runtime import checkpoint, faults, make_executor
+from flowrl.runtime.loggers import Loggers
 from flowrl.runtime.trace import Trace
 
 
@@ -75,12 +76,21 @@ class Trainer:
             start_step = self._resume()
         else:
             (self.run_dir / "graph.toml").write_text(toml.dumps(self.spec.raw))
-        metrics_file = open(self.run_dir / "metrics.jsonl", "a")
+        loggers = Loggers(run.loggers, self.run_dir, self.spec)  # metrics.jsonl and others
         samples_file = open(self.run_dir / "samples.jsonl", "a")
-        if resume:
-            metrics_file.write(json.dumps({"event": "resume", "step": start_step}) + "\n")
-        elif self.val_batch is not None:
-            _log(metrics_file, {"step": 0, **self.validate()})
+        try:
+            if resume:
+                loggers.log({"event": "resume", "step": start_step})
+            elif self.val_batch is not None:
+                loggers.log({"step": 0, **self.validate()})
+            self._loop(start_step, loggers, samples_file)
+        finally:
+            loggers.close()
+            samples_file.close()
+        self.trace.write(self.run_dir / "trace.json")
+
+    def _loop(self, start_step: int, loggers: Loggers, samples_file) -> None:
+        run = self.spec.run
         bar = tqdm(
             range(start_step + 1, run.steps + 1),
             initial=start_step,
@@ -95,15 +105,12 @@ class Trainer:
                 last or (run.val_every and step % run.val_every == 0)
             ):
                 metrics.update(self.validate())
-            _log(metrics_file, metrics)
+            loggers.log(metrics)
             _log_samples(samples_file, step, batch, run.log_samples)
             faults.point("logged", step)
             if last or (run.save_every and step % run.save_every == 0):
                 self.save(step)
             bar.set_postfix(_postfix(metrics))
-        metrics_file.close()
-        samples_file.close()
-        self.trace.write(self.run_dir / "trace.json")
 
     def step(self, step: int) -> tuple[dict, object]:
         start = time.time()
@@ -211,11 +218,6 @@ def _timings(slices) -> dict:
 def _postfix(metrics: dict) -> dict:
     keys = {"score/mean": "score", "val/score": "val", "time_s": "s/step", "tokens_per_s": "tok/s"}
     return {short: f"{metrics[k]:.3g}" for k, short in keys.items() if k in metrics}
-
-
-def _log(file, metrics: dict) -> None:
-    file.write(json.dumps(metrics, sort_keys=True) + "\n")
-    file.flush()
 
 
 def _truncate_log(path: Path, step: int) -> None:
