@@ -86,13 +86,9 @@ def cmd_plan(args) -> int:
 
 def cmd_render(args) -> int:
     _, built, plan = load_plan(args.file, args.overrides)
-    dot = plan.to_dot() if args.plan else render.graph_dot(built)
+    dot = plan.to_dot() if args.plan else render.graph_dot(built, all_keys=args.all_keys)
     out = args.output or str(Path(args.file).with_suffix(".plan.svg" if args.plan else ".svg"))
-    if out.endswith(".dot"):
-        Path(out).write_text(dot)
-        print(f"wrote {out}")
-        return 0
-    ok, message = render.write_svg(dot, out)
+    ok, message = render.write(dot, out)
     print(message, file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1
 
@@ -153,11 +149,12 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 
-    rd = sub.add_parser("render", help="draw the graph (or, with --plan, the plan) as SVG")
+    rd = sub.add_parser("render", help="draw the graph (or, with --plan, the plan)")
     rd.add_argument("file")
     rd.add_argument("overrides", nargs="*", help=over)
-    rd.add_argument("-o", "--output", help="output .svg (or .dot)")
+    rd.add_argument("-o", "--output", help="output file: .svg (default), .png, .pdf or .dot")
     rd.add_argument("--plan", action="store_true", help="draw the compiled plan")
+    rd.add_argument("--all-keys", action="store_true", help="an edge for every key read")
     rd.set_defaults(func=cmd_render)
 
     n = sub.add_parser("nodes", help="list the built-in nodes")
