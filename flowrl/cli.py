@@ -10,7 +10,7 @@ from pathlib import Path
 
 import attrs
 
-from flowrl import compiler, registry, render, tiny_run
+from flowrl import compiler, registry, render, report, tiny_run
 from flowrl.errors import GraphErrors
 
 
@@ -156,6 +156,13 @@ def parser() -> argparse.ArgumentParser:
     rd.add_argument("--plan", action="store_true", help="draw the compiled plan")
     rd.add_argument("--all-keys", action="store_true", help="an edge for every key read")
     rd.set_defaults(func=cmd_render)
+
+    rp = sub.add_parser("report", help="plot runs' metrics on one HTML page (needs matplotlib)")
+    rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="several: on the same axes")
+    rp.add_argument(
+        "-o", "--output", help="the page; default RUN_DIR/report.html, or ./report.html"
+    )
+    rp.set_defaults(func=report.command)
 
     n = sub.add_parser("nodes", help="list the built-in nodes")
     n.set_defaults(func=cmd_nodes)

@@ -9,9 +9,6 @@ import pytest
 
 from flowrl.runtime.controller import Trainer
 
-pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
-pytest.importorskip("wandb", reason="the wandb extra is not installed")
-
 BLOCK = 32768  # the .wandb file is a LevelDB-style log of protobuf records in 32 KiB blocks
 FULL, LAST = 1, 4
 
