@@ -73,7 +73,7 @@ class DataConfig:
 
 @attrs.frozen
 class ModelConfig:
-    path: str = "smollm2-135m-instruct"  # alias, local HF directory, or "tiny" (tests)
+    path: str = "smollm2-135m-instruct"  # alias, HF directory or cached hub name; "tiny"
     trainable: bool = False  # frozen models (reference) are never updated
     head: str = attrs.field(default="lm", validator=_choice(*HEADS))  # "value" for critics
     pool: str = ""  # which pool hosts it; may be left out when there is one pool

@@ -84,3 +84,9 @@ def test_plan_sizes_a_cached_hub_model_from_its_config(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))  # not in this cache
     plan = compiler.compile_file(ROOT / "graphs/grpo.toml", overrides)
     assert plan.pools["main"].memory_bytes["ref"] == {}
+
+
+def test_graph_file_doc_shows_the_exact_error(monkeypatch):
+    monkeypatch.setattr(hub, "hub_cache", lambda: Path("/root/.cache/huggingface/hub"))
+    doc = (ROOT / "docs/graph-file.md").read_text()
+    assert f"flowrl: {hub.not_found('HuggingFaceTB/SmolLM2-360M-Instruct')}\n" in doc
