@@ -48,9 +48,10 @@ def cached_config(name: str) -> dict | None:
 def not_found(path: str) -> str:
     """The error for a model path that is neither a directory nor in the cache."""
     return (
-        f'model "{path}" is neither a local directory nor in the local Hugging Face cache '
-        f"({hub_cache()}); flowrl does not download models at run time. Download it once with "
-        f"`hf download {path}` (huggingface_hub's CLI; HF_HOME or HF_HUB_CACHE choose where), "
+        f'model "{path}" is not in the local cache of Hugging Face models ({hub_cache()}) '
+        "and is not a directory; flowrl does not download models at run time. Download it "
+        f"once with `hf download {path}` (huggingface_hub's CLI; HF_HOME or HF_HUB_CACHE "
+        "choose where), "
         'or set path to a local directory, "smollm2-135m-instruct" (the embedded model) or '
         '"tiny" (a tiny random model)'
     )
