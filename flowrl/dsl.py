@@ -174,6 +174,8 @@ def _build(file, raw, errors: Collector, overridden: set[str]) -> GraphSpec | No
             _check_pool(name, pool, errors)
     if run:
         _check_loggers(run, errors)
+    if any(m and m.lora for m in models.values()) and importlib.util.find_spec("peft") is None:
+        errors.add("[models] lora", "LoRA needs the package peft", "pip install peft")
     base_dir = Path(file).parent
     nodes = {}
     for node_id, table in _tables(raw, "nodes", errors).items():

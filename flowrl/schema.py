@@ -6,6 +6,7 @@ own parameters live in its module's `Params` class. docs/graph-file.md documents
 
 import attrs
 
+from flowrl import lora
 from flowrl.engines.rollout import ROLLOUT_BACKENDS  # torch-free: the table, no backend
 
 BACKENDS = ("ray", "local")
@@ -34,6 +35,12 @@ def _loggers(instance, attribute, value):
         if name not in LOGGER_PACKAGES:
             choices = tuple(LOGGER_PACKAGES)
             raise ValueError(f"'{attribute.name}' entries must be in {choices} (got {name!r})")
+
+
+def _lora(instance, attribute, value):
+    problem = lora.settings_problem(value)
+    if problem:
+        raise ValueError(problem)
 
 
 def _positive(instance, attribute, value):
@@ -89,6 +96,7 @@ class ModelConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 = off
     micro_tokens: int = attrs.field(default=4096, validator=_positive)  # tokens per micro-batch
     n_params: int = attrs.field(default=0, validator=_non_negative)  # 0 = known from the path
+    lora: dict = attrs.field(factory=dict, validator=_lora)  # {rank, alpha, target_modules}; {} off
 
 
 @attrs.frozen
