@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 GRAPH ?= graphs/ppo.toml
 
-.PHONY: setup run test test-fast bench lint format
+.PHONY: setup run test test-fast bench soak lint format
 
 setup:
 	@command -v dot >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
@@ -28,6 +28,9 @@ test-fast:
 bench: setup  # flowrl against TRL's GRPOTrainer, side by side (~13 min on 2 cores)
 	$(PIP) install -q -e ".[dev,bench]"
 	$(PYTHON) bench/grpo_vs_trl.py
+
+soak: setup  # 300 tiny-model steps, a flaky scorer, SIGKILL + resume every 50 (not in CI)
+	$(PYTHON) bench/soak/run.py
 
 lint:
 	ruff check flowrl nodes tests bench

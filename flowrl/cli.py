@@ -1,28 +1,62 @@
-"""`flowrl run | check | plan | render | nodes`.
+"""`flowrl run | replay | check | plan | render | nodes`.
 
 check, plan, render and nodes import neither torch nor ray; `run` imports the runtime lazily.
-A bad graph file exits with code 2 and a list of its problems, never a traceback.
+A bad graph file exits with code 2 and a list of its problems, any other flowrl error (a failed
+node, a bad data file) with code 1 and its message: never a traceback for a user's mistake.
+A graph is a path (with a directory part, or ending in .toml), or the bare name of a shipped
+graph ("grpo").
 """
 
 import argparse
+import os
 import sys
+from importlib.resources import files
 from pathlib import Path
 
 import attrs
 
-from flowrl import compiler, registry, render, report, tiny_run
-from flowrl.errors import GraphErrors
+from flowrl import compiler, registry, render, report, schema, tiny_run
+from flowrl.errors import FlowrlError, GraphErrors, Problem, did_you_mean, one_of
+from flowrl.overrides import TOP_LEVEL
 
 
 def graph_path(file: str) -> str:
-    """`file`, or when it does not exist, the shipped graph of that name (graphs/ppo.toml or
-    ppo), so an installed flowrl runs its own graphs from any directory."""
-    if Path(file).exists():
-        return file
-    from importlib.resources import files
+    """The graph file that `file` names; raises GraphErrors when there is none.
 
-    shipped = files("flowrl.graphs") / Path(file).with_suffix(".toml").name
-    return str(shipped) if shipped.is_file() else file
+    A path (it has a directory part, or ends in .toml) is that file, existing or not (the
+    loader reports a missing one). A bare name ("grpo") is the shipped graph of that name, so
+    an installed flowrl runs its own graphs from any directory.
+    """
+    names = shipped_graphs()
+    if not is_bare_name(file):
+        stem = Path(file).stem
+        if not Path(file).exists() and stem in names:
+            fix = f'check the path, or write "{stem}" (no directory, no .toml): the shipped graph'
+            raise GraphErrors([Problem(file, "file", "no such file", fix)])
+        return file
+    if file in names:
+        return str(files("flowrl.graphs") / f"{file}.toml")
+    message = f'no shipped graph named "{file}"{did_you_mean(file, names)}'
+    fix = f"shipped graphs: {one_of(names)}; or give the path of a .toml file"
+    raise GraphErrors([Problem(file, "file", message, fix)])
+
+
+def is_bare_name(file: str) -> bool:
+    return not ("/" in file or os.sep in file or file.endswith(".toml"))
+
+
+def shipped_graphs() -> list[str]:
+    return sorted(
+        p.name.removesuffix(".toml")
+        for p in files("flowrl.graphs").iterdir()
+        if p.name.endswith(".toml")
+    )
+
+
+def say_which(file: str, path: str) -> None:
+    """Name the shipped graph a bare name stands for (on stderr: stdout may be a plan)."""
+    if path != file:
+        print(f"flowrl: {file} is the shipped graph {path}", file=sys.stderr)
 
 
 def load_plan(file: str, overrides=()):
@@ -33,12 +67,16 @@ def load_plan(file: str, overrides=()):
 
 
 def cmd_check(args) -> int:
+    graphs = [f for f in args.files if not is_override(f)]
+    args.overrides = [*args.overrides, *(f for f in args.files if is_override(f))]
+    if not graphs:
+        print("flowrl check: no graph file given (overrides alone check nothing)", file=sys.stderr)
+        return 2
     status = 0
-    files = [f for f in args.files if "=" not in f or Path(f).exists()]
-    args.overrides = [*args.overrides, *(f for f in args.files if f not in files)]
-    for file in files:
+    for file in graphs:
         try:
-            spec, built, plan = load_plan(file, args.overrides)
+            path = graph_path(file)
+            spec, built, plan = load_plan(path, args.overrides)
         except GraphErrors as e:
             print(e.report(), file=sys.stderr)
             status = 2
@@ -47,11 +85,21 @@ def cmd_check(args) -> int:
             _count(len(things), what)
             for things, what in ((spec.nodes, "node"), (spec.models, "model"), (spec.pools, "pool"))
         )
-        print(f"{file}: ok ({counts}, {plan.batch.rows} rows per step)")
+        shipped = f" (the shipped graph {file})" if path != file else ""
+        print(f"{path}{shipped}: ok ({counts}, {plan.batch.rows} rows per step)")
         print(node_table(spec, built))
         for warning in plan.warnings:
             print(f"  warning: {warning}")
     return status
+
+
+def is_override(arg: str) -> bool:
+    """An argument of `check` that is an override (table.key=value, or a table.key missing its
+    value) rather than a graph file."""
+    if Path(arg).exists():
+        return False
+    head = arg.split(".", 1)[0]
+    return "=" in arg or (head in TOP_LEVEL and "." in arg and is_bare_name(arg))
 
 
 def _count(n: int, what: str) -> str:
@@ -79,16 +127,21 @@ def node_table(spec, built) -> str:
 
 
 def cmd_plan(args) -> int:
+    say_which(args.file, graph_path(args.file))
     _, _, plan = load_plan(args.file, args.overrides)
     print(plan.to_json() if args.json else plan.text(), end="")
     return 0
 
 
 def cmd_render(args) -> int:
+    say_which(args.file, graph_path(args.file))
     _, built, plan = load_plan(args.file, args.overrides)
     dot = plan.to_dot() if args.plan else render.graph_dot(built, all_keys=args.all_keys)
     out = args.output or str(Path(args.file).with_suffix(".plan.svg" if args.plan else ".svg"))
-    ok, message = render.write(dot, out)
+    try:
+        ok, message = render.write(dot, out)  # the format follows the extension
+    except OSError as e:
+        ok, message = False, f"flowrl: cannot write {out}: {e.strerror or e}"
     print(message, file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1
 
@@ -102,8 +155,6 @@ def cmd_nodes(args) -> int:
         if ref.doc:
             print(f"    {ref.doc}")
         print(f"    reads:  {', '.join(spec.reads)}")
-        if spec.optional_reads:
-            print(f"            + {', '.join(spec.optional_reads)} (depending on its params)")
         print(f"    writes: {', '.join(spec.writes) or '(none)'}")
         for field in attrs.fields(spec.params):
             default = (
@@ -116,12 +167,58 @@ def cmd_nodes(args) -> int:
 
 
 def cmd_run(args) -> int:
+    say_which(args.file, graph_path(args.file))
     if args.tiny:  # the tiny model first, so the command line's own overrides win
         args.overrides = [*tiny_run.tiny_overrides(graph_path(args.file)), *args.overrides]
     _, _, plan = load_plan(args.file, args.overrides)
     from flowrl.runtime.controller import run  # torch and ray load from here on
 
-    run(plan, backend=args.backend, resume=args.resume)
+    try:
+        run(plan, backend=args.backend, resume=args.resume)
+    except Exception as e:
+        if args.pdb:
+            _debug(e)
+        raise
+    return 0
+
+
+def _debug(error: Exception) -> None:
+    """`--pdb`: the post-mortem debugger where a node failed, when it failed in this process;
+    a node that failed in a Ray worker is replayed in-process instead (docs/debugging.md)."""
+    from flowrl.runtime import replay
+
+    if replay.in_this_process(error):
+        replay.post_mortem(error)
+        return
+    print(
+        "--pdb: the node failed in a Ray worker process, out of this debugger's reach: run "
+        "the replay command below with --pdb to debug it here (or run with --backend local)",
+        file=sys.stderr,
+    )
+
+
+def cmd_replay(args) -> int:
+    from flowrl.runtime import replay  # torch loads from here on
+
+    try:
+        call = replay.load(args.run_dir, args.step, args.node, args.rank, args.overrides)
+    except (FileNotFoundError, LookupError) as e:  # no such run, saved call or node
+        print(f"flowrl: {e}", file=sys.stderr)
+        return 1
+    print(f"replaying node {args.node} of step {args.step}, rank {args.rank}")
+    for note in call.notes:
+        print(f"  {note}")
+    try:
+        writes, metrics = call.run()
+    except Exception as e:
+        import traceback
+
+        cause = replay.innermost(e)
+        traceback.print_exception(type(cause), cause, cause.__traceback__)
+        if args.pdb:
+            replay.post_mortem(e)
+        raise
+    print(replay.describe(writes, metrics))
     return 0
 
 
@@ -133,10 +230,20 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="train with a graph")
     r.add_argument("file")
     r.add_argument("overrides", nargs="*", help=over)
-    r.add_argument("--backend", choices=["ray", "local"], help="default: run.backend")
+    r.add_argument("--backend", choices=schema.BACKENDS, help="default: run.backend")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue from RUN_DIR's last checkpoint")
+    r.add_argument("--pdb", action="store_true", help="post-mortem debugger where a node failed")
     r.add_argument("--tiny", action="store_true", help="try the graph on a tiny random model")
     r.set_defaults(func=cmd_run)
+
+    rp = sub.add_parser("replay", help="run one node call of a run again, in this process")
+    rp.add_argument("run_dir", metavar="RUN_DIR")
+    rp.add_argument("--step", type=int, required=True, help="the training step (metrics.jsonl)")
+    rp.add_argument("--node", required=True, help="the node id")
+    rp.add_argument("--rank", type=int, default=0, help="the pool rank (default 0)")
+    rp.add_argument("--pdb", action="store_true", help="post-mortem debugger if it fails")
+    rp.add_argument("overrides", nargs="*", help="e.g. nodes.update_policy.clip_high=0.28")
+    rp.set_defaults(func=cmd_replay)
 
     c = sub.add_parser("check", help="validate graph files without loading any model")
     c.add_argument("files", nargs="+", help="graph files, then any KEY=VALUE overrides")
@@ -157,12 +264,12 @@ def parser() -> argparse.ArgumentParser:
     rd.add_argument("--all-keys", action="store_true", help="an edge for every key read")
     rd.set_defaults(func=cmd_render)
 
-    rp = sub.add_parser("report", help="plot runs' metrics on one HTML page (needs matplotlib)")
-    rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="several: on the same axes")
-    rp.add_argument(
+    rep = sub.add_parser("report", help="plot runs' metrics on one HTML page (needs matplotlib)")
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="several: on the same axes")
+    rep.add_argument(
         "-o", "--output", help="the page; default RUN_DIR/report.html, or ./report.html"
     )
-    rp.set_defaults(func=report.command)
+    rep.set_defaults(func=report.command)
 
     n = sub.add_parser("nodes", help="list the built-in nodes")
     n.set_defaults(func=cmd_nodes)
@@ -177,15 +284,18 @@ def main(argv=None) -> int:
     if extra:
         args.overrides = [*args.overrides, *extra]
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return code
     except GraphErrors as e:
         print(e.report(), file=sys.stderr)
         return 2
-    except Exception as e:  # a failed node or a bad data file: the message says what and where
-        if type(e).__name__ not in ("NodeFailure", "DataError", "ModelNotFound", "ScorerError"):
-            raise
+    except FlowrlError as e:  # a failed node or a bad data file: the message says what and where
         print(f"flowrl: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader went away (`flowrl nodes | head -1`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 141  # as a shell reports a command ended by SIGPIPE
 
 
 if __name__ == "__main__":

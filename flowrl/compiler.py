@@ -13,7 +13,7 @@ from pathlib import Path
 import networkx as nx
 
 from flowrl import dsl, memory, schema
-from flowrl.errors import Collector
+from flowrl.errors import Collector, did_you_mean, one_of
 from flowrl.graph import DATASET, Graph, build
 from flowrl.nodespec import CheckContext, RolloutParams
 from flowrl.plan import BatchPlan, ExecutionPlan, Item, PoolPlan, ValidationPlan
@@ -36,6 +36,7 @@ def compile_graph(built: Graph) -> ExecutionPlan:
     """The execution plan of one training step; raises GraphErrors on bad batch arithmetic."""
     errors = Collector(built.spec.file)
     batch, warnings = _batch(built, errors)
+    _check_save_inputs(built, errors)
     errors.raise_if_any()
     pools = _pools(built, batch)
     items = _Builder(built, pools).build()
@@ -49,6 +50,18 @@ def compile_graph(built: Graph) -> ExecutionPlan:
         _validation(built),
         built,
     )
+
+
+def _check_save_inputs(graph: Graph, errors: Collector) -> None:
+    """run.save_inputs names nodes of the graph (one the graph skips is allowed: it never runs)."""
+    known = set(graph.spec.nodes) | set(graph.pruned)
+    for node in graph.spec.run.save_inputs:
+        if node not in known:
+            errors.add(
+                "[run]",
+                f'save_inputs names "{node}", which is not a node{did_you_mean(node, known)}',
+                f"name nodes of this graph: {one_of(sorted(known))}",
+            )
 
 
 # -- 1. batch arithmetic -------------------------------------------------------------------

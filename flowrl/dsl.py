@@ -4,153 +4,44 @@
 
 A node table holds `uses` (which node module), `model` (for nodes that run a model), `rename`
 (declared key -> key in this graph) and the node's params. Command-line overrides
-(`run.steps=50`, `nodes.advantage.lam=0.9`) are applied to the parsed file and validated like it.
+(`run.steps=50`, `nodes.advantage.lam=0.9`, flowrl/overrides.py) are applied to the parsed file
+and validated like it.
 No torch or ray here.
 """
 
 import importlib.util
-import types
-import typing
+import re
 from pathlib import Path
-from typing import Any
 
 import attrs
-import toml
 
 from flowrl import registry, schema
 from flowrl.errors import Collector, did_you_mean, one_of
 from flowrl.nodespec import NodeSpec
+from flowrl.overrides import TOP_LEVEL, addressable, apply_overrides, said
+from flowrl.schema import DEFAULT_POOL, GraphSpec, NodeDecl
+from flowrl.typed_toml import build_attrs, read_toml
 
-TOP_LEVEL = ("run", "data", "models", "pools", "nodes")
 NODE_KEYS = ("uses", "model", "rename")
-DEFAULT_POOL = "main"
 
 
-@attrs.frozen
-class NodeDecl:
-    """One `[nodes.<id>]` table, resolved."""
+def load(file: str | Path, overrides: list[str] = (), base_dir: str | Path = "") -> GraphSpec:
+    """Parse and validate a graph file; raises GraphErrors listing every problem.
 
-    id: str
-    uses: str
-    spec: NodeSpec
-    params: Any  # an instance of spec.params
-    model: str | None
-    rename: dict[str, str]  # declared key -> graph key
-    location: str  # file:line of the node's SPEC
-
-    @property
-    def reads(self) -> tuple[str, ...]:
-        return tuple(self.rename.get(k, k) for k in self.spec.reads_for(self.params))
-
-    @property
-    def writes(self) -> tuple[str, ...]:
-        return tuple(self.rename.get(k, k) for k in self.spec.writes)
-
-    @property
-    def mode(self) -> str | None:
-        return self.spec.mode
-
-
-@attrs.frozen
-class GraphSpec:
-    file: str
-    run: schema.RunConfig
-    data: schema.DataConfig
-    models: dict[str, schema.ModelConfig]
-    pools: dict[str, schema.PoolConfig]
-    nodes: dict[str, NodeDecl]  # in file order
-    raw: dict  # the file's tables after overrides, for the run directory
-
-    @property
-    def base_dir(self) -> Path:
-        return Path(self.file).parent
-
-    def pool_of(self, node_id: str) -> str | None:
-        """The pool that runs a node: its model's pool, or for a rollout node the model's
-        rollout_pool when it has one; None for a controller node."""
-        decl = self.nodes[node_id]
-        if decl.model is None:
-            return None
-        model = self.models[decl.model]
-        if decl.mode == "rollout" and model.rollout_pool:
-            return model.rollout_pool
-        return model.pool
-
-    def models_on(self, pool: str) -> dict[str, schema.ModelConfig]:
-        """The models a pool loads. A model whose rollout runs on another pool is there too,
-        frozen: that pool generates with it and receives its weights after each update."""
-        out = {m: c for m, c in self.models.items() if c.pool == pool}
-        for name, config in self.models.items():
-            if config.rollout_pool == pool and config.pool != pool:
-                out[name] = attrs.evolve(config, pool=pool, trainable=False)
-        return out
-
-
-def load(file: str | Path, overrides: list[str] = ()) -> GraphSpec:
-    """Parse and validate a graph file; raises GraphErrors listing every problem."""
+    `base_dir`: where its relative paths (node files, data, scorers) resolve; default the
+    file's folder (`flowrl replay` loads a run directory's graph.toml against the original's).
+    """
     file = str(file)
     errors = Collector(file)
-    try:
-        raw = toml.loads(Path(file).read_text())
-    except FileNotFoundError:
-        errors.add("file", "no such file", "check the path")
-        errors.raise_if_any()
-    except toml.TomlDecodeError as e:
-        errors.add(f"line {e.lineno}", f"not valid TOML: {e.msg}", "fix the syntax on that line")
-        errors.raise_if_any()
+    raw = read_toml(Path(file), errors)
+    errors.raise_if_any()
     overridden = apply_overrides(raw, overrides, errors)
-    spec = _build(file, raw, errors, overridden)
+    spec = _build(file, raw, errors, overridden, str(base_dir))
     errors.raise_if_any()
     return spec
 
 
-def apply_overrides(raw: dict, overrides: list[str], errors: Collector) -> set[str]:
-    """Set `a.b.c=value` entries in `raw` (values parsed as TOML); returns the dotted keys set.
-
-    `models.x.lr`, `pools.x.workers` and `nodes.x.lam` must name an existing model, pool or node.
-    """
-    done = set()
-    for item in overrides:
-        path, sep, text = item.partition("=")
-        parts = path.strip().split(".")
-        if not sep or len(parts) < 2 or not all(parts):
-            errors.add(
-                "command line",
-                f'override "{item}" is not table.key=value',
-                "write e.g. run.steps=50 or nodes.advantage.lam=0.9",
-            )
-            continue
-        head, name = parts[0], parts[1]
-        if head not in TOP_LEVEL:
-            errors.add(
-                "command line",
-                f'override "{item}": unknown table "{head}"{did_you_mean(head, TOP_LEVEL)}',
-                f"tables: {one_of(TOP_LEVEL)}",
-            )
-            continue
-        table = raw.setdefault(head, {})
-        if len(parts) > 2 and head in ("models", "pools", "nodes") and name not in table:
-            errors.add(
-                "command line",
-                f'override "{item}": no [{head}.{name}] in the file{did_you_mean(name, table)}',
-                f"{head} here: {one_of(table) or 'none'}",
-            )
-            continue
-        for part in parts[1:-1]:
-            table = table.setdefault(part, {})
-        table[parts[-1]] = _parse_value(text.strip())
-        done.add(path.strip())
-    return done
-
-
-def _parse_value(text: str) -> Any:
-    try:
-        return toml.loads(f"v = {text}")["v"]
-    except toml.TomlDecodeError:
-        return text  # a bare word, e.g. backend=local
-
-
-def _build(file, raw, errors: Collector, overridden: set[str]) -> GraphSpec | None:
+def _build(file, raw, errors: Collector, overridden: dict[str, str], root="") -> GraphSpec | None:
     for key in raw:
         if key not in TOP_LEVEL:
             errors.add(
@@ -168,7 +59,8 @@ def _build(file, raw, errors: Collector, overridden: set[str]) -> GraphSpec | No
         name: build_attrs(schema.ModelConfig, table, f"models.{name}", errors, overridden)
         for name, table in _tables(raw, "models", errors).items()
     }
-    models = {name: _place(name, m, pools, errors) for name, m in models.items() if m}
+    # a model whose table is wrong stays, as None: its nodes are not told it is unknown
+    models = {name: m and _place(name, m, pools, errors, overridden) for name, m in models.items()}
     for name, pool in pools.items():
         if pool:
             _check_pool(name, pool, errors)
@@ -176,7 +68,9 @@ def _build(file, raw, errors: Collector, overridden: set[str]) -> GraphSpec | No
         _check_loggers(run, errors)
     if any(m and m.lora for m in models.values()) and importlib.util.find_spec("peft") is None:
         errors.add("[models] lora", "LoRA needs the package peft", "pip install peft")
-    base_dir = Path(file).parent
+    base_dir = Path(root) if root else Path(file).parent
+    if data:
+        _check_data(data, base_dir, errors, overridden)
     nodes = {}
     for node_id, table in _tables(raw, "nodes", errors).items():
         decl = _node(node_id, table, models, base_dir, errors, overridden)
@@ -186,7 +80,40 @@ def _build(file, raw, errors: Collector, overridden: set[str]) -> GraphSpec | No
         errors.add("[nodes]", "the graph has no nodes", "add [nodes.<id>] tables with `uses`")
     if errors.problems:
         return None
-    return GraphSpec(file, run, data, models, pools, nodes, raw)
+    return GraphSpec(file, run, data, models, pools, nodes, raw, root)
+
+
+def _check_data(data: schema.DataConfig, base_dir: Path, errors: Collector, overridden) -> None:
+    """A data file must exist and have a format the loader reads (its rows are read at run)."""
+    for key in ("source", "val_source"):
+        source = getattr(data, key)
+        if not source or source in schema.BUILTIN_SOURCES:
+            continue
+        path = Path(source) if Path(source).is_absolute() else base_dir / source
+        origin = said(overridden, f"data.{key}")
+        if path.suffix not in schema.DATA_SUFFIXES:
+            errors.add(
+                f"[data] {key}",
+                f'{origin}"{source}" is neither a built-in source nor a data file',
+                f"use {one_of(schema.BUILTIN_SOURCES)} or a "
+                f"{' / '.join(schema.DATA_SUFFIXES)} file in verl's format",
+            )
+        elif not path.is_file():
+            errors.add(
+                f"[data] {key}",
+                f"{origin}no data file {path}",
+                "data paths are relative to the graph file's folder; check the path",
+            )
+
+
+def _check_id(head: str, name: str, errors: Collector) -> None:
+    if not addressable(name):
+        errors.add(
+            f'[{head}."{name}"]',
+            f'the id "{name}" cannot be named in a command-line override '
+            f"({head}.<id>.<key>=value): ids are made of letters, digits, _ and -",
+            f'rename it, e.g. to "{re.sub(r"[^A-Za-z0-9_-]", "_", name)}", and every use of it',
+        )
 
 
 def _table(raw, name, errors) -> dict:
@@ -200,6 +127,7 @@ def _table(raw, name, errors) -> dict:
 def _tables(raw, name, errors) -> dict[str, dict]:
     out = {}
     for key, value in _table(raw, name, errors).items():
+        _check_id(name, key, errors)
         if isinstance(value, dict):
             out[key] = value
         else:
@@ -211,8 +139,9 @@ def _tables(raw, name, errors) -> dict[str, dict]:
     return out
 
 
-def _place(name, model: schema.ModelConfig, pools, errors) -> schema.ModelConfig:
+def _place(name, model: schema.ModelConfig, pools, errors, overridden) -> schema.ModelConfig:
     """Fill in the pool of a model that names none, when there is only one pool."""
+    pools = {p: c for p, c in pools.items() if addressable(p)}  # suggest only valid ids
     if not model.pool:
         if len(pools) == 1:
             model = attrs.evolve(model, pool=next(iter(pools)))
@@ -225,13 +154,15 @@ def _place(name, model: schema.ModelConfig, pools, errors) -> schema.ModelConfig
     elif model.pool not in pools:
         errors.add(
             f"[models.{name}]",
-            f'pool "{model.pool}" is not defined{did_you_mean(model.pool, pools)}',
+            f'{said(overridden, f"models.{name}.pool")}pool "{model.pool}" is not defined'
+            f"{did_you_mean(model.pool, pools)}",
             f"pools: {one_of(pools)}",
         )
     if model.rollout_pool and model.rollout_pool not in pools:
         errors.add(
             f"[models.{name}] rollout_pool",
-            f'pool "{model.rollout_pool}" is not defined{did_you_mean(model.rollout_pool, pools)}',
+            f'{said(overridden, f"models.{name}.rollout_pool")}pool "{model.rollout_pool}" is '
+            f"not defined{did_you_mean(model.rollout_pool, pools)}",
             f'pools: {one_of(pools)}; or leave rollout_pool out to generate on "{model.pool}"',
         )
     return model
@@ -275,7 +206,9 @@ def _node(node_id, table, models, base_dir, errors: Collector, overridden) -> No
     where = f"[nodes.{node_id}]"
     uses = table.get("uses")
     if not isinstance(uses, str):
-        errors.add(where, "missing `uses`", 'name the node module, e.g. uses = "advantage.gae"')
+        what = "missing `uses`" if uses is None else f'"uses" = {uses!r} should be a string'
+        fix = 'name the node module, e.g. uses = "advantage.gae"'
+        errors.add(where, said(overridden, f"nodes.{node_id}.uses") + what, fix)
         return None
     try:
         ref = registry.resolve(uses, base_dir)
@@ -283,7 +216,7 @@ def _node(node_id, table, models, base_dir, errors: Collector, overridden) -> No
         hint = did_you_mean(uses, registry.builtin_names())
         errors.add(
             where,
-            f"{e}{hint}",
+            f"{said(overridden, f'nodes.{node_id}.uses')}{e}{hint}",
             "run `flowrl nodes` for the built-in nodes, or give a "
             "path to a .py file that defines SPEC",
         )
@@ -295,7 +228,7 @@ def _node(node_id, table, models, base_dir, errors: Collector, overridden) -> No
         return None
     spec = ref.spec
     model = table.get("model")
-    _check_model(where, spec, model, models, errors)
+    _check_model(where, spec, model, models, errors, said(overridden, f"nodes.{node_id}.model"))
     rename = table.get("rename", {})
     declared = set(spec.reads) | set(spec.writes) | _extra_read_names(spec)
     if not isinstance(rename, dict) or not all(isinstance(v, str) for v in rename.values()):
@@ -323,7 +256,8 @@ def _extra_read_names(spec: NodeSpec) -> set[str]:
     return set(spec.optional_reads)
 
 
-def _check_model(where, spec: NodeSpec, model, models, errors: Collector) -> None:
+def _check_model(where, spec: NodeSpec, model, models, errors: Collector, said="") -> None:
+    """Problems with a node's `model`; `said` names the override that set it, if one did."""
     if not spec.uses_model:
         if model is not None:
             errors.add(
@@ -339,14 +273,22 @@ def _check_model(where, spec: NodeSpec, model, models, errors: Collector) -> Non
             f"add model = one of {one_of(models) or '(define a [models.<name>] table)'}",
         )
         return
+    names = [m for m in models if addressable(m)]  # suggest only ids that are valid
+    if not isinstance(model, str):
+        errors.add(
+            where, f'{said}"model" = {model!r} should be a string', f"use one of {one_of(names)}"
+        )
+        return
     if model not in models:
         errors.add(
             where,
-            f'unknown model "{model}"{did_you_mean(model, models)}',
-            f"define [models.{model}] or use one of {one_of(models) or 'none'}",
+            f'{said}unknown model "{model}"{did_you_mean(model, names)}',
+            f"define [models.{model}] or use one of {one_of(names) or 'none'}",
         )
         return
     config = models[model]
+    if config is None:  # its table has errors, reported there
+        return
     if spec.mode == "train" and not config.trainable:
         errors.add(
             where,
@@ -360,87 +302,3 @@ def _check_model(where, spec: NodeSpec, model, models, errors: Collector) -> Non
             f'but "{model}" has head = "{config.head}"',
             f'use a model with head = "{spec.head}"',
         )
-
-
-def build_attrs(cls, table: dict, where: str, errors: Collector, overridden=frozenset()):
-    """An instance of attrs class `cls` from a TOML table, or None after reporting problems."""
-    attrs.resolve_types(cls)
-    fields = attrs.fields_dict(cls)
-    kwargs, ok = {}, True
-    for key, value in table.items():
-        origin = " (from the command line)" if f"{where}.{key}" in overridden else ""
-        if key not in fields:
-            errors.add(
-                f"[{where}]",
-                f'unknown key "{key}"{origin}{did_you_mean(key, fields)}',
-                f"keys here: {one_of(fields) or 'none'}",
-            )
-            ok = False
-            continue
-        converted, good = _convert(value, fields[key].type)
-        if not good:
-            errors.add(
-                f"[{where}]",
-                f'"{key}" = {value!r}{origin} should be {_type_name(fields[key].type)}',
-                f"default: {key} = {_toml_value(fields[key].default)}",
-            )
-            ok = False
-            continue
-        kwargs[key] = converted
-    if not ok:
-        return None
-    try:
-        return cls(**kwargs)
-    except (ValueError, TypeError) as e:
-        errors.add(f"[{where}]", str(e), "see docs/graph-file.md for the allowed values")
-        return None
-
-
-def _convert(value, tp) -> tuple[Any, bool]:
-    """(value converted to tp, True) or (None, False) when the TOML value has the wrong type."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        for arg in args:
-            if arg is not type(None):
-                converted, good = _convert(value, arg)
-                if good:
-                    return converted, True
-        return None, False
-    if origin is typing.Literal:
-        return value, value in args
-    if tp is bool:
-        return value, isinstance(value, bool)
-    if tp is int:
-        return value, isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        good = isinstance(value, int | float) and not isinstance(value, bool)
-        return (float(value) if good else None), good
-    if tp is str:
-        return value, isinstance(value, str)
-    if origin in (list, tuple) or tp in (list, tuple):
-        if not isinstance(value, list):
-            return None, False
-        item_type = args[0] if args else Any
-        items = [_convert(v, item_type) if item_type is not Any else (v, True) for v in value]
-        if not all(good for _, good in items):
-            return None, False
-        seq = [v for v, _ in items]
-        return (tuple(seq) if (origin or tp) is tuple else seq), True
-    if origin is dict or tp is dict:
-        return value, isinstance(value, dict)
-    return value, True  # Any or an unchecked type
-
-
-def _type_name(tp) -> str:
-    if typing.get_origin(tp) is typing.Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-    return names.get(tp, "a list" if typing.get_origin(tp) in (list, tuple) else str(tp))
-
-
-def _toml_value(value) -> str:
-    if isinstance(value, attrs.Factory):
-        value = value.factory()
-    if value is None:
-        return "(unset)"
-    return toml.dumps({"v": value}).strip()[4:]

@@ -2,6 +2,10 @@
 
 Checks collect every problem of a file and raise them together (`GraphErrors`), so one run of
 `flowrl check` shows all that is wrong, not the first thing.
+
+Every error flowrl raises for a user's mistake or a failed run derives from `FlowrlError`
+(GraphErrors, DataError, ModelNotFound, ScorerError, UnknownNode, the runtime's NodeFailure):
+its message is complete, so the CLI prints it without a traceback.
 """
 
 import difflib
@@ -24,7 +28,11 @@ class Problem:
         return f"{text}\n    fix: {self.fix}" if self.fix else text
 
 
-class GraphErrors(Exception):
+class FlowrlError(Exception):
+    """Base of flowrl's errors: the message says what is wrong, where, and what to do."""
+
+
+class GraphErrors(FlowrlError):
     """All the problems found in one graph file."""
 
     def __init__(self, problems: Iterable[Problem]):

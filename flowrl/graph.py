@@ -15,19 +15,9 @@ import attrs
 import networkx as nx
 
 from flowrl import registry
-from flowrl.dsl import GraphSpec
 from flowrl.errors import Collector, did_you_mean
+from flowrl.schema import DATASET_KEYS, GraphSpec
 
-# What a prompt batch holds before any node runs (flowrl/data/loader.py builds it).
-DATASET_KEYS = (
-    "prompts",
-    "prompt_mask",
-    "uid",
-    "prompt_text",
-    "ground_truth",
-    "data_source",
-    "extra_info",
-)
 DATASET = "dataset"
 CONTROLLER_READS = ("scores",)  # what the controller itself reads: validation, metrics
 

@@ -38,6 +38,8 @@ from typing import Any
 
 import attrs
 
+from flowrl.validators import MAX_SAMPLES, MAX_TOKENS, checked, count, interval, positive
+
 MODES = ("rollout", "inference", "train")
 DISPATCHES = ("split", "broadcast", "rank0")
 ROWS = ("same", "repeat", "filter")
@@ -51,11 +53,11 @@ class RolloutParams:
     `do_sample = False, n = 1` on every rollout node; the compiler sizes the KV cache from
     `max_new_tokens`."""
 
-    n: int = 1  # samples per prompt
-    max_new_tokens: int = 32  # response length cap
-    temperature: float = 1.0  # sampling temperature
-    top_p: float = 1.0  # nucleus sampling; 1.0 = off
-    top_k: int = 0  # top-k sampling; 0 = off
+    n: int = checked(1, count(1, MAX_SAMPLES))  # samples per prompt
+    max_new_tokens: int = checked(32, count(1, MAX_TOKENS))  # response length cap
+    temperature: float = checked(1.0, positive())  # sampling temperature
+    top_p: float = checked(1.0, interval(0, 1, low_open=True))  # nucleus sampling; 1.0 = off
+    top_k: int = checked(0, count(0, MAX_TOKENS))  # top-k sampling; 0 = off
     do_sample: bool = True  # False = greedy (validation uses greedy)
 
 

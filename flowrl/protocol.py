@@ -10,6 +10,7 @@ columns aligned. Chunks may be uneven: a user never meets a divisibility error.
 
 from __future__ import annotations
 
+import json
 import pickle
 from collections.abc import Iterable
 
@@ -193,13 +194,23 @@ class DataProto:
 
     # -- storage and transport -------------------------------------------------------------------
     def save(self, path) -> None:
-        torch.save(self.__getstate__(), path)
+        """Tensors as tensors, the other columns and meta as JSON text: `load` unpickles
+        nothing, so opening someone else's saved batch cannot run code."""
+        columns = {k: v.tolist() for k, v in self.non_tensor.items()}
+        state = {
+            "rows": len(self),
+            "tensors": {k: self.batch[k].detach().cpu() for k in self.batch.keys()},
+            "non_tensor": json.dumps(columns, default=_json_value),
+            "meta": json.dumps(self.meta, default=_json_value),
+        }
+        torch.save(state, path)
 
     @classmethod
     def load(cls, path) -> DataProto:
-        out = cls.__new__(cls)
-        out.__setstate__(torch.load(path, weights_only=False))  # our own file, with numpy columns
-        return out
+        state = torch.load(path, weights_only=True)
+        columns = {k: _column(v) for k, v in json.loads(state["non_tensor"]).items()}
+        batch = TensorDict(state["tensors"], batch_size=[state["rows"]])
+        return cls(batch, columns, json.loads(state["meta"]))
 
     def __getstate__(self) -> dict:
         """Tensors as numpy arrays, so Ray moves them zero-copy; bfloat16 as an int16 view."""
@@ -234,6 +245,13 @@ class DataProto:
         ]
         cols += [f"{k}: ({len(v)},) {v.dtype}" for k, v in self.non_tensor.items()]
         return f"DataProto({len(self)} rows; " + ", ".join(cols) + f"; meta={self.meta})"
+
+
+def _json_value(value):
+    """numpy scalars and arrays inside columns (e.g. in extra_info) as plain JSON values."""
+    if isinstance(value, np.generic | np.ndarray):
+        return value.tolist()
+    raise TypeError(f"a {type(value).__name__} in a batch column cannot be saved as JSON")
 
 
 def _equal(a, b) -> bool:

@@ -12,6 +12,8 @@ from pathlib import Path
 import attrs
 
 from flowrl import registry, schema
+from flowrl.typed_toml import toml_value
+from flowrl.validators import describe
 
 BEGIN = "<!-- BEGIN GENERATED: python -m flowrl.reference --write -->"
 END = "<!-- END GENERATED -->"
@@ -34,14 +36,22 @@ def field_comments(cls) -> dict[str, str]:
 def table(cls) -> list[str]:
     attrs.resolve_types(cls)
     comments = field_comments(cls)
-    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    rows = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
     for field in attrs.fields(cls):
-        default = field.default
-        if isinstance(default, attrs.Factory):
-            default = default.factory()
         kind = getattr(field.type, "__name__", str(field.type))
-        rows.append(f"| `{field.name}` | {kind} | `{default!r}` | {comments.get(field.name, '')} |")
+        rows.append(
+            f"| `{field.name}` | {kind} | `{toml_value(field.default)}` | {allowed(field)} "
+            f"| {comments.get(field.name, '').replace('|', chr(92) + '|')} |"
+        )
     return rows
+
+
+def allowed(field: attrs.Attribute) -> str:
+    """The field's rule in words, as the checks enforce it."""
+    rule = describe(field.validator).replace("|", "\\|")
+    if rule:
+        return rule
+    return {bool: "true, false", float: "any finite number"}.get(field.type, "any")
 
 
 def markdown() -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 import attrs
 
 import flowrl.nodes
+from flowrl.errors import FlowrlError
 from flowrl.nodespec import NodeSpec
 
 BUILTIN_PREFIX = "flowrl.nodes."
@@ -36,8 +37,8 @@ class NodeRef:
         return f"{self.file}:{self.line}"
 
 
-class UnknownNode(LookupError):
-    pass
+class UnknownNode(FlowrlError, LookupError):
+    """A `uses` that names no node module."""
 
 
 @cache

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import attrs
 
-from flowrl import compiler, render
-from flowrl.errors import GraphErrors
+from flowrl import dsl, render
+from flowrl.errors import FlowrlError, GraphErrors
+from flowrl.graph import build
 
 INSTALL = "pip install matplotlib  (or pip install 'flowrl[report]')"
 # (file stem, title, metric names, metric suffixes)
@@ -39,7 +40,7 @@ STYLES = ("-", "--", ":", "-.")  # one per metric of a chart; the colour is the 
 TRANSITIONS = ("reload", "offload", "sync", "dispatch", "collect")  # summed by kind
 
 
-class ReportError(Exception):
+class ReportError(FlowrlError):
     """Something the user can fix: a missing run directory, metrics file or package."""
 
 
@@ -160,9 +161,11 @@ def timing_figure(run: Run):
 
 def graph_svg(run: Run) -> tuple[bytes | None, str]:
     """(SVG of the run's graph, "") or (None, why not)."""
+    source = run.path / "run.json"  # relative paths resolve from the graph's own folder
+    base_dir = json.loads(source.read_text())["base_dir"] if source.is_file() else ""
     try:
-        plan = compiler.compile_file(run.path / "graph.toml")
-        return render.run_dot(render.graph_dot(plan.graph), "svg"), ""
+        spec = dsl.load(run.path / "graph.toml", [], base_dir)
+        return render.run_dot(render.graph_dot(build(spec)), "svg"), ""
     except GraphErrors as e:
         return None, f"{run.path / 'graph.toml'} does not compile here: {e.problems[0]}"
     except render.RenderError as e:

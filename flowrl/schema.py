@@ -2,15 +2,40 @@
 
 `[run]`, `[data]`, `[models.<name>]` and `[pools.<name>]` map onto the classes here; a node's
 own parameters live in its module's `Params` class. docs/graph-file.md documents every field.
+`GraphSpec` is a whole parsed file (flowrl/dsl.py builds it), `NodeDecl` one of its nodes.
+No torch or ray here.
 """
+
+from pathlib import Path
+from typing import Any
 
 import attrs
 
 from flowrl import lora
 from flowrl.engines.rollout import ROLLOUT_BACKENDS  # torch-free: the table, no backend
+from flowrl.nodespec import HEADS, NodeSpec
+from flowrl.validators import (
+    MAX_DATASET,
+    MAX_MEMORY_GB,
+    MAX_PARAMS,
+    MAX_PER_WORKER,
+    MAX_ROWS,
+    MAX_SEED,
+    MAX_STEPS,
+    MAX_TOKENS,
+    MAX_WORKERS,
+    Rule,
+    at_least,
+    checked,
+    count,
+    interval,
+    not_empty,
+    one_of,
+    pair,
+    positive,
+)
 
 BACKENDS = ("ray", "local")
-HEADS = ("lm", "value")
 SCHEDULES = ("constant", "cosine")
 OFFLOAD = ("never", "always", "auto")
 DEVICES = ("cpu", "cuda")
@@ -18,98 +43,174 @@ STRATEGIES = ("", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # "" = auto
 DTYPES = ("float32", "bfloat16", "float16")
 # run.loggers: each logger's pip package ("" = none needed); flowrl/runtime/loggers.py has them
 LOGGER_PACKAGES = {"jsonl": "", "tensorboard": "tensorboard", "wandb": "wandb"}
+BUILTIN_SOURCES = ("arithmetic",)  # data.source names that are not files (flowrl/data/)
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")  # data files the loader reads
+DEFAULT_POOL = "main"  # the pool of a graph that declares none
+
+# What a prompt batch holds before any node runs (flowrl/data/loader.py builds it).
+DATASET_KEYS = (
+    "prompts",
+    "prompt_mask",
+    "uid",
+    "prompt_text",
+    "ground_truth",
+    "data_source",
+    "extra_info",
+)
 
 
-def _choice(*choices):
-    return attrs.validators.in_(choices)
+def _backend_name() -> Rule:
+    """A name in the one table of rollout backends, looked up when checked."""
+    return Rule(one_of(ROLLOUT_BACKENDS).text, lambda name: name in ROLLOUT_BACKENDS)
 
 
-def _rollout_backend(instance, attribute, value):
-    """A name in the one table of rollout backends (flowrl/engines/rollout.py)."""
-    if value not in ROLLOUT_BACKENDS:
-        raise ValueError(f"'{attribute.name}' must be in {tuple(ROLLOUT_BACKENDS)} (got {value!r})")
+def _names() -> Rule:
+    """A list of distinct, non-empty names (e.g. node ids)."""
+
+    def test(value) -> bool:
+        good = all(isinstance(v, str) and v for v in value)
+        return good and len(set(value)) == len(value)
+
+    return Rule("a list of distinct node ids", test)
 
 
-def _loggers(instance, attribute, value):
-    for name in value:
-        if name not in LOGGER_PACKAGES:
-            choices = tuple(LOGGER_PACKAGES)
-            raise ValueError(f"'{attribute.name}' entries must be in {choices} (got {name!r})")
+def _loggers() -> Rule:
+    names = one_of(LOGGER_PACKAGES)
+    return Rule(f"a list, each {names.text}", lambda v: all(n in LOGGER_PACKAGES for n in v))
 
 
-def _lora(instance, attribute, value):
-    problem = lora.settings_problem(value)
-    if problem:
-        raise ValueError(problem)
-
-
-def _positive(instance, attribute, value):
-    if value <= 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value}")
-
-
-def _non_negative(instance, attribute, value):
-    if value < 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+def _lora() -> Rule:
+    text = (
+        "{} (off) or a table of rank (an integer > 0), alpha (> 0) and target_modules "
+        '("all-linear" or a list of module names)'
+    )
+    return Rule(text, lambda v: not lora.settings_problem(v))
 
 
 @attrs.frozen
 class RunConfig:
-    steps: int = attrs.field(default=20, validator=_positive)  # training steps (one batch each)
-    seed: int = 0  # seeds data order, sampling and initialisation
-    backend: str = attrs.field(default="ray", validator=_choice(*BACKENDS))  # or "local"
+    steps: int = checked(20, count(1, MAX_STEPS))  # training steps (one batch each)
+    seed: int = checked(0, count(0, MAX_SEED))  # seeds data order, sampling and initialisation
+    backend: str = checked("ray", one_of(BACKENDS))  # or "local"
     out_dir: str = "runs"  # run directories go under it
-    num_cpus: int = attrs.field(default=0, validator=_non_negative)  # for Ray; 0 = all cores
-    val_every: int = attrs.field(default=0, validator=_non_negative)  # 0 = first and last only
-    val_size: int = attrs.field(default=64, validator=_non_negative)  # held-out prompts; 0 = off
-    save_every: int = attrs.field(default=0, validator=_non_negative)  # 0 = at the end only
-    keep_checkpoints: int = attrs.field(default=2, validator=_positive)  # newest kept
-    log_samples: int = attrs.field(default=2, validator=_non_negative)  # generations per step
-    loggers: list[str] = attrs.field(factory=list, validator=_loggers)  # jsonl, tensorboard, wandb
+    num_cpus: int = checked(0, count(0, MAX_WORKERS))  # for Ray; 0 = all cores
+    val_every: int = checked(0, count(0, MAX_STEPS))  # 0 = first and last only
+    val_size: int = checked(64, count(0, MAX_ROWS))  # held-out prompts; 0 = off
+    save_every: int = checked(0, count(0, MAX_STEPS))  # 0 = at the end only
+    keep_checkpoints: int = checked(2, count(1, MAX_STEPS))  # newest kept
+    log_samples: int = checked(2, count(0, MAX_ROWS))  # generations per step
+    # stop after this many steps in a row whose update had a non-finite loss or gradient norm
+    # (each such optimizer step is skipped: the weights stay as they were)
+    max_nonfinite_steps: int = checked(3, count(1, MAX_STEPS))
+    save_inputs: list[str] = checked([], _names())  # nodes whose inputs are kept, to replay
+    save_inputs_last: int = checked(1, count(1, MAX_STEPS))  # of the last K steps
+    loggers: list[str] = checked([], _loggers())  # jsonl (always), tensorboard, wandb
 
 
 @attrs.frozen
 class DataConfig:
-    source: str = "arithmetic"  # "arithmetic", or a .parquet / .jsonl file in verl's format
+    source: str = checked("arithmetic", not_empty())  # "arithmetic", or a .parquet / .jsonl file
     val_source: str = ""  # default: the validation split of `source`
-    batch_size: int = attrs.field(default=4, validator=_positive)  # prompts per step
-    max_prompt_len: int = attrs.field(default=256, validator=_positive)  # longer are dropped
-    train_size: int = attrs.field(default=0, validator=_non_negative)  # synthetic task; 0 = all
+    batch_size: int = checked(4, count(1, MAX_ROWS))  # prompts per step
+    max_prompt_len: int = checked(256, count(1, MAX_TOKENS))  # longer are dropped
+    train_size: int = checked(0, count(0, MAX_DATASET))  # synthetic task; 0 = all
     shuffle: bool = True  # reshuffled every epoch from the seed
 
 
 @attrs.frozen
 class ModelConfig:
-    path: str = "smollm2-135m-instruct"  # alias, HF directory or cached hub name; "tiny"
+    path: str = checked("smollm2-135m-instruct", not_empty())  # alias, HF dir, hub name, "tiny"
     trainable: bool = False  # frozen models (reference) are never updated
-    head: str = attrs.field(default="lm", validator=_choice(*HEADS))  # "value" for critics
+    head: str = checked("lm", one_of(HEADS))  # "value" for critics
     pool: str = ""  # which pool hosts it; may be left out when there is one pool
     rollout_pool: str = ""  # pool of its rollout engine; "" = the same (hybrid engine)
-    rollout: str = attrs.field(default="hf", validator=_rollout_backend)  # the rollout backend
-    dtype: str = attrs.field(default="float32", validator=_choice(*DTYPES))  # of the weights
-    lr: float = attrs.field(default=1e-6, validator=_positive)  # AdamW peak learning rate
-    weight_decay: float = 0.0  # AdamW decoupled weight decay
-    betas: list[float] = attrs.field(factory=lambda: [0.9, 0.999])  # AdamW betas
-    warmup_steps: int = attrs.field(default=0, validator=_non_negative)  # linear, optimizer steps
-    schedule: str = attrs.field(default="constant", validator=_choice(*SCHEDULES))  # after warmup
-    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
-    grad_clip: float = 1.0  # max global grad norm; 0 = off
-    micro_tokens: int = attrs.field(default=4096, validator=_positive)  # tokens per micro-batch
-    n_params: int = attrs.field(default=0, validator=_non_negative)  # 0 = known from the path
-    lora: dict = attrs.field(factory=dict, validator=_lora)  # {rank, alpha, target_modules}; {} off
+    rollout: str = checked("hf", _backend_name())  # rollout backend (engines/rollout.py)
+    dtype: str = checked("float32", one_of(DTYPES))  # of the weights
+    lr: float = checked(1e-6, positive())  # AdamW peak learning rate
+    weight_decay: float = checked(0.0, at_least(0))  # AdamW decoupled weight decay
+    betas: list[float] = checked([0.9, 0.999], pair(interval(0, 1, high_open=True)))  # AdamW betas
+    warmup_steps: int = checked(0, count(0, MAX_STEPS))  # linear, optimizer steps
+    schedule: str = checked("constant", one_of(SCHEDULES))  # after warmup
+    min_lr_ratio: float = checked(0.0, interval(0, 1))  # cosine floor, as a fraction of lr
+    grad_clip: float = checked(1.0, at_least(0))  # max global grad norm; 0 = off
+    micro_tokens: int = checked(4096, count(1, MAX_TOKENS))  # tokens per micro-batch
+    n_params: int = checked(0, count(0, MAX_PARAMS))  # 0 = known from the path
+    lora: dict = attrs.field(factory=dict, validator=_lora())  # rank, alpha, target_modules
 
 
 @attrs.frozen
 class PoolConfig:
-    workers: int = attrs.field(default=1, validator=_positive)  # ranks (one process each)
-    device: str = attrs.field(default="cpu", validator=_choice(*DEVICES))  # "cpu" or "cuda"
-    devices_per_worker: int = attrs.field(default=1, validator=_positive)  # GPUs per rank
-    cpus_per_worker: int = attrs.field(default=1, validator=_positive)  # torch threads per rank
-    offload: str = attrs.field(default="auto", validator=_choice(*OFFLOAD))  # never/always/auto
-    device_memory_gb: float = attrs.field(default=0.0, validator=_non_negative)  # 0 = per device
-    nodes: int = attrs.field(default=1, validator=_positive)  # machines the pool spans
-    # Ray placement-group strategy; "" = PACK on one node, STRICT_SPREAD over several
-    strategy: str = attrs.field(default="", validator=_choice(*STRATEGIES))
+    workers: int = checked(1, count(1, MAX_WORKERS))  # ranks (one process each)
+    device: str = checked("cpu", one_of(DEVICES))  # "cpu" or "cuda"
+    devices_per_worker: int = checked(1, count(1, MAX_PER_WORKER))  # GPUs per rank
+    cpus_per_worker: int = checked(1, count(1, MAX_PER_WORKER))  # torch threads per rank
+    offload: str = checked("auto", one_of(OFFLOAD))  # never/always/auto
+    device_memory_gb: float = checked(0.0, at_least(0, MAX_MEMORY_GB))  # 0 = per device
+    nodes: int = checked(1, count(1, MAX_WORKERS))  # machines the pool spans
+    strategy: str = checked("", one_of(STRATEGIES))  # Ray placement; "" = PACK or STRICT_SPREAD
+
+
+@attrs.frozen
+class NodeDecl:
+    """One `[nodes.<id>]` table, resolved."""
+
+    id: str
+    uses: str
+    spec: NodeSpec
+    params: Any  # an instance of spec.params
+    model: str | None
+    rename: dict[str, str]  # declared key -> graph key
+    location: str  # file:line of the node's SPEC
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return tuple(self.rename.get(k, k) for k in self.spec.reads_for(self.params))
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        return tuple(self.rename.get(k, k) for k in self.spec.writes)
+
+    @property
+    def mode(self) -> str | None:
+        return self.spec.mode
+
+
+@attrs.frozen
+class GraphSpec:
+    """A parsed and validated graph file: its tables as the classes above, nodes resolved."""
+
+    file: str
+    run: RunConfig
+    data: DataConfig
+    models: dict[str, ModelConfig]
+    pools: dict[str, PoolConfig]
+    nodes: dict[str, NodeDecl]  # in file order
+    raw: dict  # the file's tables after overrides, for the run directory
+    root: str = ""  # where relative paths resolve, when not the file's folder (replay)
+
+    @property
+    def base_dir(self) -> Path:
+        return Path(self.root) if self.root else Path(self.file).parent
+
+    def pool_of(self, node_id: str) -> str | None:
+        """The pool that runs a node: its model's pool, or for a rollout node the model's
+        rollout_pool when it has one; None for a controller node."""
+        decl = self.nodes[node_id]
+        if decl.model is None:
+            return None
+        model = self.models[decl.model]
+        if decl.mode == "rollout" and model.rollout_pool:
+            return model.rollout_pool
+        return model.pool
+
+    def models_on(self, pool: str) -> dict[str, ModelConfig]:
+        """The models a pool loads. A model whose rollout runs on another pool is there too,
+        frozen: that pool generates with it and receives its weights after each update."""
+        out = {m: c for m, c in self.models.items() if c.pool == pool}
+        for name, config in self.models.items():
+            if config.rollout_pool == pool and config.pool != pool:
+                out[name] = attrs.evolve(config, pool=pool, trainable=False)
+        return out
 
 
 TABLES = {"run": RunConfig, "data": DataConfig}

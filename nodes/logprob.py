@@ -13,11 +13,12 @@ import attrs
 
 from flowrl import lora
 from flowrl.nodespec import NodeSpec
+from flowrl.validators import checked, positive
 
 
 @attrs.frozen
 class Params:
-    temperature: float = 1.0  # divide logits as the sampler did
+    temperature: float = checked(1.0, positive())  # divide logits as the sampler did
     adapter: bool = True  # false: the LoRA model's base, adapter off (the reference policy)
 
 

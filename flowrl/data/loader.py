@@ -8,6 +8,7 @@ import torch
 from flowrl.data.arithmetic import arithmetic_rows
 from flowrl.data.verl_format import DataError, load_rows
 from flowrl.protocol import DataProto
+from flowrl.schema import DATASET_KEYS
 
 
 def make_rows(source: str, split: str, size: int, seed: int, base_dir=".") -> list[dict]:
@@ -47,7 +48,7 @@ class PromptDataset:
         for row, (_, _, ids, _) in enumerate(items):  # left padding: prompts end together
             prompts[row, width - len(ids) :] = torch.tensor(ids)
             mask[row, width - len(ids) :] = 1
-        return DataProto.from_dict(
+        batch = DataProto.from_dict(
             {
                 "prompts": prompts,
                 "prompt_mask": mask,
@@ -60,6 +61,9 @@ class PromptDataset:
                 "extra_info": [row.get("extra_info", {}) for *_, row in items],
             },
         )
+        # the graph check wires reads of these keys to the dataset: they must match exactly
+        assert batch.keys() == sorted(DATASET_KEYS), batch.keys()
+        return batch
 
 
 class PromptLoader:

@@ -7,9 +7,11 @@ Each row: `prompt` (a list of {role, content} chat messages, or a plain string),
 import json
 from pathlib import Path
 
+from flowrl.errors import FlowrlError
 
-class DataError(ValueError):
-    pass
+
+class DataError(FlowrlError, ValueError):
+    """A data file that cannot be read, or a row that is not in verl's format."""
 
 
 def load_rows(path: str | Path) -> list[dict]:
@@ -24,11 +26,32 @@ def load_rows(path: str | Path) -> list[dict]:
 
         rows = pq.read_table(path).to_pylist()
     elif path.suffix in (".jsonl", ".json"):
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        rows = _json_lines(path)
     else:
         raise DataError(f"{path}: unknown data format {path.suffix!r}; use .parquet or .jsonl")
     return [_check(row, path, i) for i, row in enumerate(rows)]
+
+
+def _json_lines(path: Path) -> list[dict]:
+    """One JSON object per non-empty line; a bad line is named by file and line number."""
+    rows = []
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError:
+            raise DataError(f"{path}, line {number}: not UTF-8 text") from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(
+                f"{path}, line {number}, column {e.colno}: not valid JSON ({e.msg})"
+            ) from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}, line {number}: a row must be a JSON object {{...}}")
+        rows.append(row)
+    return rows
 
 
 def _check(row: dict, path: Path, index: int) -> dict:

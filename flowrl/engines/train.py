@@ -191,10 +191,12 @@ class TrainEngine:
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
+        finite = bool(torch.isfinite(norm))  # the same on every rank: the grads were summed
+        if finite:  # a NaN or inf loss or gradient would poison every weight: skip the step
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(norm), "lr": lr}
+        return {"grad_norm": float(norm), "lr": lr, "nonfinite_skipped": float(not finite)}
 
     def all_reduce_sum(self, value: float) -> float:
         if self.world_size == 1:

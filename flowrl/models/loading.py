@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from flowrl import hub
 from flowrl.models import embedded
 from flowrl.models.value_head import ValueModel
+from flowrl.nodespec import HEADS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-HEADS = ("lm", "value")
 
 
 def resolve_path(path: str) -> str:

@@ -5,6 +5,7 @@ import importlib.util
 import inspect
 from pathlib import Path
 
+from flowrl.errors import FlowrlError
 from flowrl.rewards import arithmetic, gsm8k
 
 BY_NAME = {"arithmetic": arithmetic.compute_score, "gsm8k": gsm8k.compute_score}
@@ -12,8 +13,8 @@ BY_SOURCE = {"arithmetic": "arithmetic", "gsm8k": "gsm8k", "openai/gsm8k": "gsm8
 SIGNATURE = "compute_score(data_source, solution_str, ground_truth, extra_info)"
 
 
-class ScorerError(ValueError):
-    pass
+class ScorerError(FlowrlError, ValueError):
+    """A scorer that cannot be found, loaded or used."""
 
 
 def resolve_scorer(spec: str, base_dir: str | Path = "."):

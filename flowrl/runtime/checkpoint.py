@@ -1,6 +1,6 @@
 """Checkpoint directories, written atomically: a temp directory renamed into place.
 
-    run_dir/checkpoints/step_000010/{controller.pt, pool-<name>.pt}
+    run_dir/checkpoints/step_000010/{controller.json, pool-<name>.pt}  (no pickle: JSON and tensors)
 
 A run killed while writing leaves only a `.tmp-` directory, which `latest` ignores, so the
 previous checkpoint stays the one a `--resume` continues from; `remove_temps` clears such
@@ -43,16 +43,16 @@ def writing(run_dir: Path, step: int, keep: int):
     temp.mkdir()
     try:
         yield temp
-    except BaseException:
+        for path in temp.iterdir():  # the data must be on disk before the rename publishes it
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        faults.point("checkpoint", step)
+        if final.exists():  # a re-run of this step after a resume: replace it
+            shutil.rmtree(final)
+        os.rename(temp, final)
+    except BaseException:  # an error, a full disk or a signal: nothing half-written remains
         shutil.rmtree(temp, ignore_errors=True)
         raise
-    for path in temp.iterdir():  # the data must be on disk before the rename publishes it
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-    faults.point("checkpoint", step)
-    if final.exists():  # a re-run of this step after a resume: replace it
-        shutil.rmtree(final)
-    os.rename(temp, final)
     for old in checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -5,12 +5,18 @@
         batch, metrics = executor.run_step(batch) # every plan item, independent ones overlapped
         log(metrics); validate / checkpoint when due
 
-A run directory holds graph.toml (the resolved graph), metrics.jsonl, samples.jsonl,
-trace.json (Chrome / Perfetto trace) and checkpoints/step_NNNNNN (written atomically).
+A run directory holds graph.toml (the resolved graph), run.json (where the graph file was:
+its relative paths resolve from there), metrics.jsonl, samples.jsonl, trace.json (Chrome /
+Perfetto trace), checkpoints/step_NNNNNN (written atomically), and for `flowrl replay` the
+inputs of a failed node call (failures/) and of the nodes in run.save_inputs (inputs/).
 """
 
+import contextlib
 import json
+import os
 import random
+import signal
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -21,9 +27,11 @@ import torch
 from tqdm import tqdm
 
 from flowrl.data import PromptDataset, PromptLoader, make_rows
+from flowrl.errors import FlowrlError
 from flowrl.models import load_tokenizer
 from flowrl.nodespec import GREEDY
 from flowrl.runtime import checkpoint, faults, make_executor
+from flowrl.runtime.inputs import Recording
 from flowrl.runtime.loggers import Loggers
 from flowrl.runtime.trace import Trace
 
@@ -42,6 +50,7 @@ def run(plan, backend: str | None = None, resume: str | None = None) -> Path:
 
 class Trainer:
     def __init__(self, plan, run_dir: Path, backend: str):
+        _check_devices(plan)
         spec = plan.spec
         self.spec, self.plan, self.run_dir = spec, plan, run_dir
         _seed_everything(spec.run.seed)
@@ -65,32 +74,36 @@ class Trainer:
         self.trace = Trace()
 
     def close(self) -> None:
+        from flowrl.rewards.pool import close_all
+
         self.executor.shutdown()
+        close_all()  # scorer processes
 
     # -- the loop ----------------------------------------------------------------------------
     def fit(self, resume: bool = False) -> None:
-        run = self.spec.run
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        _writable(self.run_dir)
         start_step = 0
         if resume:
             start_step = self._resume()
         else:
             (self.run_dir / "graph.toml").write_text(toml.dumps(self.spec.raw))
-        loggers = Loggers(run.loggers, self.run_dir, self.spec)  # metrics.jsonl and others
-        samples_file = open(self.run_dir / "samples.jsonl", "a")
-        try:
+            source = {"graph": str(Path(self.spec.file).resolve())}
+            source["base_dir"] = str(Path(self.spec.base_dir).resolve())
+            (self.run_dir / "run.json").write_text(json.dumps(source, indent=2) + "\n")
+        with (
+            contextlib.closing(Loggers(self.spec.run.loggers, self.run_dir, self.spec)) as loggers,
+            open(self.run_dir / "samples.jsonl", "a") as samples_file,
+            _stopped_by_signals(self.spec.file, self.run_dir),
+        ):
             if resume:
                 loggers.log({"event": "resume", "step": start_step})
             elif self.val_batch is not None:
-                loggers.log({"step": 0, **self.validate()})
+                loggers.log({"step": 0, **self.validate(0)})
             self._loop(start_step, loggers, samples_file)
-        finally:
-            loggers.close()
-            samples_file.close()
         self.trace.write(self.run_dir / "trace.json")
 
     def _loop(self, start_step: int, loggers: Loggers, samples_file) -> None:
-        run = self.spec.run
+        run, nonfinite = self.spec.run, 0
         bar = tqdm(
             range(start_step + 1, run.steps + 1),
             initial=start_step,
@@ -104,10 +117,31 @@ class Trainer:
             if self.val_batch is not None and (
                 last or (run.val_every and step % run.val_every == 0)
             ):
-                metrics.update(self.validate())
-            loggers.log(metrics)
+                metrics.update(self.validate(step))
+            loggers.log(metrics)  # metrics.jsonl, and TensorBoard / W&B when chosen
             _log_samples(samples_file, step, batch, run.log_samples)
             faults.point("logged", step)
+            skipped = sorted(
+                k.rpartition("/")[0]
+                for k, v in metrics.items()
+                if k.endswith("/nonfinite_skipped") and v > 0
+            )
+            nonfinite = nonfinite + 1 if skipped else 0
+            if skipped:
+                event = {"event": "nonfinite", "step": step, "nodes": skipped}
+                loggers.log(event)
+                tqdm.write(
+                    f"step {step}: a loss or gradient norm of {', '.join(skipped)} was not "
+                    "finite; the optimizer step was skipped (weights unchanged)"
+                )
+            if nonfinite >= run.max_nonfinite_steps:
+                raise NonFiniteStop(
+                    f"{nonfinite} steps in a row (up to step {step}) had a non-finite loss or "
+                    f"gradient norm in {', '.join(skipped)}; stopping. Lower the learning rate "
+                    "or check the rewards, then resume: flowrl run "
+                    f"{self.spec.file} --resume {self.run_dir} (run.max_nonfinite_steps "
+                    "sets how many are tolerated)"
+                )
             if last or (run.save_every and step % run.save_every == 0):
                 self.save(step)
             bar.set_postfix(_postfix(metrics))
@@ -116,7 +150,9 @@ class Trainer:
         start = time.time()
         batch = next(self.loader)
         batch.meta.update(step=step, seed=self.spec.run.seed)
-        batch, metrics, slices = self.executor.run_step(batch)
+        run = self.spec.run
+        record = self._record(step, step - 1, keep=tuple(run.save_inputs))
+        batch, metrics, slices = self.executor.run_step(batch, record=record)
         seconds = time.time() - start
         self.trace.add(slices, step)
         out = {"step": step, "time_s": seconds, **_batch_metrics(batch), **metrics}
@@ -128,17 +164,28 @@ class Trainer:
             else 0.0
         )
         out["tokens_per_s"] = tokens / seconds
+        out.update(_process_metrics())
         return out, batch
 
-    def validate(self) -> dict:
-        """Greedy decoding on the validation prompts, scored by the graph's own reward nodes."""
+    def _record(self, step: int, state_step: int, keep=(), validation=False) -> Recording:
+        """Where this walk's node calls keep their inputs (flowrl/runtime/inputs.py)."""
+        run_dir = str(self.run_dir.resolve())
+        last = self.spec.run.save_inputs_last
+        return Recording(run_dir, step, state_step, keep, last, validation)
+
+    def validate(self, step: int = 0) -> dict:
+        """Greedy decoding on the validation prompts, scored by the graph's own reward nodes;
+        `step`: the training steps done (names a failed call's saved inputs)."""
         validation = self.plan.validation
         if not validation.nodes:
             return {}
         greedy = dict.fromkeys(validation.greedy, GREEDY)
         batch = self.val_batch.index(slice(0, len(self.val_batch)))
         batch.meta.update(step=0, seed=self.spec.run.seed)
-        out, _, _ = self.executor.run_step(batch, only=set(validation.nodes), overrides=greedy)
+        record = self._record(step, step, validation=True)
+        out, _, _ = self.executor.run_step(
+            batch, only=set(validation.nodes), overrides=greedy, record=record
+        )
         result = {"val/score": float(out["scores"].float().mean())}
         if "response_mask" in out:
             result["val/response_length"] = float(out["response_mask"].sum(-1).float().mean())
@@ -146,15 +193,24 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save(self, step: int) -> None:
-        state = {
+        state = {  # plain JSON: opening a run directory never unpickles anything
             "step": step,
             "loader": self.loader.state_dict(),
             "node_state": self.executor.node_state,
             "rng": _rng_state(),
         }
-        with checkpoint.writing(self.run_dir, step, self.spec.run.keep_checkpoints) as directory:
-            self.executor.broadcast("save", str(directory))
-            torch.save(state, directory / "controller.pt")
+        try:
+            with checkpoint.writing(self.run_dir, step, self.spec.run.keep_checkpoints) as out:
+                self.executor.broadcast("save", str(out))
+                (out / "controller.json").write_text(json.dumps(state))
+        except OSError as e:  # a full disk or a folder made read-only during the run
+            previous = checkpoint.latest(self.run_dir)
+            raise RunDirError(
+                f"the checkpoint of step {step} could not be written under {self.run_dir} "
+                f"({e.strerror or e}); "
+                + (f"{previous} is intact" if previous else "no earlier checkpoint exists")
+                + f". Free space, then resume: flowrl run {self.spec.file} --resume {self.run_dir}"
+            ) from e
 
     def _resume(self) -> int:
         for temp in checkpoint.remove_temps(self.run_dir):
@@ -164,7 +220,7 @@ class Trainer:
             raise SystemExit(
                 f"--resume {self.run_dir}: no checkpoint in {self.run_dir}/checkpoints"
             )
-        state = torch.load(directory / "controller.pt", weights_only=False)
+        state = json.loads((directory / "controller.json").read_text())
         self.executor.broadcast("load", str(directory))
         self.executor.sync_rollout_pools()  # a separate rollout copy gets the loaded weights
         self.loader.load_state_dict(state["loader"])
@@ -177,6 +233,73 @@ class Trainer:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+
+class NonFiniteStop(FlowrlError, RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient norm."""
+
+
+class Stopped(FlowrlError, RuntimeError):
+    """SIGINT or SIGTERM stopped the run between or during steps."""
+
+
+@contextlib.contextmanager
+def _stopped_by_signals(file: str, run_dir: Path):
+    """Turn SIGINT and SIGTERM into `Stopped`, so the run unwinds: a checkpoint being
+    written is discarded (checkpoint.writing), the executor shuts its workers down (run's
+    `finally`), and the message says how to resume."""
+
+    def stop(signum, frame):
+        raise Stopped(
+            f"stopped by {signal.Signals(signum).name}; the last checkpoint is intact. "
+            f"Resume with: flowrl run {file} --resume {run_dir}"
+        )
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+class DeviceError(FlowrlError, RuntimeError):
+    """A pool asks for a device this machine does not have."""
+
+
+def _check_devices(plan) -> None:
+    """A CUDA pool on a machine without CUDA fails here, by name, before any model loads (on a
+    Ray cluster, RAY_ADDRESS set, the cluster's GPUs count instead: Ray places the pool)."""
+    if os.environ.get("RAY_ADDRESS") or torch.cuda.is_available():
+        return
+    for name, pool in plan.pools.items():
+        if pool.device == "cuda":
+            raise DeviceError(
+                f'{plan.file}: [pools.{name}] device = "cuda", but this machine has no CUDA '
+                'device: set device = "cpu" (e.g. pools.'
+                f'{name}.device="cpu" on the command line), or run where GPUs are'
+            )
+
+
+def _writable(run_dir: Path) -> None:
+    """Create the run directory and check it takes files, before any model loads."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise RunDirError(
+            f"run directory {run_dir} is not writable ({e.strerror}): set run.out_dir to a "
+            "folder you can write, or free space"
+        ) from e
+
+
+class RunDirError(FlowrlError, RuntimeError):
+    """The run directory cannot be written."""
 
 
 def _new_run_dir(spec) -> Path:
@@ -205,6 +328,17 @@ def _batch_metrics(batch) -> dict:
         out["response_length/max"] = float(lengths.max())
     out["rows"] = len(batch)
     return out
+
+
+def _process_metrics() -> dict:
+    """The controller process's resident memory and open file descriptors (Linux), to see
+    leaks in long runs; empty elsewhere."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        fds = len(os.listdir("/proc/self/fd"))
+    except (OSError, ValueError, IndexError):
+        return {}
+    return {"process/rss_mb": pages * os.sysconf("SC_PAGE_SIZE") / 2**20, "process/open_fds": fds}
 
 
 def _timings(slices) -> dict:
@@ -257,14 +391,19 @@ def _seed_everything(seed: int) -> None:
 
 
 def _rng_state() -> dict:
+    """Python's, NumPy's and torch's generator states as JSON values."""
+    version, internal, gauss = random.getstate()
+    name, keys, position, has_gauss, cached = np.random.get_state()
     return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
+        "python": [version, list(internal), gauss],
+        "numpy": [name, keys.tolist(), position, has_gauss, cached],
+        "torch": torch.get_rng_state().tolist(),
     }
 
 
 def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, position, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), position, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))

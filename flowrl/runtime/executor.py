@@ -14,6 +14,7 @@ import attrs
 
 from flowrl.nodespec import KEEP
 from flowrl.protocol import DataProto
+from flowrl.runtime.inputs import Recording
 from flowrl.runtime.node_call import NodeFailure, call_node
 
 
@@ -86,13 +87,21 @@ class Executor(abc.ABC):
         return self.results(self.submit(pool, method, [args] * self.ranks(pool)))[0]
 
     # -- the walk --------------------------------------------------------------------------
-    def run_step(self, batch: DataProto, only: set | None = None, overrides: dict | None = None):
+    def run_step(
+        self,
+        batch: DataProto,
+        only: set | None = None,
+        overrides: dict | None = None,
+        record: Recording | None = None,
+    ):
         """Run the plan's items (those of nodes in `only`, if given) on `batch`.
 
         `overrides` maps a node id to params to change for this walk (e.g. greedy decoding).
+        `record` says where a failed call's inputs go, and which nodes' inputs to keep
+        (flowrl/runtime/inputs.py); None keeps nothing.
         Returns (batch with every node's writes, metrics, slices).
         """
-        walk = _Walk([i for i in self.plan.items if _wanted(i, only)], batch)
+        walk = _Walk([i for i in self.plan.items if _wanted(i, only)], batch, record)
         while len(walk.done) < len(walk.items):
             ready = [i for i in walk.items if walk.ready(i)]
             for item in ready:
@@ -104,11 +113,12 @@ class Executor(abc.ABC):
     def _start(self, item, walk: "_Walk", overrides: dict) -> None:
         start = time.time()
         if item.kind == "controller":
-            walk.batch = self._controller(item.node, walk.batch, walk.metrics)
+            walk.batch = self._controller(item.node, walk.batch, walk.metrics, walk.record)
         elif item.kind == "dispatch":
             walk.chunks[item.node] = self._dispatch(item, walk.batch)
         elif item.kind == "call":
-            args = [(item.node, c, overrides.get(item.node)) for c in walk.chunks.pop(item.node)]
+            chunks = walk.chunks.pop(item.node)
+            args = [(item.node, c, overrides.get(item.node), walk.record) for c in chunks]
             walk.pending[item.id] = self.submit(item.pool, "call", args)
             return
         elif item.kind == "collect":
@@ -175,17 +185,24 @@ class Executor(abc.ABC):
         _merge_metrics(metrics, item.node, [r[1] for r in results])
         return _merge(batch, writes, decl)
 
-    def _controller(self, node: str, batch: DataProto, metrics: dict) -> DataProto:
+    def _controller(self, node: str, batch: DataProto, metrics: dict, record=None) -> DataProto:
         decl = self.spec.nodes[node]
         spec, state = decl.spec, self.node_state[node]
+        saver = None
+        if record is not None:
+            saver = record.saver(
+                node, decl.uses, decl.params, state=state if spec.stateful else None
+            )
 
         def run(view):
             return (
                 spec.fn(view, decl.params, state) if spec.stateful else spec.fn(view, decl.params)
             )
 
+        context = {"base_dir": str(self.spec.base_dir)}  # relative paths in params resolve here
+        view = batch.select(decl.reads)
         writes, node_metrics = call_node(
-            node, spec, decl.rename, batch.select(decl.reads), run, "on the controller"
+            node, spec, decl.rename, view, run, "on the controller", context, saver
         )
         _merge_metrics(metrics, node, [node_metrics])
         if spec.rows == "filter":
@@ -199,6 +216,7 @@ class _Walk:
 
     items: list
     batch: DataProto
+    record: Recording | None = None  # what to keep of node calls (inputs.py)
     done: set = attrs.Factory(set)
     pending: dict = attrs.Factory(dict)  # item id -> handle of work in flight on a pool
     chunks: dict = attrs.Factory(dict)  # node -> the rows dispatched to each rank

@@ -1,7 +1,8 @@
 """Fault injection for tests: stop a run at an exact place instead of after a guessed delay.
 
 `FLOWRL_KILL_AT=<point>:<step>` makes the process SIGKILL itself when it reaches `point` during
-step `step`, as a crash or an out-of-memory kill would. Points:
+step `step`, as a crash or an out-of-memory kill would; `<point>:<step>:TERM` (or `:INT`) sends
+that signal instead, as `kill` or Ctrl-C would. Points:
 
 - `checkpoint`: the step's checkpoint files are written in the temp directory, which is not yet
   renamed into place (a kill in the middle of a checkpoint write);
@@ -17,5 +18,7 @@ VARIABLE = "FLOWRL_KILL_AT"
 
 
 def point(name: str, step: int) -> None:
-    if os.environ.get(VARIABLE) == f"{name}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
+    where, _, kind = os.environ.get(VARIABLE, "").partition(f"{name}:{step}")
+    if where or not _ or kind not in ("", ":KILL", ":TERM", ":INT"):
+        return
+    os.kill(os.getpid(), getattr(signal, "SIG" + (kind[1:] or "KILL")))

@@ -3,16 +3,18 @@
     rename in -> the node's fn or worker -> check the writes -> rename out
 
 The executor calls it for controller nodes and `PoolWorker` for model nodes, so what happens
-when a node runs, and how a node that returns the wrong keys fails, is written once.
+when a node runs, and how a node that returns the wrong keys fails, is written once; so is
+keeping a failed call's inputs for `flowrl replay` (the `save_to` hook, flowrl/runtime/inputs.py).
 """
 
 from collections.abc import Callable
 
+from flowrl.errors import FlowrlError
 from flowrl.nodespec import KEEP, NodeSpec, split_output
 from flowrl.protocol import DataProto
 
 
-class NodeFailure(RuntimeError):
+class NodeFailure(FlowrlError, RuntimeError):
     """A node failed: names the node, where it ran, and the batch it was given."""
 
 
@@ -24,6 +26,7 @@ def call_node(
     run: Callable[[DataProto], object],
     where: str,
     meta: dict | None = None,
+    save_to=None,
 ) -> tuple[DataProto, dict]:
     """Run one node on `batch` (graph keys); returns (its writes under graph keys, metrics).
 
@@ -33,28 +36,36 @@ def call_node(
             `worker(batch)`, returning writes or (writes, metrics).
         where: for messages, e.g. "on the controller" or "on pool main, rank 1".
         meta: added to the batch's meta for this call (e.g. rank, world_size).
+        save_to: None, or a hook (`flowrl.runtime.inputs.Saver`) with `before(batch)`, called
+            before the node runs, and `failed(batch, error) -> str`, called when it fails,
+            whose text (where the inputs went, the replay command) ends the failure's message.
 
     A filter node (rows="filter") returns only `keep`; any other node exactly its declared
     writes. Anything else raises NodeFailure naming the node.
     """
     local = batch.renamed({graph_key: key for key, graph_key in rename.items()})
     local.meta.update(meta or {})
+    if save_to is not None:
+        save_to.before(batch)
     try:
         writes, metrics = split_output(run(local))
     except Exception as e:
+        hint = save_to.failed(batch, e) if save_to is not None else ""
         raise NodeFailure(
             f"node {node_id} failed {where}: {type(e).__name__}: {e}\n"
-            f"  its batch: {batch.describe()}"
+            f"  its batch: {batch.describe()}{hint}"
         ) from e
     expected = {KEEP} if spec.rows == "filter" else set(spec.writes)
     if set(writes) != expected:
         missing, extra = sorted(expected - set(writes)), sorted(set(writes) - expected)
-        raise NodeFailure(
+        error = NodeFailure(
             f"node {node_id} returned keys {sorted(writes)}, but declares {sorted(expected)}"
             + (f" (missing: {', '.join(missing)})" if missing else "")
             + (f" (not declared: {', '.join(extra)})" if extra else "")
             + f" {where}: return exactly the keys in its SPEC's writes"
         )
+        hint = save_to.failed(batch, error) if save_to is not None else ""
+        raise NodeFailure(f"{error}{hint}")
     if not writes:
         return DataProto.from_dict({}), metrics
     return DataProto.from_columns({rename.get(k, k): v for k, v in writes.items()}), metrics

@@ -102,15 +102,22 @@ class PoolWorker:
             engine = (self.rollout if spec.mode == "rollout" else self.train)[node.model]
             self.workers[node.id] = (spec.worker(engine, params), node.rename, spec)
 
-    def call(self, node_id: str, batch: DataProto, overrides: dict | None = None):
-        """Run a node on this rank's rows: (writes as DataProto, metrics, (start, end) times)."""
+    def call(self, node_id: str, batch: DataProto, overrides: dict | None = None, record=None):
+        """Run a node on this rank's rows: (writes as DataProto, metrics, (start, end) times).
+
+        `record` (a `flowrl.runtime.inputs.Recording`, or None) says where the call's inputs
+        are kept if it fails, or always when run.save_inputs names the node."""
         start = time.time()
         worker, rename, spec = self.workers[node_id]
         if overrides:  # e.g. greedy decoding for validation
             worker = spec.worker(worker.engine, attrs.evolve(worker.params, **overrides))
         where = f"on pool {self.setup.pool}, rank {self.rank}"
         meta = {"rank": self.rank, "world_size": self.world_size}
-        out, metrics = call_node(node_id, spec, rename, batch, worker, where, meta)
+        saver = None
+        if record is not None:
+            uses = next(n.uses for n in self.setup.nodes if n.id == node_id)
+            saver = record.saver(node_id, uses, worker.params, self.rank, self.world_size)
+        out, metrics = call_node(node_id, spec, rename, batch, worker, where, meta, saver)
         return out, metrics, (start, time.time())
 
     def transition(self, kind: str, model: str, parts: tuple):
@@ -143,7 +150,8 @@ class PoolWorker:
     def load(self, directory: str) -> None:
         path = Path(directory) / f"pool-{self.setup.pool}.pt"
         if path.exists():
-            self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+            # tensors and plain containers only: loading someone's run never runs code
+            self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
     def export_weights(self, model: str):
         """Rank 0's weights of `model` as CPU tensors, for a rollout pool: (state, (start, end));

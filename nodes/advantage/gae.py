@@ -10,12 +10,13 @@ import attrs
 from flowrl import ops
 from flowrl.lazy import torch
 from flowrl.nodespec import NodeSpec
+from flowrl.validators import checked, interval
 
 
 @attrs.frozen
 class Params:
-    gamma: float = 1.0  # discount
-    lam: float = 1.0  # GAE lambda: 1 = Monte Carlo returns, 0 = one-step TD
+    gamma: float = checked(1.0, interval(0, 1))  # discount
+    lam: float = checked(1.0, interval(0, 1))  # GAE lambda: 1 = Monte Carlo, 0 = one-step TD
     whiten: bool = True  # normalise advantages over the batch's tokens
 
 

@@ -10,12 +10,13 @@ import attrs
 from flowrl import ops
 from flowrl.lazy import torch
 from flowrl.nodespec import NodeSpec
+from flowrl.validators import checked, positive
 
 
 @attrs.frozen
 class Params:
     scale_by_std: bool = True  # False gives Dr. GRPO
-    eps: float = 1e-6  # added to the group's std
+    eps: float = checked(1e-6, positive())  # added to the group's std
 
 
 def group_advantages(scores, uid, scale_by_std: bool = True, eps: float = 1e-6):

@@ -11,12 +11,13 @@ import attrs
 from flowrl import ops
 from flowrl.lazy import torch
 from flowrl.nodespec import NodeSpec
+from flowrl.validators import checked, interval, one_of
 
 
 @attrs.frozen
 class Params:
-    gamma: float = 1.0  # discount of the return-to-go
-    baseline: str = attrs.field(default="none", validator=attrs.validators.in_(("none", "group")))  # noqa: E501
+    gamma: float = checked(1.0, interval(0, 1))  # discount of the return-to-go
+    baseline: str = checked("none", one_of(("none", "group")))  # "group": subtract the group mean
 
 
 def discounted_returns(token_rewards, response_mask, gamma: float):

@@ -12,19 +12,16 @@ import attrs
 from flowrl import ops
 from flowrl.lazy import torch
 from flowrl.nodespec import NodeSpec
+from flowrl.validators import at_least, checked, count, one_of, positive
 
 
 @attrs.frozen
 class Params:
-    kl_coef: float = 0.001  # beta (the starting value for the adaptive controller)
-    kl_kind: str = attrs.field(
-        default="k1", validator=attrs.validators.in_(ops.KL_KINDS)
-    )  # estimator
-    controller: str = attrs.field(
-        default="fixed", validator=attrs.validators.in_(("fixed", "adaptive"))
-    )  # noqa: E501
-    target_kl: float = 6.0  # adaptive: the KL per sequence to steer toward
-    horizon: int = 10000  # adaptive: how fast beta moves (in rows)
+    kl_coef: float = checked(0.001, at_least(0))  # beta (the adaptive controller's start)
+    kl_kind: str = checked("k1", one_of(ops.KL_KINDS))  # KL estimator
+    controller: str = checked("fixed", one_of(("fixed", "adaptive")))  # how beta evolves
+    target_kl: float = checked(6.0, positive())  # adaptive: the KL per sequence to steer toward
+    horizon: int = checked(10000, count(1))  # adaptive: how fast beta moves (in rows)
 
 
 class FixedKLController:

@@ -2,7 +2,11 @@
 
 reads: response_text, ground_truth, data_source, extra_info -> writes: scores
 `scorer = "auto"` picks by each row's data_source (arithmetic, gsm8k); a path
-"my_scorer.py:compute_score" is resolved against the working directory.
+"my_scorer.py:compute_score" is resolved against the graph file's folder. Rows are scored in
+`workers` child processes, each under `timeout_s` (flowrl/rewards/pool.py): a scorer that
+raises, hangs or crashes gives that row `fallback_score`, counted in the `errors` and
+`timeouts` metrics, and the run goes on. `workers = 0` scores in this process, unguarded
+(for stepping through a scorer in a debugger).
 """
 
 from __future__ import annotations
@@ -10,42 +14,70 @@ from __future__ import annotations
 import attrs
 
 from flowrl.lazy import torch
-from flowrl.nodespec import NodeSpec
-from flowrl.rewards import resolve_scorer, score_value
+from flowrl.nodespec import Finding, NodeSpec
+from flowrl.rewards import ScorerError, resolve_scorer, score_value
+from flowrl.validators import checked, count, positive
 
 
 @attrs.frozen
 class Params:
     scorer: str = "auto"  # "auto", "arithmetic", "gsm8k", or "file.py:function"
+    workers: int = checked(2, count(0, 256))  # scoring processes; 0 = in this one, no timeout
+    timeout_s: float = checked(10.0, positive())  # seconds one row's scorer may take
+    fallback_score: float = 0.0  # the score of a row whose scorer failed or timed out
 
 
-_SCORERS: dict[str, object] = {}  # resolved once per spec, not every step
-
-
-def rule_scores(texts, truths, sources, infos, scorer) -> tuple[list[float], dict]:
-    """One score per row, and the mean of any extra numbers scorers return in dicts."""
+def rule_scores(results, fallback: float) -> tuple[list[float], dict]:
+    """Per-row (score, extra) results, None where the scorer failed -> (scores, the mean of
+    each extra number scorers returned in dicts)."""
     scores, extras = [], {}
-    for text, truth, source, info in zip(texts, truths, sources, infos, strict=True):
-        score, extra = score_value(scorer(source, text, truth, info))
+    for result in results:
+        score, extra = result if result is not None else (fallback, {})
         scores.append(score)
         for key, value in extra.items():
             extras.setdefault(key, []).append(value)
     return scores, {k: sum(v) / len(v) for k, v in extras.items()}
 
 
+def _in_process(rows, params, base_dir: str):
+    function = resolve_scorer(params.scorer, base_dir)
+    return [score_value(function(*row)) for row in rows], {"errors": 0, "timeouts": 0}
+
+
 def run(batch, params):
-    if params.scorer not in _SCORERS:
-        _SCORERS[params.scorer] = resolve_scorer(params.scorer)
-    scores, extra = rule_scores(
-        batch["response_text"],
-        batch["ground_truth"],
-        batch["data_source"],
-        batch["extra_info"],
-        _SCORERS[params.scorer],
+    rows = list(
+        zip(
+            batch["data_source"],
+            batch["response_text"],
+            batch["ground_truth"],
+            batch["extra_info"],
+            strict=True,
+        )
     )
+    base_dir = getattr(batch, "meta", {}).get("base_dir", ".")
+    if params.workers == 0:
+        results, counts = _in_process(rows, params, base_dir)
+    else:
+        from flowrl.rewards.pool import pool_for
+
+        pool = pool_for(params.scorer, base_dir, params.workers, params.timeout_s)
+        results, counts = pool.score(rows)
+    scores, extra = rule_scores(results, params.fallback_score)
     values = torch.tensor(scores, dtype=torch.float32)  # (b,)
     mean = float(values.mean()) if len(scores) else 0.0
-    return {"scores": values}, {"score": mean, **extra}
+    return {"scores": values}, {"score": mean, **counts, **extra}
+
+
+def check(params: Params, context) -> list[Finding]:
+    """The scorer must resolve (its file exist and define the function) at `flowrl check`."""
+    out = []
+    try:
+        resolve_scorer(params.scorer, context.base_dir)
+    except ScorerError as e:
+        out.append(Finding(f"scorer: {e}", 'use "auto", a built-in name or "file.py:function"'))
+    except Exception as e:  # the scorer's module failed to import
+        out.append(Finding(f"scorer {params.scorer}: importing it failed: {e}", "fix that file"))
+    return out
 
 
 SPEC = NodeSpec(
@@ -53,4 +85,5 @@ SPEC = NodeSpec(
     writes=("scores",),
     params=Params,
     fn=run,
+    check=check,
 )

@@ -12,16 +12,15 @@ import attrs
 from flowrl import ops
 from flowrl.lazy import torch
 from flowrl.nodespec import MINI_BATCHES, NodeSpec
-
-AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+from flowrl.validators import MAX_EPOCHS, MAX_ROWS, at_least, checked, count, one_of
 
 
 @attrs.frozen
 class Params:
-    epochs: int = 1  # passes over the step's rows
-    mini_batch_size: int = 0  # rows per optimizer step over all ranks; 0 = the whole batch
-    clip_range: float = 0.5  # new values stay within old +- clip_range
-    agg: str = attrs.field(default="token-mean", validator=attrs.validators.in_(AGG))  # loss agg
+    epochs: int = checked(1, count(1, MAX_EPOCHS))  # passes over the step's rows
+    mini_batch_size: int = checked(0, count(0, MAX_ROWS))  # rows per optimizer step; 0 = all
+    clip_range: float = checked(0.5, at_least(0))  # new values stay within old +- clip_range
+    agg: str = checked("token-mean", one_of(ops.AGG_MODES))  # loss aggregation
 
 
 def clipped_value_loss(

@@ -16,8 +16,20 @@ import attrs
 from flowrl import cov_losses, ops, policy_losses
 from flowrl.lazy import torch
 from flowrl.nodespec import MINI_BATCHES, Finding, NodeSpec
+from flowrl.validators import (
+    MAX_EPOCHS,
+    MAX_ROWS,
+    MAX_TOKENS,
+    above,
+    at_least,
+    checked,
+    count,
+    interval,
+    one_of,
+    positive,
+    zero_or,
+)
 
-AGG = ops.AGG_MODES
 # the per-token rates each loss reports (averaged over the computed tokens of a mini-batch)
 RATES = {
     "ppo": ("clip_frac", "clip_frac_lower", "approx_kl"),
@@ -31,31 +43,27 @@ RATES = {
 }
 
 
-def _one_of(values: tuple, default: str):
-    return attrs.field(default=default, validator=attrs.validators.in_(values))
-
-
 @attrs.frozen
 class Params:
-    epochs: int = 1  # passes over the step's rows
-    mini_batch_size: int = 0  # rows per optimizer step over all ranks; 0 = the whole batch
-    clip_low: float = 0.2  # ratio floor 1 - clip_low
-    clip_high: float = 0.2  # ratio ceiling 1 + clip_high (DAPO: 0.28)
-    dual_clip: float = 0.0  # c > 1 bounds the loss of negative advantages; 0 = off
-    agg: str = attrs.field(default="token-mean", validator=attrs.validators.in_(AGG))  # loss agg
+    epochs: int = checked(1, count(1, MAX_EPOCHS))  # passes over the step's rows
+    mini_batch_size: int = checked(0, count(0, MAX_ROWS))  # rows per optimizer step; 0 = all
+    clip_low: float = checked(0.2, at_least(0))  # ratio floor 1 - clip_low
+    clip_high: float = checked(0.2, at_least(0))  # ratio ceiling 1 + clip_high (DAPO: 0.28)
+    dual_clip: float = checked(0.0, zero_or(above(1)))  # bounds the loss of negative advantages
+    agg: str = checked("token-mean", one_of(ops.AGG_MODES))  # loss aggregation
     entropy_coef: float = 0.0  # entropy bonus weight
-    kl_loss_coef: float = 0.0  # KL(policy || ref) as a loss term; reads ref_logprobs if > 0
-    kl_loss_kind: str = "k3"  # k1, k2, k3 or abs
-    temperature: float = 1.0  # divide logits as the sampler did
+    kl_loss_coef: float = checked(0.0, at_least(0))  # weight of the KL(policy || ref) loss term
+    kl_loss_kind: str = checked("k3", one_of(ops.KL_KINDS))  # KL estimator of the loss
+    temperature: float = checked(1.0, positive())  # divide logits as the sampler did
     on_policy: bool = False  # old log-probs = this forward's, detached (epochs = 1, 1 mini-batch)
     skip_zero_rows: bool = True  # skip rows with no gradient (zero advantage, no KL/entropy)
-    loss: str = _one_of(tuple(RATES), "ppo")  # ppo, gspo, cispo, gpg, gmpo, sapo, clip_cov, kl_cov
-    tis_cap: float = 0.0  # truncated IS cap C on exp(old - rollout); reads rollout_logprobs if > 0
-    norm_length: int = 0  # divisor of agg seq-mean-token-sum-norm; 0 = the padded response length
-    tau_pos: float = 1.0  # loss sapo: gate temperature where A > 0
-    tau_neg: float = 1.05  # loss sapo: gate temperature where A < 0
-    cov_ratio: float = 2e-4  # loss clip_cov / kl_cov: share of tokens restrained by covariance
-    cov_kl_coef: float = 1.0  # loss kl_cov: weight of abs(log r) on those tokens
+    loss: str = checked("ppo", one_of(RATES))  # the policy loss (GSPO, CISPO, ...: see docstring)
+    tis_cap: float = checked(0.0, at_least(0))  # truncated IS cap C on exp(old - rollout); 0 = off
+    norm_length: int = checked(0, count(0, MAX_TOKENS))  # seq-mean-token-sum-norm divisor; 0 = t
+    tau_pos: float = checked(1.0, positive())  # loss sapo: gate temperature where A > 0
+    tau_neg: float = checked(1.05, positive())  # loss sapo: gate temperature where A < 0
+    cov_ratio: float = checked(2e-4, interval(0, 1))  # clip_cov / kl_cov: share of tokens held
+    cov_kl_coef: float = checked(1.0, at_least(0))  # loss kl_cov: weight of abs(log r) there
 
 
 def ppo_policy_loss(

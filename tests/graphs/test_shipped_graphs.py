@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl import compiler, dsl, graph, registry
+from flowrl import compiler, dsl, graph, registry, schema
 from flowrl.cli import main
 from flowrl.errors import GraphErrors
 
@@ -173,7 +173,7 @@ def test_dot_output_is_deterministic():
 def test_keys_glossary_covers_every_key():
     glossary = (ROOT / "docs/keys.md").read_text()
     documented = set(re.findall(r"^\| `(\w+)` \|", glossary, flags=re.M))
-    used = set(graph.DATASET_KEYS)
+    used = set(schema.DATASET_KEYS)
     for name in registry.builtin_names():
         spec = registry.resolve(name).spec
         used |= set(spec.reads) | set(spec.writes)
@@ -182,3 +182,57 @@ def test_keys_glossary_covers_every_key():
         for decl in dsl.load(path).nodes.values():
             used |= set(decl.reads) | set(decl.writes)
     assert used - documented == set(), "add these keys to docs/keys.md"
+
+
+def test_shipped_graph_found_by_name_from_anywhere(tmp_path, monkeypatch):
+    from flowrl.cli import graph_path
+
+    monkeypatch.chdir(tmp_path)
+    assert Path(graph_path("ppo")).read_text() == (ROOT / "graphs/ppo.toml").read_text()
+    assert Path(graph_path("grpo")).name == "grpo.toml"
+    # a path is that file: a missing one is an error, with the shipped graph's bare name as fix
+    with pytest.raises(GraphErrors) as info:
+        graph_path("graphs/ppo.toml")
+    assert 'write "ppo"' in info.value.problems[0].fix
+    assert graph_path("nothing.toml") == "nothing.toml"  # left for the loader to report
+
+
+def test_graph_file_reference_is_current():
+    from flowrl import reference
+
+    text = reference.DOC.read_text()
+    assert reference.refreshed(text) == text, "run: python -m flowrl.reference --write"
+
+
+def test_graph_file_reference_lists_every_rule_and_choice():
+    import attrs
+
+    from flowrl import reference
+    from flowrl.validators import describe
+
+    lines = reference.DOC.read_text().splitlines()
+    tables = [schema.RunConfig, schema.DataConfig, schema.ModelConfig, schema.PoolConfig]
+    tables += [registry.resolve(name).spec.params for name in registry.builtin_names()]
+    for cls in tables:
+        for field in attrs.fields(attrs.resolve_types(cls)):
+            rule = describe(field.validator)
+            rows = [line for line in lines if line.startswith(f"| `{field.name}` |")]
+            if rule:
+                assert any(f"| {rule} |" in row for row in rows), f"{cls}.{field.name}: {rule}"
+            else:  # every count has a range; only flags, free numbers and names go without
+                assert field.type in (bool, float, str), f"{cls}.{field.name} has no rule"
+    for choice in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "STRICT_SPREAD"):
+        assert f'"{choice}"' in "\n".join(lines)
+
+
+def test_flowrl_compile_is_public_and_torch_free():
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['ray'] = None\n"
+        "import flowrl\n"
+        "plan = flowrl.compile('graphs/ppo.toml', ['run.steps=3'])\n"
+        "assert plan.spec.run.steps == 3 and plan.pools['main'].workers == 1\n"
+        "assert plan.batch.rows == plan.batch.prompts * plan.batch.samples\n"
+        "assert 'torch' not in [m.split('.')[0] for m in sys.modules if sys.modules[m]]\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr

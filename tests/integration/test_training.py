@@ -55,7 +55,7 @@ def test_graph_trains_on_local_executor(graph, tiny_plan, tmp_path):
             "timing_s/update_policy",
         ):
             assert key in last, key
-        assert (tmp_path / "run/checkpoints/step_000002/controller.pt").exists()
+        assert (tmp_path / "run/checkpoints/step_000002/controller.json").exists()
         assert (tmp_path / "run/trace.json").exists()
     finally:
         trainer.close()

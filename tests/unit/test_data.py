@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from flowrl.data import DataError, PromptDataset, PromptLoader, arithmetic_rows, load_rows
+from flowrl.schema import DATASET_KEYS
 from flowrl.testing import tiny_tokenizer
 
 
@@ -80,3 +81,27 @@ def test_loader_resumes_exactly():
 def test_batch_larger_than_dataset_is_a_clear_error():
     with pytest.raises(DataError, match="batch_size = 20 but only 10 prompts"):
         PromptLoader(PromptDataset(rows_of(10), tiny_tokenizer(), 64), 20, seed=0)
+
+
+def test_batch_holds_exactly_the_dataset_keys():
+    batch = PromptDataset(rows_of(3), tiny_tokenizer(), 64).collate([0, 2])
+    assert sorted(batch.keys()) == sorted(DATASET_KEYS)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (b'{"a": 1}\n\n{"a": 2,\n', r"d\.jsonl, line 3, column 9: not valid JSON"),
+        (b'{"a": 1}\n[1, 2]\n', r"d\.jsonl, line 2: a row must be a JSON object"),
+        (b'{"a": 1}\n{"a": "\xff"}\n', r"d\.jsonl, line 2: not UTF-8 text"),
+    ],
+)
+def test_malformed_jsonl_line_names_file_and_line(tmp_path, text, expected):
+    (tmp_path / "d.jsonl").write_bytes(text)
+    with pytest.raises(DataError, match=expected):
+        load_rows(tmp_path / "d.jsonl")
+
+
+def test_jsonl_with_byte_order_mark_loads(tmp_path):
+    (tmp_path / "d.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps(rows_of(1)[0]).encode())
+    assert load_rows(tmp_path / "d.jsonl")[0]["reward_model"]["ground_truth"] == "0"

@@ -51,3 +51,62 @@ def test_no_library_module_imports_the_test_fixtures():
         if "flowrl.testing" in imported_modules(path.read_text(), package):
             offenders.append(str(path.relative_to(ROOT)))
     assert not offenders, f"import flowrl.models.tiny instead of flowrl.testing in {offenders}"
+
+
+def library_imports(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the flowrl modules it imports (anywhere in the file, deferred imports too),
+    each import resolved to the longest module name it names; a package's `__init__` is the
+    package's own name."""
+    modules = {}
+    for path in sorted((root / "flowrl").rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    edges = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges[name] = set()
+        for imported in imported_modules(path.read_text(), package):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                edges[name].add(imported)
+    # `from flowrl import dsl` names the package and the module: keep the module only
+    for name, targets in edges.items():
+        edges[name] = {t for t in targets if not any(o.startswith(t + ".") for o in targets)}
+    return edges
+
+
+def import_cycles(root: Path = ROOT) -> list[list[str]]:
+    import networkx as nx
+
+    edges = library_imports(root)
+    return list(nx.simple_cycles(nx.DiGraph([(a, b) for a, bs in edges.items() for b in bs])))
+
+
+def test_no_import_circle_in_the_library():
+    cycles = import_cycles()
+    assert not cycles, "import circles: " + "; ".join(" -> ".join(c + c[:1]) for c in cycles)
+
+
+def test_the_circle_check_sees_a_deferred_import(tmp_path):
+    # the circle the runtime once had: the executor imports the worker, whose error path
+    # imported a helper back from the executor inside a function
+    runtime = tmp_path / "flowrl" / "runtime"
+    runtime.mkdir(parents=True)
+    for package in (tmp_path / "flowrl", runtime):
+        (package / "__init__.py").write_text("")
+    (runtime / "executor.py").write_text("from flowrl.runtime.pool_worker import PoolWorker\n")
+    (runtime / "pool_worker.py").write_text(
+        "def call():\n    from flowrl.runtime.executor import describe\n"
+    )
+    (cycle,) = import_cycles(tmp_path)
+    assert sorted(cycle) == ["flowrl.runtime.executor", "flowrl.runtime.pool_worker"]
+    (runtime / "pool_worker.py").write_text("from flowrl import protocol\n")
+    assert import_cycles(tmp_path) == []
+
+
+def test_every_executor_name_is_a_backend_and_back():
+    from flowrl import schema
+    from flowrl.runtime import EXECUTORS
+
+    assert set(EXECUTORS) == set(schema.BACKENDS)

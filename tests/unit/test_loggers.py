@@ -25,7 +25,8 @@ def problems(overrides) -> list[str]:
 
 def test_unknown_logger_is_a_check_error():
     (problem,) = problems(['run.loggers=["jsonl", "mlflow"]'])
-    assert "[run]" in problem and "'mlflow'" in problem and "tensorboard" in problem
+    assert "[run]" in problem and '"mlflow"' in problem
+    assert 'one of "jsonl", "tensorboard", "wandb"' in problem
 
 
 def test_missing_extra_names_file_key_and_install_command(monkeypatch):

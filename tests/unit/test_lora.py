@@ -124,17 +124,26 @@ def test_example_graph_compiles_with_one_copy_of_the_weights():
 
 
 @pytest.mark.parametrize(
-    "table, message",
+    "table, problem",
     [
         ("{ rank = 0 }", "rank must be an integer > 0"),
         ("{ rnak = 4 }", "unknown key 'rnak'"),
         ('{ target_modules = "q_proj" }', "target_modules must be"),
+        ("{ alpha = -1 }", "alpha must be a number > 0"),
     ],
 )
-def test_bad_lora_tables_are_check_errors(table, message):
+def test_bad_lora_tables_are_check_errors(table, problem):
+    assert problem in lora.settings_problem(dsl_table(table))
     with pytest.raises(GraphErrors) as caught:
         dsl.load(EXAMPLE, [f"models.policy.lora={table}"])
-    assert any(message in str(p) and "[models.policy]" in str(p) for p in caught.value.problems)
+    (found,) = caught.value.problems
+    assert "[models.policy]" in str(found) and "a table of rank (an integer > 0)" in str(found)
+
+
+def dsl_table(text: str) -> dict:
+    import tomllib
+
+    return tomllib.loads(f"v = {text}")["v"]
 
 
 def test_missing_peft_is_a_check_error_with_the_install_command(monkeypatch):

@@ -102,7 +102,7 @@ def test_graph_file_selects_a_backend_by_a_name_in_the_table(fake_backend):
     with pytest.raises(GraphErrors) as info:
         dsl.load(graph, ["models.policy.rollout=no_such"])
     (problem,) = [p for p in info.value.problems if p.where == "[models.policy]"]
-    assert problem.message == "'rollout' must be in ('hf', 'fake') (got 'no_such')"
+    assert "rollout" in problem.message and "no_such" in problem.message
 
 
 def test_pool_worker_builds_the_backend_its_model_names(fake_backend):

@@ -1,0 +1,138 @@
+"""Rule scorers run in child processes, each row under a timeout.
+
+A user's scorer may raise, hang or kill its process. None of that may stop a run: rows are sent
+one at a time to a few child processes; a row whose scorer raises, exceeds `timeout_s` or takes
+its process down gets the fallback score and is counted, the stuck or dead process is replaced,
+and the first failure's traceback is printed once. Children are started with "spawn" (the
+trainer holds threads that a fork would copy mid-flight) and resolve the scorer themselves from
+its name, so nothing but plain row data crosses the pipe.
+"""
+
+import atexit
+import multiprocessing
+import sys
+import time
+import traceback
+from multiprocessing.connection import wait
+
+from flowrl.rewards import resolve_scorer, score_value
+
+
+def _serve(connection, scorer: str, base_dir: str) -> None:
+    """Child process: score rows until the pipe closes."""
+    function = resolve_scorer(scorer, base_dir)
+    while True:
+        try:
+            index, row = connection.recv()
+        except EOFError:
+            return
+        try:
+            score, extra = score_value(function(*row))
+            connection.send((index, "ok", score, extra))
+        except Exception:
+            connection.send((index, "error", traceback.format_exc(), {}))
+
+
+class _Child:
+    def __init__(self, context, scorer: str, base_dir: str):
+        self.connection, theirs = context.Pipe()
+        self.process = context.Process(target=_serve, args=(theirs, scorer, base_dir), daemon=True)
+        self.process.start()
+        theirs.close()
+        self.row, self.deadline = None, 0.0  # the row in flight, and when it times out
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.connection.close()
+
+
+class ScorerPool:
+    """`score(rows)` -> (one (score, extra) or None per row, counts) for rows of verl's
+    `compute_score(data_source, solution_str, ground_truth, extra_info)` arguments."""
+
+    def __init__(self, scorer: str, base_dir: str, workers: int = 2, timeout_s: float = 10.0):
+        self.scorer, self.base_dir, self.timeout_s = scorer, base_dir, timeout_s
+        self.context = multiprocessing.get_context("spawn")
+        self.children = [self._start() for _ in range(max(workers, 1))]
+        self.reported = False
+
+    def _start(self) -> _Child:
+        return _Child(self.context, self.scorer, self.base_dir)
+
+    def score(self, rows: list[tuple]) -> tuple[list, dict]:
+        results, counts = [None] * len(rows), {"errors": 0, "timeouts": 0}
+        todo = list(range(len(rows)))[::-1]
+        while todo or any(c.row is not None for c in self.children):
+            for child in self.children:
+                if child.row is None and todo:
+                    child.row, child.deadline = todo.pop(), time.monotonic() + self.timeout_s
+                    child.connection.send((child.row, rows[child.row]))
+            busy = [c for c in self.children if c.row is not None]
+            soonest = min(c.deadline for c in busy)
+            ready = wait([c.connection for c in busy], max(soonest - time.monotonic(), 0))
+            for k, child in enumerate(self.children):
+                if child.row is None:
+                    continue
+                if child.connection in ready:
+                    self._receive(k, child, rows, results, counts)
+                elif time.monotonic() >= child.deadline:
+                    self._fail(rows, child.row, "timeout", f"took over {self.timeout_s} s")
+                    counts["timeouts"] += 1
+                    self._replace(k)
+        return results, counts
+
+    def _receive(self, k: int, child: _Child, rows, results, counts) -> None:
+        try:
+            index, status, value, extra = child.connection.recv()
+        except (EOFError, OSError):  # the scorer took its process down
+            code = child.process.exitcode
+            self._fail(rows, child.row, "crash", f"its process exited (code {code})")
+            counts["errors"] += 1
+            self._replace(k)
+            return
+        child.row = None
+        if status == "ok":
+            results[index] = (value, extra)
+        else:
+            self._fail(rows, index, "error", value)
+            counts["errors"] += 1
+
+    def _replace(self, k: int) -> None:
+        self.children[k].kill()
+        self.children[k] = self._start()
+
+    def _fail(self, rows, index: int, kind: str, detail: str) -> None:
+        if self.reported:
+            return
+        self.reported = True  # the first failure in full; the rest are counted in metrics
+        source, text = rows[index][0], str(rows[index][1])[:80]
+        print(
+            f"flowrl: scorer {self.scorer} failed ({kind}) on row {index} "
+            f"(data_source {source!r}, response {text!r}); that row gets the fallback score, "
+            f"and further failures are counted in reward/errors and reward/timeouts:\n{detail}",
+            file=sys.stderr,
+        )
+
+    def close(self) -> None:
+        for child in self.children:
+            child.kill()
+        self.children = []
+
+
+_POOLS: dict[tuple, ScorerPool] = {}
+
+
+def pool_for(scorer: str, base_dir: str, workers: int, timeout_s: float) -> ScorerPool:
+    """One pool per scorer setting, kept for the run (children start once)."""
+    key = (scorer, base_dir, workers, timeout_s)
+    if key not in _POOLS:
+        _POOLS[key] = ScorerPool(scorer, base_dir, workers, timeout_s)
+    return _POOLS[key]
+
+
+@atexit.register
+def close_all() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
