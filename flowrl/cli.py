@@ -15,7 +15,7 @@ from pathlib import Path
 
 import attrs
 
-from flowrl import compiler, registry, render, schema
+from flowrl import compiler, registry, render, report, schema, tiny_run
 from flowrl.errors import FlowrlError, GraphErrors, Problem, did_you_mean, one_of
 from flowrl.overrides import TOP_LEVEL
 
@@ -136,14 +136,10 @@ def cmd_plan(args) -> int:
 def cmd_render(args) -> int:
     say_which(args.file, graph_path(args.file))
     _, built, plan = load_plan(args.file, args.overrides)
-    dot = plan.to_dot() if args.plan else render.graph_dot(built)
+    dot = plan.to_dot() if args.plan else render.graph_dot(built, all_keys=args.all_keys)
     out = args.output or str(Path(args.file).with_suffix(".plan.svg" if args.plan else ".svg"))
     try:
-        if out.endswith(".dot"):
-            Path(out).write_text(dot)
-            ok, message = True, f"wrote {out}"
-        else:
-            ok, message = render.write_svg(dot, out)
+        ok, message = render.write(dot, out)  # the format follows the extension
     except OSError as e:
         ok, message = False, f"flowrl: cannot write {out}: {e.strerror or e}"
     print(message, file=sys.stdout if ok else sys.stderr)
@@ -176,6 +172,8 @@ def cmd_nodes(args) -> int:
 
 def cmd_run(args) -> int:
     say_which(args.file, graph_path(args.file))
+    if args.tiny:  # the tiny model first, so the command line's own overrides win
+        args.overrides = [*tiny_run.tiny_overrides(graph_path(args.file)), *args.overrides]
     _, _, plan = load_plan(args.file, args.overrides)
     from flowrl.runtime.controller import run  # torch and ray load from here on
 
@@ -239,6 +237,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--backend", choices=schema.BACKENDS, help="default: run.backend")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue from RUN_DIR's last checkpoint")
     r.add_argument("--pdb", action="store_true", help="post-mortem debugger where a node failed")
+    r.add_argument("--tiny", action="store_true", help="try the graph on a tiny random model")
     r.set_defaults(func=cmd_run)
 
     rp = sub.add_parser("replay", help="run one node call of a run again, in this process")
@@ -261,12 +260,20 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 
-    rd = sub.add_parser("render", help="draw the graph (or, with --plan, the plan) as SVG")
+    rd = sub.add_parser("render", help="draw the graph (or, with --plan, the plan)")
     rd.add_argument("file")
     rd.add_argument("overrides", nargs="*", help=over)
-    rd.add_argument("-o", "--output", help="output .svg (or .dot)")
+    rd.add_argument("-o", "--output", help="output file: .svg (default), .png, .pdf or .dot")
     rd.add_argument("--plan", action="store_true", help="draw the compiled plan")
+    rd.add_argument("--all-keys", action="store_true", help="an edge for every key read")
     rd.set_defaults(func=cmd_render)
+
+    rep = sub.add_parser("report", help="plot runs' metrics on one HTML page (needs matplotlib)")
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="several: on the same axes")
+    rep.add_argument(
+        "-o", "--output", help="the page; default RUN_DIR/report.html, or ./report.html"
+    )
+    rep.set_defaults(func=report.command)
 
     n = sub.add_parser("nodes", help="list the built-in nodes")
     n.set_defaults(func=cmd_nodes)

@@ -9,6 +9,7 @@ and validated like it.
 No torch or ray here.
 """
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -64,6 +65,10 @@ def _build(file, raw, errors: Collector, overridden: dict[str, str], root="") ->
     for name, pool in pools.items():
         if pool:
             _check_pool(name, pool, errors)
+    if run:
+        _check_loggers(run, errors)
+    if any(m and m.lora for m in models.values()) and importlib.util.find_spec("peft") is None:
+        errors.add("[models] lora", "LoRA needs the package peft", "pip install peft")
     base_dir = Path(root) if root else Path(file).parent
     if data:
         _check_data(data, base_dir, errors, overridden)
@@ -201,6 +206,19 @@ def _check_pool(name: str, pool: schema.PoolConfig, errors: Collector) -> None:
             f"{pool.strategy} puts the pool's bundles on one node, but nodes = {pool.nodes}",
             'use "STRICT_SPREAD" (one node per bundle) or "SPREAD", or leave strategy out',
         )
+
+
+def _check_loggers(run: schema.RunConfig, errors: Collector) -> None:
+    """A logger whose package is missing fails here, not after the models have loaded."""
+    for name in run.loggers:
+        package = schema.LOGGER_PACKAGES[name]
+        if package and importlib.util.find_spec(package) is None:
+            errors.add(
+                "[run] loggers",
+                f'"{name}" needs the package {package}, which is not installed',
+                f"pip install {package}  (or pip install 'flowrl[{name}]'); "
+                f'or remove "{name}" from loggers',
+            )
 
 
 def _node(node_id, table, models, base_dir, errors: Collector, overridden) -> NodeDecl | None:

@@ -62,9 +62,21 @@ def architecture(config: schema.ModelConfig, base_dir: Path) -> dict:
             arch = from_hf_config(json.loads((path / "config.json").read_text()))
         except (OSError, ValueError, KeyError):
             arch = {}
+        if not arch and not path.exists():  # a hub name: its config in the local cache
+            arch = _from_cache(config.path)
     if config.n_params:
         arch = {"layers": 0, "kv_dim": 0, **arch, "params": config.n_params}
     return arch
+
+
+def _from_cache(name: str) -> dict:
+    from flowrl import hub
+
+    try:
+        cached = hub.cached_config(name)
+        return from_hf_config(cached) if cached else {}
+    except (OSError, ValueError, KeyError):
+        return {}
 
 
 def from_hf_config(c: dict) -> dict:

@@ -19,8 +19,9 @@ import json
 from typing import Any
 
 import attrs
+import networkx as nx
 
-from flowrl.render import dot_escape
+from flowrl.render import dot_escape, levels, rank_lines
 
 TRANSITIONS = ("reload", "offload", "sync")
 
@@ -190,7 +191,9 @@ class ExecutionPlan:
         return json.dumps(data, indent=2, sort_keys=True)
 
     def to_dot(self) -> str:
-        """The plan as DOT: items clustered by pool; transitions and dispatch/collect styled."""
+        """The plan as DOT, top to bottom in step order (each item one row below the last item
+        it waits for): pool items in their pool's box, controller items in a box of their own;
+        transitions and dispatch/collect styled."""
         style = {
             "call": 'shape=box, style="filled", fillcolor="#cfe2f3"',
             "controller": 'shape=box, style="rounded,filled", fillcolor="#fff2cc"',
@@ -200,21 +203,24 @@ class ExecutionPlan:
             "offload": 'shape=hexagon, style="filled,dashed", fillcolor="#ead1dc"',
             "sync": 'shape=doubleoctagon, style="filled", fillcolor="#fce5cd"',
         }
-        lines = ["digraph plan {", "  rankdir=TB;", '  node [fontname="Helvetica"];']
+        lines = ["digraph plan {", "  rankdir=TB; newrank=true;", '  node [fontname="Helvetica"];']
         groups: dict[str | None, list[Item]] = {}
         for item in self.items:
             groups.setdefault(item.pool, []).append(item)
         for pool in sorted(groups, key=lambda p: (p is not None, p or "")):
-            indent = "  "
-            if pool is not None:
-                lines.append(f'  subgraph "cluster_{dot_escape(pool)}" {{')
-                lines.append(f'    label="pool {dot_escape(pool)}"; style=dashed;')
-                indent = "    "
+            name, label = ("(controller)", "controller") if pool is None else (pool, f"pool {pool}")
+            lines.append(f'  subgraph "cluster_{dot_escape(name)}" {{')
+            lines.append(
+                f'    label="{dot_escape(label)}"; style={"solid" if pool is None else "dashed"};'
+            )
             for item in groups[pool]:
-                label = f"{item.id}. {item.kind}\\n{dot_escape(item.describe())}"
-                lines.append(f'{indent}"{item.id}" [label="{label}", {style[item.kind]}];')
-            if pool is not None:
-                lines.append("  }")
+                text = f"{item.id}. {item.kind}\\n{dot_escape(item.describe())}"
+                lines.append(f'    "{item.id}" [label="{text}", {style[item.kind]}];')
+            lines.append("  }")
+        dag = nx.DiGraph()
+        dag.add_nodes_from(str(i.id) for i in self.items)
+        dag.add_edges_from((str(d), str(i.id)) for i in self.items for d in i.deps)
+        lines += rank_lines(levels(dag))
         for item in self.items:
             for dep in item.deps:
                 lines.append(f'  "{dep}" -> "{item.id}";')

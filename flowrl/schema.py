@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 
+from flowrl import lora
 from flowrl.engines.rollout import ROLLOUT_BACKENDS  # torch-free: the table, no backend
 from flowrl.nodespec import HEADS, NodeSpec
 from flowrl.validators import (
@@ -40,6 +41,8 @@ OFFLOAD = ("never", "always", "auto")
 DEVICES = ("cpu", "cuda")
 STRATEGIES = ("", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # "" = auto
 DTYPES = ("float32", "bfloat16", "float16")
+# run.loggers: each logger's pip package ("" = none needed); flowrl/runtime/loggers.py has them
+LOGGER_PACKAGES = {"jsonl": "", "tensorboard": "tensorboard", "wandb": "wandb"}
 BUILTIN_SOURCES = ("arithmetic",)  # data.source names that are not files (flowrl/data/)
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")  # data files the loader reads
 DEFAULT_POOL = "main"  # the pool of a graph that declares none
@@ -71,6 +74,19 @@ def _names() -> Rule:
     return Rule("a list of distinct node ids", test)
 
 
+def _loggers() -> Rule:
+    names = one_of(LOGGER_PACKAGES)
+    return Rule(f"a list, each {names.text}", lambda v: all(n in LOGGER_PACKAGES for n in v))
+
+
+def _lora() -> Rule:
+    text = (
+        "{} (off) or a table of rank (an integer > 0), alpha (> 0) and target_modules "
+        '("all-linear" or a list of module names)'
+    )
+    return Rule(text, lambda v: not lora.settings_problem(v))
+
+
 @attrs.frozen
 class RunConfig:
     steps: int = checked(20, count(1, MAX_STEPS))  # training steps (one batch each)
@@ -88,6 +104,7 @@ class RunConfig:
     max_nonfinite_steps: int = checked(3, count(1, MAX_STEPS))
     save_inputs: list[str] = checked([], _names())  # nodes whose inputs are kept, to replay
     save_inputs_last: int = checked(1, count(1, MAX_STEPS))  # of the last K steps
+    loggers: list[str] = checked([], _loggers())  # jsonl (always), tensorboard, wandb
 
 
 @attrs.frozen
@@ -102,7 +119,7 @@ class DataConfig:
 
 @attrs.frozen
 class ModelConfig:
-    path: str = checked("smollm2-135m-instruct", not_empty())  # alias, HF directory, or "tiny"
+    path: str = checked("smollm2-135m-instruct", not_empty())  # alias, HF dir, hub name, "tiny"
     trainable: bool = False  # frozen models (reference) are never updated
     head: str = checked("lm", one_of(HEADS))  # "value" for critics
     pool: str = ""  # which pool hosts it; may be left out when there is one pool
@@ -118,6 +135,7 @@ class ModelConfig:
     grad_clip: float = checked(1.0, at_least(0))  # max global grad norm; 0 = off
     micro_tokens: int = checked(4096, count(1, MAX_TOKENS))  # tokens per micro-batch
     n_params: int = checked(0, count(0, MAX_PARAMS))  # 0 = known from the path
+    lora: dict = attrs.field(factory=dict, validator=_lora())  # rank, alpha, target_modules
 
 
 @attrs.frozen

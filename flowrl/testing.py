@@ -1,7 +1,57 @@
-"""Fixtures for node tests: the character-level tokenizer and tiny random Llama behind
-`path = "tiny"`. They live in flowrl/models/tiny.py, since library code loads them too; tests
-import them from here. Library code must not import this module (tests/unit/test_layout.py)."""
+"""Helpers for tests of nodes and graphs: the tiny random model, and any graph run on it.
+
+    from flowrl.testing import run_tiny
+
+    def test_my_graph_trains(tmp_path):
+        run = run_tiny("graphs/my_algo.toml", tmp_path)  # 2 steps, tiny model, no Ray
+        assert run.metrics[-1]["update_policy/grad_norm"] > 0
+
+The tokenizer and model behind `path = "tiny"` live in flowrl/models/tiny.py, since library code
+loads them too; the overrides in flowrl/tiny_run.py. Library code must not import this module
+(tests/unit/test_layout.py).
+"""
+
+import json
+from pathlib import Path
+
+import attrs
 
 from flowrl.models.tiny import CHAT_TEMPLATE, SPECIAL, tiny_model, tiny_tokenizer
+from flowrl.tiny_run import VARIED_SCORER, tiny_overrides
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL", "tiny_model", "tiny_tokenizer"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "SPECIAL",
+    "VARIED_SCORER",
+    "TinyRun",
+    "run_tiny",
+    "tiny_model",
+    "tiny_overrides",
+    "tiny_plan",
+    "tiny_tokenizer",
+]
+
+
+def tiny_plan(graph: str | Path, out_dir: str | Path, **extra):
+    """The ExecutionPlan of `graph` on the tiny model (`tiny_overrides`), run dirs under
+    `out_dir`; `extra` overrides as in `tiny_overrides`. Raises GraphErrors like `flowrl check`."""
+    from flowrl.compiler import compile_file
+
+    return compile_file(graph, tiny_overrides(graph, out_dir, **extra))
+
+
+@attrs.frozen
+class TinyRun:
+    run_dir: Path
+    metrics: list[dict]  # metrics.jsonl, one dict per logged row (step 0: validation)
+
+
+def run_tiny(graph: str | Path, out_dir: str | Path, backend: str = "local", **extra) -> TinyRun:
+    """Train `graph` on the tiny model (2 steps unless `"run.steps"` is given) and return its
+    run directory and logged metrics. backend "local" runs every node in this process (no Ray).
+    """
+    from flowrl.runtime.controller import run
+
+    run_dir = run(tiny_plan(graph, out_dir, **extra), backend=backend)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return TinyRun(run_dir, [json.loads(line) for line in lines])

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from transformers import DynamicCache
 
-from flowrl import ops
+from flowrl import lora, ops
 
 HOST = "cpu"
 PARTS = ("weights", "grads", "optimizer")
@@ -241,7 +241,7 @@ class TrainEngine:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        out = {"module": self.module.state_dict()}
+        out = {"module": lora.weights(self.module)}  # with LoRA, the adapter only
         if self.trainable:
             out |= {
                 "optimizer": self.optimizer.state_dict(),
@@ -250,7 +250,7 @@ class TrainEngine:
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["module"])
+        lora.load_weights(self.module, state["module"])
         if self.trainable and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])

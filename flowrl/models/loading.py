@@ -1,5 +1,6 @@
-"""Load a model and tokenizer by path: an alias, a local HF directory, a cached hub id, or
-"tiny" (a small random model built in-process, for tests). Nothing is downloaded."""
+"""Load a model and tokenizer by path: an alias, a local HF directory, a hub name found in the
+local Hugging Face cache (flowrl/hub.py), or "tiny" (a small random model built in-process, for
+tests). Nothing is downloaded."""
 
 import json
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from flowrl import hub
 from flowrl.models import embedded
 from flowrl.models.value_head import ValueModel
 from flowrl.nodespec import HEADS
@@ -15,10 +17,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_path(path: str) -> str:
-    """The local directory (or cached hub id) behind a model path."""
+    """The local directory behind a model path: the embedded model's cache, the directory
+    itself, or a hub name's snapshot in the local Hugging Face cache (flowrl/hub.py); raises
+    ModelNotFound, saying how to download it, when it is none of these."""
     if path == embedded.ALIAS:
         return str(embedded.ensure_cached())
-    return path
+    if path == "tiny" or Path(path).exists():
+        return path
+    snapshot = hub.cached_snapshot(path)
+    if snapshot is None:
+        raise embedded.ModelNotFound(hub.not_found(path))
+    return str(snapshot)
 
 
 def load_tokenizer(path: str):
@@ -85,10 +94,9 @@ def _is_classifier(path: str) -> bool:
 def _pretrained(cls, path: str, **kwargs):
     try:
         return cls.from_pretrained(path, local_files_only=True, **kwargs)
-    except OSError as e:
-        where = "directory" if Path(path).exists() else "hub id (not in the local cache)"
+    except OSError as e:  # a directory without the files transformers needs
         raise embedded.ModelNotFound(
-            f'cannot load model "{path}" as a {where}: {e}. Use a local HF directory, '
-            f'"{embedded.ALIAS}" (the embedded default), or "tiny" for tests; nothing is '
-            "downloaded at run time"
+            f'cannot load model "{path}": {e}. Use a directory written by save_pretrained, a '
+            f'hub name in the local Hugging Face cache, "{embedded.ALIAS}" (the embedded '
+            'default), or "tiny" for tests; nothing is downloaded at run time'
         ) from e

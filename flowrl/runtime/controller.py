@@ -34,6 +34,7 @@ from flowrl.models import load_tokenizer
 from flowrl.nodespec import GREEDY
 from flowrl.runtime import checkpoint, faults, make_executor
 from flowrl.runtime.inputs import Recording
+from flowrl.runtime.loggers import Loggers
 from flowrl.runtime.refill import refilled_step
 from flowrl.runtime.trace import Trace
 
@@ -94,18 +95,18 @@ class Trainer:
             source["base_dir"] = str(Path(self.spec.base_dir).resolve())
             (self.run_dir / "run.json").write_text(json.dumps(source, indent=2) + "\n")
         with (
-            open(self.run_dir / "metrics.jsonl", "a") as metrics_file,
+            contextlib.closing(Loggers(self.spec.run.loggers, self.run_dir, self.spec)) as loggers,
             open(self.run_dir / "samples.jsonl", "a") as samples_file,
             _stopped_by_signals(self.spec.file, self.run_dir),
         ):
             if resume:
-                _log(metrics_file, {"event": "resume", "step": start_step})
+                loggers.log({"event": "resume", "step": start_step})
             elif self.val_batch is not None:
-                _log(metrics_file, {"step": 0, **self.validate(0)})
-            self._loop(start_step, metrics_file, samples_file)
+                loggers.log({"step": 0, **self.validate(0)})
+            self._loop(start_step, loggers, samples_file)
         self.trace.write(self.run_dir / "trace.json")
 
-    def _loop(self, start_step: int, metrics_file, samples_file) -> None:
+    def _loop(self, start_step: int, loggers: Loggers, samples_file) -> None:
         run, nonfinite = self.spec.run, 0
         bar = tqdm(
             range(start_step + 1, run.steps + 1),
@@ -121,7 +122,7 @@ class Trainer:
                 last or (run.val_every and step % run.val_every == 0)
             ):
                 metrics.update(self.validate(step))
-            _log(metrics_file, metrics)
+            loggers.log(metrics)  # metrics.jsonl, and TensorBoard / W&B when chosen
             _log_samples(samples_file, step, batch, run.log_samples)
             faults.point("logged", step)
             skipped = sorted(
@@ -132,7 +133,7 @@ class Trainer:
             nonfinite = nonfinite + 1 if skipped else 0
             if skipped:
                 event = {"event": "nonfinite", "step": step, "nodes": skipped}
-                _log(metrics_file, event)
+                loggers.log(event)
                 tqdm.write(
                     f"step {step}: a loss or gradient norm of {', '.join(skipped)} was not "
                     "finite; the optimizer step was skipped (weights unchanged)"
@@ -401,11 +402,6 @@ def _timings(slices) -> dict:
 def _postfix(metrics: dict) -> dict:
     keys = {"score/mean": "score", "val/score": "val", "time_s": "s/step", "tokens_per_s": "tok/s"}
     return {short: f"{metrics[k]:.3g}" for k, short in keys.items() if k in metrics}
-
-
-def _log(file, metrics: dict) -> None:
-    file.write(json.dumps(metrics, sort_keys=True) + "\n")
-    file.flush()
 
 
 def _truncate_log(path: Path, step: int) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from flowrl import registry, schema
+from flowrl import lora, registry, schema
 from flowrl.protocol import DataProto
 from flowrl.runtime.node_call import call_node
 
@@ -71,6 +71,8 @@ class PoolWorker:
             module, tokenizer = load_model(
                 config.path, head=config.head, dtype=config.dtype, seed=setup.seed
             )
+            if config.lora:  # only the adapter trains; flowrl/lora.py
+                lora.add_adapter(module, config.lora)
             module.to(device)
             self.tokenizers[name] = tokenizer
             self.train[name] = TrainEngine(
@@ -160,8 +162,8 @@ class PoolWorker:
         start = time.time()
         state = None
         if self.rank == 0:
-            module = self.train[model].module
-            state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+            module = self.train[model].module  # with LoRA, the adapter only
+            state = {k: v.detach().to("cpu", copy=True) for k, v in lora.weights(module).items()}
         return state, (start, time.time())
 
     def import_weights(self, model: str, exported: tuple):
@@ -170,7 +172,7 @@ class PoolWorker:
         start = time.time()
         state, _ = exported
         with torch.no_grad():
-            self.train[model].module.load_state_dict(state)
+            lora.load_weights(self.train[model].module, state)
         if model in self.rollout:  # a backend with its own copy (sglang) takes them too
             self.rollout[model].sync_weights(self.train[model].module)
         return None, (start, time.time())

@@ -1,0 +1,98 @@
+"""Where a run's metrics go: metrics.jsonl always; TensorBoard and Weights & Biases when
+`run.loggers` names them.
+
+Every logger gets the same rows under the same names (`score/mean`, `update_policy/grad_norm`,
+`timing_s/generate`, ...), with the training step as the x axis. TensorBoard writes event files
+to RUN_DIR/tensorboard (`tensorboard --logdir runs`); W&B a run under RUN_DIR/wandb, online or
+offline as WANDB_MODE says, in the project WANDB_PROJECT (default "flowrl"). Their packages are
+optional extras, imported only when chosen; `flowrl check` names a missing one
+(flowrl/dsl.py).
+"""
+
+import json
+import os
+from pathlib import Path
+
+
+class JsonlLogger:
+    """RUN_DIR/metrics.jsonl: one JSON object per row, keys sorted; events too (a resume)."""
+
+    def __init__(self, run_dir: Path, spec):
+        self.file = open(run_dir / "metrics.jsonl", "a")
+
+    def log(self, row: dict) -> None:
+        self.file.write(json.dumps(row, sort_keys=True) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardLogger:
+    """Scalars in TensorBoard event files under RUN_DIR/tensorboard."""
+
+    def __init__(self, run_dir: Path, spec):
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log(self, row: dict) -> None:
+        for name, value in _scalars(row).items():
+            self.writer.add_scalar(name, value, global_step=row["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    """A W&B run named after the run directory, the resolved graph as its config; a resumed
+    run continues the same W&B run (its id is the directory's name)."""
+
+    def __init__(self, run_dir: Path, spec):
+        import wandb
+
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "flowrl"),
+            name=run_dir.name,
+            id=run_dir.name.replace(":", "-"),
+            resume="allow",
+            dir=str(run_dir),
+            config=spec.raw,
+        )
+
+    def log(self, row: dict) -> None:
+        self.run.log(_scalars(row), step=row["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+LOGGERS = {"jsonl": JsonlLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger}
+
+
+class Loggers:
+    """Every logger of a run; jsonl is always among them. Rows without a step (events) go to
+    metrics.jsonl only."""
+
+    def __init__(self, names, run_dir: Path, spec):
+        names = ["jsonl", *(n for n in names if n != "jsonl")]
+        self.loggers = [LOGGERS[name](run_dir, spec) for name in names]
+
+    def log(self, row: dict) -> None:
+        for logger in self.loggers:
+            if isinstance(logger, JsonlLogger) or ("step" in row and "event" not in row):
+                logger.log(row)
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.close()
+
+
+def _scalars(row: dict) -> dict[str, float]:
+    """The row's numbers, without the step (the x axis)."""
+    return {
+        name: float(value)
+        for name, value in row.items()
+        if name != "step" and isinstance(value, int | float) and not isinstance(value, bool)
+    }

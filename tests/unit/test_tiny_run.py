@@ -1,0 +1,58 @@
+"""`flowrl run --tiny` and flowrl.testing.tiny_overrides: any graph on the tiny random model."""
+
+from pathlib import Path
+
+import pytest
+
+from flowrl import cli, compiler
+from flowrl.testing import VARIED_SCORER, tiny_overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+GRAPHS = sorted((ROOT / "graphs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("graph", GRAPHS, ids=lambda p: p.name)
+def test_tiny_overrides_put_every_shipped_graph_on_the_tiny_model(graph, tmp_path):
+    spec = compiler.compile_file(graph, tiny_overrides(graph, tmp_path)).spec
+    assert {m.path for m in spec.models.values()} == {"tiny"}
+    assert all(m.lr == 0.01 for m in spec.models.values() if m.trainable)
+    assert (spec.run.steps, spec.run.val_size, spec.data.batch_size) == (2, 4, 2)
+    assert spec.run.out_dir == str(tmp_path)
+    assert spec.nodes["generate"].params.max_new_tokens == 6
+    assert spec.nodes["reward"].params.scorer == VARIED_SCORER
+    assert all(p.cpus_per_worker == 1 for p in spec.pools.values())
+
+
+def test_tiny_overrides_fit_a_graph_without_pools_and_names_of_its_own(tmp_path):
+    """Nodes found by their params, not by the shipped graphs' node ids; a graph that
+    declares no [pools] gets no pool override (which would name an undeclared pool)."""
+    text = (ROOT / "graphs/grpo.toml").read_text()
+    pools = '[pools.main]\nworkers = 1\ncpus_per_worker = 2\noffload = "always"\n'
+    assert pools in text
+    text = text.replace(pools, "")
+    text = text.replace("[nodes.generate]", "[nodes.sample]").replace("[nodes.reward]", "[nodes.r]")
+    graph = tmp_path / "mine.toml"
+    graph.write_text(text)
+    spec = compiler.compile_file(graph, tiny_overrides(graph)).spec
+    assert spec.nodes["sample"].params.max_new_tokens == 6
+    assert spec.nodes["r"].params.scorer == VARIED_SCORER
+    assert spec.run.out_dir == "runs"  # out_dir None keeps the graph's
+    assert not any(o.startswith("pools.") for o in tiny_overrides(graph))
+
+
+def test_scorer_none_keeps_the_graphs_scorer(tmp_path):
+    graph = ROOT / "graphs/grpo.toml"
+    spec = compiler.compile_file(graph, tiny_overrides(graph, scorer=None)).spec
+    assert spec.nodes["reward"].params.scorer == "auto"
+
+
+def test_run_tiny_flag_applies_them_and_the_command_line_wins(monkeypatch):
+    import flowrl.runtime.controller as controller
+
+    seen = {}
+    monkeypatch.setattr(controller, "run", lambda plan, **kw: seen.update(plan=plan, **kw))
+    assert cli.main(["run", "grpo", "--tiny", "--backend", "local", "run.steps=5"]) == 0
+    spec = seen["plan"].spec
+    assert {m.path for m in spec.models.values()} == {"tiny"}
+    assert spec.run.steps == 5  # tiny says 2; the command line comes after it
+    assert seen["backend"] == "local"
