@@ -195,11 +195,11 @@ def _check_pool(name: str, pool: schema.PoolConfig, errors: Collector) -> None:
             f"workers = {pool.workers} do not split evenly over nodes = {pool.nodes}",
             "make workers a multiple of nodes",
         )
-    if pool.nodes > 1 and pool.strategy in ("PACK", "STRICT_PACK"):
+    if pool.nodes > 1 and pool.placement in ("PACK", "STRICT_PACK"):
         errors.add(
-            f"{where} strategy",
-            f"{pool.strategy} puts the pool's bundles on one node, but nodes = {pool.nodes}",
-            'use "STRICT_SPREAD" (one node per bundle) or "SPREAD", or leave strategy out',
+            f"{where} placement",
+            f"{pool.placement} puts the pool's bundles on one node, but nodes = {pool.nodes}",
+            'use "STRICT_SPREAD" (one node per bundle) or "SPREAD", or leave placement out',
         )
 
 

@@ -1,9 +1,15 @@
-"""Memory estimates without loading anything: bytes per model part on a pool, and the offload
-policy they imply. Sizes come from `schema.KNOWN_SIZES` for the aliases, from a local model's
-config.json, or from `n_params`. No torch or ray here.
+"""Memory estimates without loading anything: bytes per model part on one rank of a pool, and
+the offload policy they imply. Sizes come from `schema.KNOWN_SIZES` for the aliases, from a local
+model's config.json, or from `n_params`. No torch or ray here.
+
+Per rank: under strategy "ddp" every rank holds the whole model (weights, grads, optimizer);
+under "fsdp" each holds 1/ranks of each, and a model that also generates on the pool keeps an
+unsharded copy for its rollout engine (`rollout_weights`, in the compute dtype). The KV cache is
+never sharded: a rank's cache holds its own share of the step's rows.
 """
 
 import json
+import math
 from pathlib import Path
 
 from flowrl import schema
@@ -26,8 +32,10 @@ def offload_policy(pool: schema.PoolConfig, memory: dict) -> tuple[str, str]:
     return verdict, f"auto: estimate {size_text(need)} vs {size_text(budget)} on the device"
 
 
-def model_line(config: schema.ModelConfig, memory: dict) -> str:
+def model_line(config: schema.ModelConfig, memory: dict, shards: int = 0) -> str:
     role = "trainable" if config.trainable else "frozen"
+    if shards:
+        role += f", fsdp over {shards} rank{'s' * (shards > 1)}"
     size = ", ".join(f"{p} {size_text(b)}" for p, b in memory.items()) or "size unknown"
     return f"{config.path} ({config.head} head, {role}; {size})"
 
@@ -36,20 +44,42 @@ def size_text(n: float) -> str:
     return f"{n / GB:.2f} GB" if n >= GB / 10 else f"{n / 1024**2:.1f} MB"
 
 
-def model_bytes(config: schema.ModelConfig, base_dir: Path, modes: set, tokens: int) -> dict:
-    """Bytes per part of a model on one pool: weights; grads and AdamW state if it trains there
-    (`"train" in modes`); a KV cache of `tokens` positions if it generates there."""
+def model_bytes(
+    config: schema.ModelConfig,
+    base_dir: Path,
+    modes: set,
+    tokens: int,
+    ranks: int = 1,
+    sharded: bool = False,
+    device: str = "cpu",
+) -> dict:
+    """Bytes per part of a model on one rank: weights; grads and AdamW state if it trains there
+    (`"train" in modes`); a KV cache of `tokens` positions (the rank's rows) if it generates
+    there. `sharded` (fsdp): weights, grads and optimizer are split over the `ranks`, and
+    generating needs an unsharded copy of the weights (`rollout_weights`)."""
     arch = architecture(config, base_dir)
     if not arch:
         return {}
-    width = BYTES[config.dtype]
-    out = {"weights": arch["params"] * width}
+    params, width = arch["params"], BYTES[config.dtype]
+    shards = ranks if sharded else 1
+    out = {"weights": math.ceil(params * width / shards)}
     if "train" in modes:
-        out["grads"] = arch["params"] * width
-        out["optimizer"] = arch["params"] * 8  # AdamW's two fp32 moments
+        out["grads"] = math.ceil(params * width / shards)
+        out["optimizer"] = math.ceil(params * 8 / shards)  # AdamW's two fp32 moments
     if "rollout" in modes:
-        out["kv_cache"] = tokens * arch["layers"] * 2 * arch["kv_dim"] * width
+        compute = BYTES[compute_dtype(config, device, sharded)]
+        if sharded:
+            out["rollout_weights"] = params * compute
+        out["kv_cache"] = tokens * arch["layers"] * 2 * arch["kv_dim"] * compute
     return out
+
+
+def compute_dtype(config: schema.ModelConfig, device: str, sharded: bool) -> str:
+    """The dtype forward passes run in: `param_dtype` under fsdp on cuda (FSDP2's mixed
+    precision), else the weights' `dtype` (CPU computes in the dtype it stores)."""
+    if sharded and device == "cuda" and config.param_dtype:
+        return config.param_dtype
+    return config.dtype
 
 
 def architecture(config: schema.ModelConfig, base_dir: Path) -> dict:

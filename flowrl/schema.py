@@ -38,7 +38,8 @@ BACKENDS = ("ray", "local")
 SCHEDULES = ("constant", "cosine")
 OFFLOAD = ("never", "always", "auto")
 DEVICES = ("cpu", "cuda")
-STRATEGIES = ("", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # "" = auto
+PLACEMENTS = ("", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # "" = auto
+STRATEGIES = ("ddp", "fsdp")  # training strategies (flowrl/engines/sharding.py)
 DTYPES = ("float32", "bfloat16", "float16")
 BUILTIN_SOURCES = ("arithmetic",)  # data.source names that are not files (flowrl/data/)
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")  # data files the loader reads
@@ -69,6 +70,15 @@ def _names() -> Rule:
         return good and len(set(value)) == len(value)
 
     return Rule("a list of distinct node ids", test)
+
+
+def _strategy() -> Rule:
+    """"ddp" or "fsdp"; the message names `placement` for a value of the pre-rename spelling,
+    when `strategy` held the Ray placement-group strategy."""
+    return Rule(
+        'one of "ddp", "fsdp" (the Ray placement-group strategy is set by `placement`)',
+        lambda v: v in STRATEGIES,
+    )
 
 
 @attrs.frozen
@@ -118,6 +128,8 @@ class ModelConfig:
     grad_clip: float = checked(1.0, at_least(0))  # max global grad norm; 0 = off
     micro_tokens: int = checked(4096, count(1, MAX_TOKENS))  # tokens per micro-batch
     n_params: int = checked(0, count(0, MAX_PARAMS))  # 0 = known from the path
+    param_dtype: str = checked("", one_of(("", *DTYPES)))  # fsdp on cuda: compute; "" = dtype
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward
 
 
 @attrs.frozen
@@ -129,7 +141,8 @@ class PoolConfig:
     offload: str = checked("auto", one_of(OFFLOAD))  # never/always/auto
     device_memory_gb: float = checked(0.0, at_least(0, MAX_MEMORY_GB))  # 0 = per device
     nodes: int = checked(1, count(1, MAX_WORKERS))  # machines the pool spans
-    strategy: str = checked("", one_of(STRATEGIES))  # Ray placement; "" = PACK or STRICT_SPREAD
+    strategy: str = checked("ddp", _strategy())  # "ddp" (replicated) or "fsdp" (sharded)
+    placement: str = checked("", one_of(PLACEMENTS))  # Ray; "" = PACK or STRICT_SPREAD
 
 
 @attrs.frozen
