@@ -73,7 +73,7 @@ def _names() -> Rule:
 
 
 def _strategy() -> Rule:
-    """"ddp" or "fsdp"; the message names `placement` for a value of the pre-rename spelling,
+    """ "ddp" or "fsdp"; the message names `placement` for a value of the pre-rename spelling,
     when `strategy` held the Ray placement-group strategy."""
     return Rule(
         'one of "ddp", "fsdp" (the Ray placement-group strategy is set by `placement`)',

@@ -10,16 +10,13 @@
   while the shards, the gradient reduction and the optimizer stay in the weights' dtype.
 
 Both give the engine the same small interface: `wrap`, `reduce_grads`, `clip_grads`,
-`full_weights` (for a rollout copy), `full_state` (for export), `move_weights` (offload), and
-`save` / `load` of sharded checkpoints (torch.distributed.checkpoint). The numbers agree: a
+`full_weights` (for a rollout copy), `full_state` (for a rollout pool and export) and
+`move_weights` (offload); sharded checkpoints are sharded_checkpoint.py. The numbers agree: a
 2-rank fsdp update equals the 1-rank update (tests/integration/test_fsdp.py).
 
 Under fsdp every rank must make the same collective calls in the same order, so ranks make
 the same number of forward (and backward) passes: see `TrainEngine.micro_batches`.
 """
-
-import contextlib
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -155,63 +152,7 @@ class FullyShard(Replicated):
         scorer.to(device)
 
 
-# -- sharded checkpoints ---------------------------------------------------------------------
-
-
-def checkpoint_state(engines: dict) -> dict:
-    """{model name: {"model", "optimizer", "scheduler"}} of trainable engines, keyed by parameter
-    name (not by shard or position), so a checkpoint loads under any rank count and strategy."""
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    return {
-        name: {
-            "model": get_model_state_dict(e.module),
-            "optimizer": get_optimizer_state_dict(e.module, e.optimizer),
-            "scheduler": e.scheduler.state_dict(),
-        }
-        for name, e in engines.items()
-    }
-
-
-def save(engines: dict, path: Path) -> None:
-    """Every rank writes its shards of the engines' state into the directory `path`
-    (torch.distributed.checkpoint: one file per rank and a metadata file); a collective."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(checkpoint_state(engines), checkpoint_id=str(path))
-
-
-def load(engines: dict, path: Path) -> None:
-    """Load a checkpoint written by `save`, whatever the ranks that wrote it: each rank reads
-    the parts of each tensor its shards cover. Engines that do not shard read whole tensors."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    state = checkpoint_state(engines)
-    with _quiet():
-        dcp.load(state, checkpoint_id=str(path))
-    for name, e in engines.items():
-        set_model_state_dict(e.module, state[name]["model"])
-        set_optimizer_state_dict(e.module, e.optimizer, state[name]["optimizer"])
-        e.scheduler.load_state_dict(state[name]["scheduler"])
-
-
-def load_weights(module: torch.nn.Module, path: Path, name: str) -> None:
-    """Only the weights of model `name` from a checkpoint written by `save`, into a plain
-    (unsharded) module, in this process alone (no process group needed): for export."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-    state = {name: {"model": get_model_state_dict(module)}}
-    with _quiet():
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    set_model_state_dict(module, state[name]["model"])
+# -- measurement ---------------------------------------------------------------------------
 
 
 def local_bytes(engine) -> dict:
@@ -234,14 +175,4 @@ def compute_dtype(name: str):
     return DTYPES[name] if name else None
 
 
-@contextlib.contextmanager
-def _quiet():
-    """DCP warns when it runs without a process group (export, one rank); that is intended."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-        yield
-
-
-__all__ = ["FullyShard", "Replicated", "load", "local_bytes", "make_sharding", "save"]
+__all__ = ["FullyShard", "Replicated", "compute_dtype", "local_bytes", "make_sharding"]

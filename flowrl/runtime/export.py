@@ -7,6 +7,7 @@ this process alone, and writes `save_pretrained` output plus the tokenizer, so t
 `AutoModelForCausalLM.from_pretrained(DIR)` loads it with no flowrl installed.
 """
 
+import json
 from pathlib import Path
 
 import toml
@@ -19,7 +20,7 @@ from flowrl.runtime import checkpoint
 def export(run_dir, out, step: int | None = None, model: str | None = None) -> Path:
     """Write model `model` (default: the run's only trainable model) of checkpoint `step`
     (default: the latest) as a Hugging Face model directory `out`; returns `out`."""
-    from flowrl.engines import sharding
+    from flowrl.engines import sharded_checkpoint
     from flowrl.models import load_model
 
     run_dir, out = Path(run_dir), Path(out)
@@ -29,14 +30,17 @@ def export(run_dir, out, step: int | None = None, model: str | None = None) -> P
         raise SystemExit(f"flowrl export: model {name} has a value head; export writes causal LMs")
     directory = _checkpoint(run_dir, step)
     module, tokenizer = load_model(
-        config.path, head=config.head, dtype=config.dtype, seed=raw.get("run", {}).get("seed", 0)
+        _model_path(run_dir, config.path),
+        head=config.head,
+        dtype=config.dtype,
+        seed=raw.get("run", {}).get("seed", 0),
     )
     pool = config.pool or next(iter(raw.get("pools", {})), "main")
     sharded, single = directory / f"pool-{pool}", directory / f"pool-{pool}.pt"
     if sharded.is_dir():
-        sharding.load_weights(module, sharded, name)
+        sharded_checkpoint.load_weights(module, sharded, name)
     elif single.exists():
-        state = torch.load(single, map_location="cpu", weights_only=False)  # our own file
+        state = torch.load(single, map_location="cpu", weights_only=True)  # runs no code
         module.load_state_dict(state[name]["module"])
     else:
         raise SystemExit(f"flowrl export: {directory} holds no state of pool {pool}")
@@ -51,6 +55,16 @@ def _read(path: Path) -> str:
         return path.read_text()
     except OSError as e:
         raise SystemExit(f"flowrl export: {path} is missing: is this a run directory?") from e
+
+
+def _model_path(run_dir: Path, path: str) -> str:
+    """A model path relative to the run's graph file resolves from that file's folder, as in
+    the run (run.json says where it was); aliases and absolute paths stay as they are."""
+    try:
+        base = Path(json.loads((run_dir / "run.json").read_text())["base_dir"])
+    except (OSError, ValueError, KeyError):
+        return path
+    return str(base / path) if not Path(path).is_absolute() and (base / path).exists() else path
 
 
 def _model(raw: dict, wanted: str | None) -> tuple[str, schema.ModelConfig]:

@@ -152,10 +152,11 @@ class PoolWorker:
         """ddp: rank 0 writes the trainable models' state to pool-<name>.pt (all ranks hold the
         same after each step). fsdp: every rank writes its shards into pool-<name>/."""
         if self.setup.strategy == "fsdp":
-            from flowrl.engines import sharding
+            from flowrl.engines import sharded_checkpoint
 
             if self._trainable():
-                sharding.save(self._trainable(), Path(directory) / f"pool-{self.setup.pool}")
+                path = Path(directory) / f"pool-{self.setup.pool}"
+                sharded_checkpoint.save(self._trainable(), path, self.rank)
         elif self.rank == 0:
             torch.save(self.state_dict(), Path(directory) / f"pool-{self.setup.pool}.pt")
 
@@ -165,9 +166,9 @@ class PoolWorker:
         sharded = Path(directory) / f"pool-{self.setup.pool}"
         path = sharded.with_name(sharded.name + ".pt")
         if sharded.is_dir():
-            from flowrl.engines import sharding
+            from flowrl.engines import sharded_checkpoint
 
-            sharding.load(self._trainable(), sharded)
+            sharded_checkpoint.load(self._trainable(), sharded)
         elif path.exists():
             if self.setup.strategy == "fsdp":
                 raise ValueError(

@@ -86,8 +86,9 @@ def test_param_dtype_off_cuda_fsdp_is_a_warning():
 def test_old_placement_value_under_strategy_says_to_use_placement():
     with pytest.raises(GraphErrors) as error:
         plan_of("grpo.toml", **{"pools.main.strategy": '"PACK"'})
-    assert 'write placement = "PACK" instead' in error.value.report()
-    with pytest.raises(GraphErrors, match="'strategy' must be in"):
+    report = error.value.report()
+    assert "'PACK'" in report and "placement-group strategy is set by `placement`" in report
+    with pytest.raises(GraphErrors, match='must be one of "ddp", "fsdp"'):
         plan_of("grpo.toml", **{"pools.main.strategy": '"zero3"'})
     assert schema.PoolConfig(placement="SPREAD").strategy == "ddp"
 
