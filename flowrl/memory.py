@@ -104,3 +104,45 @@ def from_hf_config(c: dict) -> dict:
     per_layer = 2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * c["intermediate_size"]
     embeddings = vocab * hidden * (1 if c.get("tie_word_embeddings", False) else 2)
     return {"params": layers * per_layer + embeddings, "layers": layers, "kv_dim": kv_dim}
+
+
+# -- the table of docs/scaling.md ------------------------------------------------------------
+
+TABLE_SIZES = (0.5e9, 1.5e9, 3e9, 7e9, 14e9, 32e9, 72e9)  # parameters
+TABLE_RANKS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def grpo_per_rank(params: int, ranks: int, strategy: str = "fsdp") -> tuple[int, int]:
+    """Bytes per rank of GRPO's models on one cuda pool, without KV cache and activations (they
+    depend on the batch): (all parts resident, the peak with offload = "always", when only one
+    call's parts are on the device). The policy has fp32 weights and AdamW state, computes in
+    bf16 (param_dtype) and generates; the reference is frozen. The estimate `flowrl plan` prints."""
+    sharded = strategy == "fsdp"
+    policy = schema.ModelConfig(
+        path="n_params", trainable=True, n_params=int(params), param_dtype="bfloat16"
+    )
+    ref = schema.ModelConfig(path="n_params", n_params=int(params))
+    train = model_bytes(policy, Path("."), {"train", "rollout"}, 0, ranks, sharded, "cuda")
+    frozen = model_bytes(ref, Path("."), {"inference"}, 0, ranks, sharded, "cuda")
+    phases = [  # what each call needs on the device (compiler.NEEDS)
+        sum(train[p] for p in ("weights", "grads", "optimizer")),
+        train.get("rollout_weights", train["weights"]),
+        frozen["weights"],
+    ]
+    return sum(train.values()) + sum(frozen.values()), max(phases)
+
+
+def scaling_table(sizes=TABLE_SIZES, ranks=TABLE_RANKS, device_gb: float = 80.0) -> str:
+    """Markdown: for each model size (rows) and fsdp ranks (columns), GB per rank with every
+    part resident / the peak with offload = "always"; a cell over 90% of `device_gb` (where
+    offload = "auto" would turn offloading on) shows "-"."""
+
+    def cell(n: int) -> str:
+        return f"{n / GB:.0f}" if n <= 0.9 * device_gb * GB else "-"
+
+    lines = ["| parameters | " + " | ".join(f"{r} rank{'s' * (r > 1)}" for r in ranks) + " |"]
+    lines.append("|---" * (len(ranks) + 1) + "|")
+    for size in sizes:
+        cells = [" / ".join(cell(n) for n in grpo_per_rank(size, r)) for r in ranks]
+        lines.append(f"| {size / 1e9:g}B | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -91,7 +91,8 @@ def test_two_fsdp_ranks_update_like_one_and_resume_on_one(tiny_plan, tmp_path):
     finally:
         executor.shutdown()
     saved = checkpoint.latest(run_dir) / "pool-main"
-    assert sorted(p.name for p in saved.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    names = sorted(p.name for p in saved.iterdir())
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "engines.json"]
 
     # the 2-rank checkpoint on 1 rank: the same weights, then the same next update
     _, _, plan_one = tiny_plan("grpo.toml", **SETTINGS, **FSDP)

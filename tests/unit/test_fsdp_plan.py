@@ -101,3 +101,13 @@ def test_flowrl_plan_prints_per_rank_memory_under_fsdp(capsys):
     assert "main: 2 worker(s) x cpu, fsdp" in out
     assert "trainable, fsdp over 2 ranks; weights 0.25 GB, grads 0.25 GB, optimizer 0.50 GB" in out
     assert "reload     main       policy: rollout_weights, kv_cache" in out
+
+
+def test_scaling_doc_table_is_the_estimate():
+    doc = (GRAPHS.parent / "docs" / "scaling.md").read_text()
+    assert memory.scaling_table() in doc  # regenerate: python -c "...print(scaling_table())"
+    # a 7B model on 8 ranks: 3.26 + 3.26 + 6.52 GB of shards, 13.04 GB of bf16 rollout copy and
+    # 3.26 GB of reference shards resident; the peak is the update's shards (or the copy)
+    resident, peak = memory.grpo_per_rank(7e9, 8)
+    assert resident == 7e9 * (4 + 4 + 8 + 4) / 8 + 7e9 * 2 and peak == 7e9 * 2
+    assert memory.grpo_per_rank(7e9, 8, "ddp") == (7e9 * 20, 7e9 * 16)
