@@ -42,7 +42,8 @@ class Scorer(nn.Module):
         (not masked: the engine zeroes the padding)."""
         hidden = self.hidden(prompts, prompt_mask, responses, attention, share_prompts)
         if self.is_value:
-            return {"values": self.model.value_head(hidden).squeeze(-1).float()}
+            values = self.model.value_head(hidden).squeeze(-1).float()  # (b, t), a view
+            return {"values": values.clone()}  # FSDP2 warns of views leaving its root module
         logits = self.model.get_output_embeddings()(hidden).float() / temperature  # (b, t, v)
         return token_logprobs(logits, responses, entropy)
 

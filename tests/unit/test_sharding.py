@@ -80,6 +80,10 @@ def test_fsdp_inference_gives_back_the_gathered_root(group):
     torch.testing.assert_close(sharded.infer(rows)["logprobs"], expected)
     # the embeddings (in the root's group) are shards again, not the gathered whole
     assert isinstance(sharded.module.model.embed_tokens.weight, DTensor)
+    critic = tiny_model(head="value", seed=1)
+    torch.nn.init.normal_(critic.value_head.weight)
+    expected = engine(critic, trainable=False).infer(rows)["values"]
+    torch.testing.assert_close(engine(critic, "fsdp", group).infer(rows)["values"], expected)
 
 
 def test_fsdp_engine_feeds_a_rollout_copy_and_moves_its_shards(group):
