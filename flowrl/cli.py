@@ -1,4 +1,4 @@
-"""`flowrl run | replay | check | plan | render | nodes`.
+"""`flowrl run | replay | check | plan | render | nodes | export`.
 
 check, plan, render and nodes import neither torch nor ray; `run` imports the runtime lazily.
 A bad graph file exits with code 2 and a list of its problems, any other flowrl error (a failed
@@ -226,6 +226,13 @@ def cmd_replay(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from flowrl.runtime.export import export  # torch loads from here on
+
+    print(f"wrote {export(args.run_dir, args.output, step=args.step, model=args.model)}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowrl", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -277,6 +284,13 @@ def parser() -> argparse.ArgumentParser:
 
     n = sub.add_parser("nodes", help="list the built-in nodes")
     n.set_defaults(func=cmd_nodes)
+
+    e = sub.add_parser("export", help="write a trained model as a Hugging Face model directory")
+    e.add_argument("run_dir", metavar="RUN_DIR")
+    e.add_argument("-o", "--output", required=True, metavar="DIR")
+    e.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
+    e.add_argument("--model", help="which model (default: the run's only trainable one)")
+    e.set_defaults(func=cmd_export)
     return p
 
 

@@ -8,6 +8,7 @@ Passes, in order:
 4. dispatch / collect items around every call; dependencies; what may overlap.
 """
 
+import math
 from pathlib import Path
 
 import networkx as nx
@@ -24,7 +25,9 @@ NEEDS = {
     "inference": ("weights",),
     "train": ("weights", "grads", "optimizer"),
 }
-PARTS = ("weights", "grads", "optimizer", "kv_cache")
+# A model sharded by fsdp generates from an unsharded copy (`rollout_weights`), not its shards.
+SHARDED_ROLLOUT_NEEDS = ("rollout_weights", "kv_cache")
+PARTS = ("weights", "grads", "optimizer", "rollout_weights", "kv_cache")
 
 
 def compile_file(file: str | Path, overrides=()) -> ExecutionPlan:
@@ -39,7 +42,7 @@ def compile_graph(built: Graph) -> ExecutionPlan:
     batch, warnings = _batch(built, refill, errors)
     _check_save_inputs(built, errors)
     errors.raise_if_any()
-    pools = _pools(built, batch)
+    pools = _pools(built, batch, warnings)
     items = _Builder(built, pools).build()
     return ExecutionPlan(
         built.spec.file,
@@ -137,10 +140,10 @@ def _refill(graph: Graph, errors: Collector) -> RefillPlan | None:
 # -- 2. placement and 3. the residency policy ----------------------------------------------
 
 
-def _pools(graph: Graph, batch: BatchPlan) -> dict[str, PoolPlan]:
-    """Every pool: which models it loads, which nodes it runs, their estimated sizes, the
-    resolved offload policy and the placement of its ranks. The one place placement is
-    decided (from the spec's `pool` and `rollout_pool` settings)."""
+def _pools(graph: Graph, batch: BatchPlan, warnings: list) -> dict[str, PoolPlan]:
+    """Every pool: which models it loads, which nodes it runs, which of them are sharded, their
+    estimated sizes per rank, the resolved offload policy and the placement of its ranks. The
+    one place placement is decided (from the spec's `pool` and `rollout_pool` settings)."""
     spec = graph.spec
     out = {}
     for name, pool in spec.pools.items():
@@ -149,12 +152,25 @@ def _pools(graph: Graph, batch: BatchPlan) -> dict[str, PoolPlan]:
         modes = {
             m: {spec.nodes[n].mode for n in node_ids if spec.nodes[n].model == m} for m in configs
         }
+        # fsdp shards the models that run forward passes here; a model that only generates
+        # here (a rollout pool's copy) needs its whole weights on every rank anyway
+        sharded = tuple(m for m in configs if pool.strategy == "fsdp" and modes[m] - {"rollout"})
+        tokens = math.ceil(batch.rows / pool.workers)  # a rank's rows
         sizes = {
-            m: memory.model_bytes(c, spec.base_dir, modes[m], _cache_tokens(spec, m, batch))
+            m: memory.model_bytes(
+                c,
+                spec.base_dir,
+                modes[m],
+                _cache_tokens(spec, m, tokens),
+                pool.workers,
+                m in sharded,
+                pool.device,
+            )
             for m, c in configs.items()
         }
+        warnings += _dtype_warnings(name, pool, configs, sharded)
         offload, reason = memory.offload_policy(pool, sizes)
-        strategy, ranks_by_node = placement(pool)
+        group_strategy, ranks_by_node = placement(pool)
         bundles = ranks_by_node if pool.nodes > 1 else [[r] for r in range(pool.workers)]
         updates = {}
         for n in node_ids:
@@ -171,20 +187,25 @@ def _pools(graph: Graph, batch: BatchPlan) -> dict[str, PoolPlan]:
             offload=offload,
             offload_reason=reason,
             nodes=pool.nodes,
-            strategy=strategy,
+            strategy=pool.strategy,
+            sharded=sharded,
+            placement=group_strategy,
             bundles=tuple(tuple(b) for b in bundles),
             ranks_by_node=tuple(tuple(r) for r in ranks_by_node),
             configs=configs,
             node_ids=node_ids,
             updates_per_step=updates,
-            models={m: memory.model_line(c, sizes[m]) for m, c in configs.items()},
+            models={
+                m: memory.model_line(c, sizes[m], pool.workers if m in sharded else 0)
+                for m, c in configs.items()
+            },
             memory_bytes=sizes,
         )
     return out
 
 
-def _cache_tokens(spec, model: str, batch: BatchPlan) -> int:
-    """KV-cache positions for a step's generation with `model`: rows x (prompt + response)."""
+def _cache_tokens(spec, model: str, rows: int) -> int:
+    """KV-cache positions for generating `rows` rows with `model`: rows x (prompt + response)."""
     new_tokens = max(
         (
             d.params.max_new_tokens
@@ -193,18 +214,38 @@ def _cache_tokens(spec, model: str, batch: BatchPlan) -> int:
         ),
         default=0,
     )
-    return batch.rows * (spec.data.max_prompt_len + new_tokens)
+    return rows * (spec.data.max_prompt_len + new_tokens)
+
+
+def _dtype_warnings(name: str, pool, configs: dict, sharded: tuple) -> list[str]:
+    """param_dtype is FSDP2's mixed precision: it has no effect elsewhere, so say so."""
+    out = []
+    for model, config in configs.items():
+        if config.param_dtype and config.param_dtype != config.dtype:
+            if model not in sharded or pool.device != "cuda":
+                out.append(
+                    f"[models.{model}] param_dtype = {config.param_dtype!r} applies under "
+                    f'strategy = "fsdp" on cuda; on pool {name} it computes in {config.dtype}'
+                )
+    return out
+
+
+def needs(pool: PoolPlan, model: str, mode: str) -> tuple[str, ...]:
+    """The parts of `model` a call of `mode` on `pool` must find on the device."""
+    if mode == "rollout" and model in pool.sharded:
+        return SHARDED_ROLLOUT_NEEDS
+    return NEEDS[mode]
 
 
 def placement(pool: schema.PoolConfig) -> tuple[str, list[list[int]]]:
-    """(placement-group strategy, the ranks on each of the pool's nodes). Ranks are consecutive
+    """(Ray placement-group strategy, the ranks on each of the pool's nodes). Ranks are consecutive
     on a node (so a node's ranks could share fast links); PACK on one node and STRICT_SPREAD
     over several, unless set. The Ray executor makes a bundle per rank on one node (Ray may
     still spread them when a node is full, as PACK allows) and a bundle per node otherwise:
     `PoolPlan.bundles`."""
     per_node = pool.workers // pool.nodes
     ranks = [list(range(k * per_node, (k + 1) * per_node)) for k in range(pool.nodes)]
-    return pool.strategy or ("PACK" if pool.nodes == 1 else "STRICT_SPREAD"), ranks
+    return pool.placement or ("PACK" if pool.nodes == 1 else "STRICT_SPREAD"), ranks
 
 
 # -- 4. items -------------------------------------------------------------------------------
@@ -228,11 +269,15 @@ class _Builder:
                 self.resident[pool] = {
                     (self.spec.nodes[n].model, part)
                     for n in self.calls_on[pool]
-                    for part in NEEDS[self.spec.nodes[n].mode]
+                    for part in self._needs(n)
                 }
 
     def _pool(self, node: str) -> str:
         return self.spec.pool_of(node)
+
+    def _needs(self, node: str) -> tuple[str, ...]:
+        decl = self.spec.nodes[node]
+        return needs(self.pools[self._pool(node)], decl.model, decl.mode)
 
     def add(self, kind: str, name: str, deps=(), **fields) -> int:
         item = Item(
@@ -258,7 +303,7 @@ class _Builder:
 
     def _call(self, node: str, decl, preds: list[int]) -> None:
         pool, model, mode = self._pool(node), decl.model, decl.mode
-        self._move(pool, "reload", {(model, p) for p in NEEDS[mode]} - self.resident[pool])
+        self._move(pool, "reload", {(model, p) for p in self._needs(node)} - self.resident[pool])
         workers = self.pools[pool].workers
         how = decl.spec.dispatch
         dispatch = self.add(
@@ -301,8 +346,7 @@ class _Builder:
             later = self.calls_on[pool][self.calls_on[pool].index(node) + 1 :]
             needed = set()
             if later:
-                nxt = self.spec.nodes[later[0]]
-                needed = {(nxt.model, p) for p in NEEDS[nxt.mode]}
+                needed = {(self.spec.nodes[later[0]].model, p) for p in self._needs(later[0])}
             self._move(pool, "offload", {r for r in self.resident[pool] if r not in needed})
 
     def _move(self, pool: str, kind: str, parts: set) -> None:

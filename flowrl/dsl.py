@@ -65,6 +65,14 @@ def _build(file, raw, errors: Collector, overridden: dict[str, str], root="") ->
     for name, pool in pools.items():
         if pool:
             _check_pool(name, pool, errors)
+    for name, model in models.items():  # LoRA adapters are not sharded yet
+        pool = pools.get(model.pool) if model else None
+        if model and model.lora and pool and pool.strategy == "fsdp":
+            errors.add(
+                f"[models.{name}] lora",
+                f'LoRA on pool "{model.pool}", whose strategy is "fsdp", is not supported',
+                f'set strategy = "ddp" on [pools.{model.pool}] (an adapter is small), or drop lora',
+            )
     if run:
         _check_loggers(run, errors)
     if any(m and m.lora for m in models.values()) and importlib.util.find_spec("peft") is None:
@@ -200,11 +208,11 @@ def _check_pool(name: str, pool: schema.PoolConfig, errors: Collector) -> None:
             f"workers = {pool.workers} do not split evenly over nodes = {pool.nodes}",
             "make workers a multiple of nodes",
         )
-    if pool.nodes > 1 and pool.strategy in ("PACK", "STRICT_PACK"):
+    if pool.nodes > 1 and pool.placement in ("PACK", "STRICT_PACK"):
         errors.add(
-            f"{where} strategy",
-            f"{pool.strategy} puts the pool's bundles on one node, but nodes = {pool.nodes}",
-            'use "STRICT_SPREAD" (one node per bundle) or "SPREAD", or leave strategy out',
+            f"{where} placement",
+            f"{pool.placement} puts the pool's bundles on one node, but nodes = {pool.nodes}",
+            'use "STRICT_SPREAD" (one node per bundle) or "SPREAD", or leave placement out',
         )
 
 

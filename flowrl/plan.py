@@ -5,7 +5,8 @@ Item kinds:
 - controller  a node's function runs on the controller
 - dispatch    the controller sends a node's input keys to the pool's ranks (split/broadcast/rank0)
 - collect     the controller gathers the ranks' outputs (concat, or rank 0's)
-- reload / offload   model parts (weights, grads, optimizer, kv_cache) move to / off the device
+- reload / offload   model parts (weights, grads, optimizer, rollout_weights, kv_cache) move to
+              / off the device (rollout_weights: the unsharded copy an fsdp model generates from)
 - sync        the trained weights reach the rollout engine, for the next step's generation
               (in place when they share the module; sent to the rollout pool's ranks when
               the model's rollout_pool is another pool)
@@ -70,14 +71,16 @@ class PoolPlan:
     offload: str  # resolved: "never" or "always"
     offload_reason: str
     nodes: int  # machines the pool spans
-    strategy: str  # Ray placement-group strategy, resolved
+    strategy: str  # training strategy: "ddp" (replicated) or "fsdp" (sharded)
+    sharded: tuple[str, ...]  # the models fsdp shards here (all but generate-only ones)
+    placement: str  # Ray placement-group strategy, resolved
     bundles: tuple[tuple[int, ...], ...]  # the ranks of each placement bundle
     ranks_by_node: tuple[tuple[int, ...], ...]  # the ranks on each machine
     configs: dict[str, Any]  # model name -> schema.ModelConfig as loaded on this pool
     node_ids: tuple[str, ...]  # the nodes whose workers run here, in file order
     updates_per_step: dict[str, int]  # trainable model -> optimizer steps per training step
-    models: dict[str, str]  # model name -> one line: path, head, role, estimated sizes
-    memory_bytes: dict[str, dict[str, int]]  # model name -> part -> estimated bytes
+    models: dict[str, str]  # model name -> one line: path, head, role, estimated sizes per rank
+    memory_bytes: dict[str, dict[str, int]]  # model name -> part -> estimated bytes per rank
 
 
 @attrs.frozen
@@ -147,15 +150,15 @@ class ExecutionPlan:
         lines = [f"plan for {self.file}", "pools"]
         for name, pool in self.pools.items():
             lines.append(
-                f"  {name}: {pool.workers} worker(s) x {pool.device}, "
-                f"offload={pool.offload} ({pool.offload_reason})"
+                f"  {name}: {pool.workers} worker(s) x {pool.device}, {pool.strategy}, "
+                f"offload={pool.offload} ({pool.offload_reason}); sizes per rank"
             )
             if pool.nodes > 1:
                 where = "; ".join(
                     f"node {k}: rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}"
                     for k, r in enumerate(pool.ranks_by_node)
                 )
-                lines.append(f"    placement: {pool.strategy} over {pool.nodes} nodes ({where})")
+                lines.append(f"    placement: {pool.placement} over {pool.nodes} nodes ({where})")
             for model, info in pool.models.items():
                 lines.append(f"    {model}: {info}")
         b = self.batch

@@ -39,7 +39,8 @@ BACKENDS = ("ray", "local")
 SCHEDULES = ("constant", "cosine")
 OFFLOAD = ("never", "always", "auto")
 DEVICES = ("cpu", "cuda")
-STRATEGIES = ("", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # "" = auto
+PLACEMENTS = ("", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # "" = auto
+STRATEGIES = ("ddp", "fsdp")  # training strategies (flowrl/engines/sharding.py)
 DTYPES = ("float32", "bfloat16", "float16")
 # run.loggers: each logger's pip package ("" = none needed); flowrl/runtime/loggers.py has them
 LOGGER_PACKAGES = {"jsonl": "", "tensorboard": "tensorboard", "wandb": "wandb"}
@@ -85,6 +86,15 @@ def _lora() -> Rule:
         '("all-linear" or a list of module names)'
     )
     return Rule(text, lambda v: not lora.settings_problem(v))
+
+
+def _strategy() -> Rule:
+    """ "ddp" or "fsdp"; the message names `placement` for a value of the pre-rename spelling,
+    when `strategy` held the Ray placement-group strategy."""
+    return Rule(
+        'one of "ddp", "fsdp" (the Ray placement-group strategy is set by `placement`)',
+        lambda v: v in STRATEGIES,
+    )
 
 
 @attrs.frozen
@@ -136,6 +146,8 @@ class ModelConfig:
     micro_tokens: int = checked(4096, count(1, MAX_TOKENS))  # tokens per micro-batch
     n_params: int = checked(0, count(0, MAX_PARAMS))  # 0 = known from the path
     lora: dict = attrs.field(factory=dict, validator=_lora())  # rank, alpha, target_modules
+    param_dtype: str = checked("", one_of(("", *DTYPES)))  # fsdp on cuda: compute; "" = dtype
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward
 
 
 @attrs.frozen
@@ -147,7 +159,8 @@ class PoolConfig:
     offload: str = checked("auto", one_of(OFFLOAD))  # never/always/auto
     device_memory_gb: float = checked(0.0, at_least(0, MAX_MEMORY_GB))  # 0 = per device
     nodes: int = checked(1, count(1, MAX_WORKERS))  # machines the pool spans
-    strategy: str = checked("", one_of(STRATEGIES))  # Ray placement; "" = PACK or STRICT_SPREAD
+    strategy: str = checked("ddp", _strategy())  # "ddp" (replicated) or "fsdp" (sharded)
+    placement: str = checked("", one_of(PLACEMENTS))  # Ray; "" = PACK or STRICT_SPREAD
 
 
 @attrs.frozen

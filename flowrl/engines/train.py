@@ -1,23 +1,25 @@
 """The train engine: one model on one rank, its optimizer and schedule, forward passes that
-return per-response-token log-probs (or values), data-parallel gradient sync, offload/reload.
+return per-response-token log-probs (or values), gradient sync across the pool's ranks under
+its strategy (ddp or fsdp: sharding.py), offload/reload, checkpoints.
 
 Frozen models (a reference policy) use the same engine with trainable=False: forward only.
 
-The forward pass does only the work the outputs need: padding columns are trimmed, the LM head
-runs only at the positions that predict response tokens (logsumexp minus the gathered logit,
-no log-softmax over the vocabulary kept), and a prompt repeated over its n samples runs once.
-Measured on the 2-core CPU machine, SmolLM2-135M, 4 prompts x 8 samples (prompt width 46, up
-to 20 response tokens), median of 3: forward + backward 10.7 s -> 5.2 s with the shared
-prompts; log-probs and gradients agree (tests/unit/test_engines.py).
+The forward pass (scoring.py) does only the work the outputs need: padding columns are trimmed,
+the LM head runs only at the positions that predict response tokens, and a prompt repeated over
+its n samples runs once. Measured on the 2-core CPU machine, SmolLM2-135M, 4 prompts x 8
+samples (prompt width 46, up to 20 response tokens), median of 3: forward + backward 10.7 s ->
+5.2 s with the shared prompts; log-probs and gradients agree (tests/unit/test_engines.py).
 """
 
 import math
 
 import torch
 import torch.distributed as dist
-from transformers import DynamicCache
 
 from flowrl import lora, ops
+from flowrl.engines import sharding
+from flowrl.engines.scoring import Scorer, checkpoint_layers, decoder_layers
+from flowrl.protocol import DataProto
 
 HOST = "cpu"
 PARTS = ("weights", "grads", "optimizer")
@@ -46,19 +48,31 @@ class TrainEngine:
         rank: int = 0,
         world_size: int = 1,
         group=None,
+        strategy: str = "ddp",
+        param_dtype: str = "",
+        activation_checkpointing: bool = False,
     ):
         self.module, self.tokenizer, self.trainable = module, tokenizer, trainable
         self.device, self.rank, self.world_size, self.group = device, rank, world_size, group
         self.grad_clip, self.micro_tokens = grad_clip, micro_tokens
         self.is_value = hasattr(module, "value_head")
-        # the transformer without a head, and the head applied only where it is needed
-        self.backbone = module.base_model
-        self.head = module.value_head if self.is_value else module.get_output_embeddings()
+        self.checkpointing = activation_checkpointing
+        self.passes = 0  # forward passes run (fsdp keeps them equal across ranks)
+        if activation_checkpointing and trainable:
+            checkpoint_layers(decoder_layers(module))
+        if not trainable:
+            module.requires_grad_(False)
+        module.eval()  # no dropout in RL updates: the sampled policy is the one we score
+        # the whole forward is one call of the root module, as FSDP2's hooks need
+        self.scorer = Scorer(module)
+        compute = sharding.compute_dtype(param_dtype)
+        self.sharding = sharding.make_sharding(strategy, group, world_size, device, compute)
+        self.sharding.wrap(self.scorer, decoder_layers(module))
         self.optimizer = self.scheduler = None
         self.resident = {"weights"}  # the parts now on `device` (see offload / reload)
         if trainable:
-            # fused: one kernel over all parameters; on the 2-core CPU machine a step over
-            # SmolLM2-135M takes 0.08 s against 0.45 s for the default (foreach), same update
+            # fused: one kernel over all parameters (the shards under fsdp); on the 2-core CPU
+            # machine a step over SmolLM2-135M takes 0.08 s against 0.45 s for the default
             self.optimizer = torch.optim.AdamW(
                 module.parameters(),
                 lr=lr,
@@ -69,15 +83,21 @@ class TrainEngine:
             factor = lr_factor(schedule, warmup_steps, total_steps, min_lr_ratio)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
             self.resident |= {"grads", "optimizer"}
-        else:
-            module.requires_grad_(False)
-        module.eval()  # no dropout in RL updates: the sampled policy is the one we score
 
     # -- batching ------------------------------------------------------------------------------
-    def micro_batches(self, rows) -> list:
+    def micro_batches(self, rows):
         """Contiguous row chunks whose padded size, rows x (prompt + response) columns after
         trimming the columns that are padding in every row of the chunk, fits micro_tokens
-        (at least one row per chunk). A bound on activations: shared prompts cost less."""
+        (at least one row per chunk). A bound on activations: shared prompts cost less.
+
+        For training loops: under fsdp each chunk must get one `forward(grad=True)` and one
+        `backward`, and the ranks must make as many of each (every pass is a collective); a
+        rank with fewer chunks makes up the difference with passes on a padding row, with no
+        gradient, once the loop is done (before the code after the loop runs).
+        """
+        return self._in_lockstep(self._split(rows), grad=True)
+
+    def _split(self, rows) -> list:
         if len(rows) == 0:
             return [rows]
         prompt = rows["prompt_mask"].sum(-1).tolist()  # left-padded: trimmed width = longest
@@ -92,6 +112,28 @@ class TrainEngine:
         bounds.append((start, len(rows)))
         return [rows.index(slice(a, b)) for a, b in bounds]
 
+    def _in_lockstep(self, parts: list, grad: bool):
+        """`parts` as they are (ddp), or under fsdp a generator that yields them and then runs
+        passes on a padding row until this rank has made as many as the busiest rank."""
+        if not self.sharding.sharded:
+            return parts
+        most = self._all_reduce(sum(1 for p in parts if len(p)), dist.ReduceOp.MAX)
+
+        def walk():
+            start = self.passes
+            yield from parts
+            for _ in range(int(most) - (self.passes - start)):
+                pad = torch.full((1, 1), self.tokenizer.pad_token_id or 0)
+                one = torch.ones(1, 1, dtype=torch.long)
+                row = DataProto.from_dict(
+                    {"prompts": pad, "prompt_mask": one, "responses": pad, "response_mask": one}
+                )
+                out = self.forward(row, grad=grad)
+                if grad:  # a zero loss: the collectives of a backward, no gradient
+                    self.backward(sum(v.sum() for v in out.values()) * 0.0)
+
+        return walk()
+
     def mini_batches(self, rows, size: int) -> list:
         """This rank's part of each mini-batch of `size` rows over all ranks (0 = one); every
         rank gets the same number of parts, so their optimizer steps line up."""
@@ -100,8 +142,9 @@ class TrainEngine:
 
     def infer(self, rows, **kwargs) -> dict:
         """`forward` without gradients over micro-batches, outputs concatenated (b, t)."""
-        parts = [self.forward(m, grad=False, **kwargs) for m in self.micro_batches(rows)]
-        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+        parts = self._in_lockstep(self._split(rows), grad=False)
+        outs = [self.forward(m, grad=False, **kwargs) for m in parts]
+        return {key: torch.cat([p[key] for p in outs]) for key in outs[0]}
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, rows, *, grad: bool, entropy: bool = False, temperature: float = 1.0) -> dict:
@@ -114,62 +157,30 @@ class TrainEngine:
         if b == 0:
             empty = torch.zeros(0, t)
             return {"values": empty} if self.is_value else {"logprobs": empty, "entropy": empty}
-        with torch.enable_grad() if grad else torch.inference_mode():
-            out, keep = self._forward(rows, entropy, temperature)
+        self.passes += 1
+        with torch.enable_grad() if grad else self.sharding.no_grad():
+            out, keep = self._forward(rows, entropy, temperature, grad)
+        if not grad:
+            self.sharding.after_inference(self.scorer)
         # outside inference mode, so callers may use the results in a graph
         return {k: _pad_right(v * keep, t) for k, v in out.items()}
 
-    def _forward(self, rows, entropy: bool, temperature: float):
+    def _forward(self, rows, entropy: bool, temperature: float, grad: bool):
         prompts, prompt_mask = _trim(rows["prompts"], rows["prompt_mask"], left=True)
         responses, attention = _trim(rows["responses"], ops.response_attention(rows), left=False)
         prompts, prompt_mask = prompts.to(self.device), prompt_mask.to(self.device)
         responses, attention = responses.to(self.device), attention.to(self.device)
-        hidden = self._hidden(prompts, prompt_mask, responses, attention)  # (b, t', h)
-        if self.is_value:
-            out = {"values": self.head(hidden).squeeze(-1).float()}
-        else:
-            logits = self.head(hidden).float() / temperature  # (b, t', v)
-            out = token_logprobs(logits, responses, entropy)
+        share = self._share_prompts(prompts, prompt_mask, grad)
+        out = self.scorer(prompts, prompt_mask, responses, attention, entropy, temperature, share)
         return out, attention
 
-    def _hidden(self, prompts, prompt_mask, responses, attention) -> torch.Tensor:
-        """The backbone's last hidden states at the positions predicting each response token:
-        (b, t, h), from prompts (b, p) and responses (b, t) with their attention mask (b, t).
-
-        Rows that repeat a prompt (the n samples of one prompt) share it: each distinct prompt
-        runs once, its keys and values are repeated for its rows, and only response tokens run
-        per row. Gradients flow back through the shared keys and values, so this is the same
-        function as the whole-sequence pass; for 4 prompts x 8 samples it computes 4 x 46
-        prompt tokens instead of 32 x 46.
-        """
-        p = prompts.shape[1]
-        mask = torch.cat([prompt_mask, attention], dim=1)  # (b, p + t)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens
-        distinct, group = torch.unique(
-            torch.cat([prompts, prompt_mask], dim=1), dim=0, return_inverse=True
-        )  # (g, 2p), and each row's prompt (b,)
-        if (len(prompts) - len(distinct)) * p < MIN_SAVED_PROMPT_TOKENS:
-            ids = torch.cat([prompts, responses], dim=1)
-            hidden = self.backbone(input_ids=ids, attention_mask=mask, position_ids=positions)
-            return hidden.last_hidden_state[:, p - 1 : -1]
-        cache = DynamicCache(config=self.backbone.config)
-        prompt_hidden = self.backbone(
-            input_ids=distinct[:, :p],
-            attention_mask=distinct[:, p:],
-            position_ids=(distinct[:, p:].cumsum(-1) - 1).clamp(min=0),
-            past_key_values=cache,
-            use_cache=True,
-        ).last_hidden_state  # (g, p, h)
-        cache.batch_select_indices(group)  # (g, ...) -> (b, ...), differentiable
-        response_hidden = self.backbone(
-            input_ids=responses,
-            attention_mask=mask,
-            position_ids=positions[:, p:],
-            past_key_values=cache,
-            use_cache=True,
-        ).last_hidden_state  # (b, t, h)
-        # the last prompt state predicts the first response token, response state k the k+1st
-        return torch.cat([prompt_hidden[group, -1:], response_hidden[:, :-1]], dim=1)
+    def _share_prompts(self, prompts, prompt_mask, grad: bool) -> bool:
+        """Run each distinct prompt once (`Scorer.hidden`) when that saves enough tokens; never
+        under fsdp or while recomputing checkpointed layers, which cannot run a layer twice."""
+        if self.sharding.sharded or (grad and self.checkpointing):
+            return False
+        distinct = torch.unique(torch.cat([prompts, prompt_mask], dim=1), dim=0)  # (g, 2p)
+        return (len(prompts) - len(distinct)) * prompts.shape[1] >= MIN_SAVED_PROMPT_TOKENS
 
     # -- update --------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -181,33 +192,41 @@ class TrainEngine:
         for p in params:  # a rank with no rows still joins the sum, with zeros
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.world_size > 1:  # one collective over a flat buffer, not one per tensor
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            offset = 0
-            for p in params:
-                p.grad = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
-        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        self.sharding.reduce_grads(params)
+        norm = self.sharding.clip_grads(params, self.grad_clip if self.grad_clip > 0 else math.inf)
         lr = self.optimizer.param_groups[0]["lr"]
-        finite = bool(torch.isfinite(norm))  # the same on every rank: the grads were summed
+        finite = math.isfinite(norm)  # the same on every rank: the grads were summed
         if finite:  # a NaN or inf loss or gradient would poison every weight: skip the step
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(norm), "lr": lr, "nonfinite_skipped": float(not finite)}
+        return {"grad_norm": norm, "lr": lr, "nonfinite_skipped": float(not finite)}
 
     def all_reduce_sum(self, value: float) -> float:
+        return self._all_reduce(value, dist.ReduceOp.SUM)
+
+    def _all_reduce(self, value: float, op) -> float:
         if self.world_size == 1:
             return float(value)
         tensor = torch.tensor([float(value)], dtype=torch.float64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        dist.all_reduce(tensor, op=op, group=self.group)
         return float(tensor)
+
+    # -- weights for others --------------------------------------------------------------------
+    def rollout_weights(self):
+        """What a rollout engine's `sync_weights` takes: this module (ddp: a colocated rollout
+        shares it) or, under fsdp, (name, whole tensor) pairs gathered one at a time."""
+        return self.sharding.full_weights(self.module)
+
+    def full_state(self) -> dict | None:
+        """The whole state dict as CPU tensors on rank 0, None on the others (a collective
+        under fsdp): for a rollout pool's copy and for tests."""
+        return self.sharding.full_state(self.module, self.rank)
 
     # -- residency -----------------------------------------------------------------------------
     def offload(self, parts) -> None:
-        """Move parts ("weights", "grads", "optimizer") to host memory."""
+        """Move parts ("weights", "grads", "optimizer") to host memory: under fsdp, this
+        rank's shards."""
         self._move(parts, HOST)
         self.resident -= set(parts)
         if torch.device(self.device).type == "cuda":
@@ -222,11 +241,8 @@ class TrainEngine:
         unknown = set(parts) - set(PARTS)
         if unknown:
             raise ValueError(f"unknown model parts {sorted(unknown)}; parts are {PARTS}")
-        # through `.data`, tensor by tensor: `module.to` would move the grads along with the
-        # weights, and the `.grad` setter refuses a grad on another device than its weight
         if "weights" in parts:
-            for tensor in [*self.module.parameters(), *self.module.buffers()]:
-                tensor.data = tensor.data.to(device)
+            self.sharding.move_weights(self.scorer, device)
         if "grads" in parts:
             for p in self.module.parameters():
                 if p.grad is not None:
@@ -234,12 +250,10 @@ class TrainEngine:
         if "optimizer" in parts and self.optimizer is not None:
             for state in self.optimizer.state.values():
                 for key, value in state.items():
-                    if (
-                        torch.is_tensor(value) and key != "step"
-                    ):  # a scalar; load_state_dict places it
-                        state[key] = value.to(device)
+                    if torch.is_tensor(value) and key != "step":  # a scalar, placed on load
+                        state[key] = value.to(device)  # a DTensor moves its shard
 
-    # -- checkpoints ---------------------------------------------------------------------------
+    # -- checkpoints (ddp; fsdp checkpoints are sharding.save / load) --------------------------
     def state_dict(self) -> dict:
         out = {"module": lora.weights(self.module)}  # with LoRA, the adapter only
         if self.trainable:
@@ -254,19 +268,6 @@ class TrainEngine:
         if self.trainable and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, entropy: bool = False) -> dict:
-    """logits (b, t, v), tokens (b, t) -> {"logprobs" (b, t)[, "entropy" (b, t)]}.
-
-    log p(x) = z_x - logsumexp(z): one gather, no (b, t, v) log-softmax kept.
-    Entropy H = logsumexp(z) - sum_x softmax(z)_x z_x.
-    """
-    normaliser = logits.logsumexp(-1)  # (b, t)
-    out = {"logprobs": logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - normaliser}
-    if entropy:
-        out["entropy"] = normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return out
 
 
 def lr_factor(kind: str, warmup: int, total: int, floor: float):

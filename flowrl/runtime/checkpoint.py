@@ -1,6 +1,8 @@
 """Checkpoint directories, written atomically: a temp directory renamed into place.
 
     run_dir/checkpoints/step_000010/{controller.json, pool-<name>.pt}  (no pickle: JSON and tensors)
+    run_dir/checkpoints/step_000010/pool-<name>/  (strategy fsdp: each rank's shards, written by
+                                                   torch.distributed.checkpoint, and JSON)
 
 A run killed while writing leaves only a `.tmp-` directory, which `latest` ignores, so the
 previous checkpoint stays the one a `--resume` continues from; `remove_temps` clears such
@@ -43,9 +45,10 @@ def writing(run_dir: Path, step: int, keep: int):
     temp.mkdir()
     try:
         yield temp
-        for path in temp.iterdir():  # the data must be on disk before the rename publishes it
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
+        for path in temp.rglob("*"):  # the data must be on disk before the rename publishes it
+            if path.is_file():
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
         faults.point("checkpoint", step)
         if final.exists():  # a re-run of this step after a resume: replace it
             shutil.rmtree(final)

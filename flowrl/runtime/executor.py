@@ -11,6 +11,7 @@ import abc
 import time
 
 import attrs
+import torch
 
 from flowrl.nodespec import KEEP
 from flowrl.protocol import DataProto
@@ -207,7 +208,7 @@ class Executor(abc.ABC):
     def _collect(self, item, batch, results, metrics) -> DataProto:
         decl = self.spec.nodes[item.node]
         outs = [r[0] for r in results]
-        writes = DataProto.concat(outs) if item.how == "concat" else outs[0]
+        writes = DataProto.concat(widest(outs)) if item.how == "concat" else outs[0]
         _merge_metrics(metrics, item.node, [r[1] for r in results])
         return _merge(batch, writes, decl)
 
@@ -273,6 +274,25 @@ def _merge(batch: DataProto, writes: DataProto, decl) -> DataProto:
     if len(writes) != len(batch):
         raise NodeFailure(f"node {decl.id} returned {len(writes)} rows for a batch of {len(batch)}")
     return batch.union(writes)
+
+
+def widest(parts: list[DataProto]) -> list[DataProto]:
+    """The ranks' outputs with every per-token tensor (b, t, ...) right-padded with zeros to
+    the widest t among them: ranks that generate stop at their own longest response, and a
+    rank's responses are right-padded too (masks are 0 there). Prompt-side keys never differ:
+    every rank gets columns of the same batch."""
+    keys = [k for k in parts[0].batch.keys() if parts[0][k].dim() >= 2]
+    wide = {k: max(p[k].shape[1] for p in parts) for k in keys}
+    out = []
+    for part in parts:
+        short = {k: w for k, w in wide.items() if part[k].shape[1] < w}
+        if short:
+            part = part.clone()
+            for key, width in short.items():
+                pad = [0, 0] * (part[key].dim() - 2) + [0, width - part[key].shape[1]]
+                part[key] = torch.nn.functional.pad(part[key], pad)
+        out.append(part)
+    return out
 
 
 def _merge_metrics(metrics: dict, node: str, per_rank: list[dict]) -> None:

@@ -1,5 +1,6 @@
 """The local executor: every pool as one in-process rank running the same worker code as on
-Ray, so a step can be stepped through in a debugger and tests need no cluster."""
+Ray, so a step can be stepped through in a debugger and tests need no cluster. A pool with
+several workers runs as one rank here, except under fsdp, which refuses (it needs the ranks)."""
 
 from flowrl.runtime.executor import Executor
 from flowrl.runtime.node_call import NodeFailure
@@ -9,6 +10,13 @@ from flowrl.runtime.pool_worker import PoolWorker, pool_setups
 class LocalExecutor(Executor):
     def __init__(self, plan, num_cpus: int | None = None):
         super().__init__(plan)
+        for name, pool in plan.pools.items():
+            if pool.strategy == "fsdp" and pool.workers > 1:
+                raise NodeFailure(
+                    f'pool {name} shards its models over {pool.workers} ranks (strategy = "fsdp"),'
+                    " and the local executor runs one in-process rank per pool: run it with "
+                    f"--backend ray (one process per rank), or set pools.{name}.workers=1"
+                )
         self.workers = {name: [PoolWorker(setup)] for name, setup in pool_setups(plan).items()}
 
     def pools(self):

@@ -6,6 +6,7 @@ only plain data (model configs, node `uses` and params as dicts) so it pickles a
 the executor turns into the step's timings and trace.
 """
 
+import copy
 import os
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from flowrl import lora, registry, schema
+from flowrl import lora, memory, registry, schema
 from flowrl.protocol import DataProto
 from flowrl.runtime.node_call import call_node
 
@@ -40,6 +41,8 @@ class PoolSetup:
     total_steps: dict  # trainable model name -> optimizer steps in the run
     rollout_models: tuple  # models used in rollout mode (get a rollout engine)
     nodes: tuple  # NodeSetup for every node that runs on this pool
+    strategy: str = "ddp"  # "ddp" or "fsdp" (flowrl/engines/sharding.py)
+    sharded: tuple = ()  # the models fsdp shards here
 
 
 class PoolWorker:
@@ -53,19 +56,10 @@ class PoolWorker:
 
         hf_logging.disable_progress_bar()  # one "Loading weights" bar per model per rank is noise
         self.setup, self.rank, self.world_size = setup, rank, world_size
-        group = None
-        if world_size > 1:
-            import torch.distributed as dist
-
-            dist.init_process_group(
-                "gloo" if setup.device == "cpu" else "nccl",
-                init_method=dist_url,
-                rank=rank,
-                world_size=world_size,
-            )
-            group = dist.group.WORLD
         device = _device(setup.device, rank)
+        group = _process_group(setup, rank, world_size, dist_url, device)
         self.train, self.rollout, self.tokenizers = {}, {}, {}
+        self.rollout_copies = {}  # model -> the unsharded module an fsdp model generates from
         for name, config in setup.models.items():
             torch.manual_seed(setup.seed)  # the same initial value head on every rank
             module, tokenizer = load_model(
@@ -75,6 +69,10 @@ class PoolWorker:
                 lora.add_adapter(module, config.lora)
             module.to(device)
             self.tokenizers[name] = tokenizer
+            rollout_module = module
+            if name in setup.sharded and name in setup.rollout_models:
+                rollout_module = _rollout_copy(module, config, setup.device)
+                self.rollout_copies[name] = rollout_module
             self.train[name] = TrainEngine(
                 module,
                 tokenizer,
@@ -92,9 +90,12 @@ class PoolWorker:
                 rank=rank,
                 world_size=world_size,
                 group=group,
+                strategy="fsdp" if name in setup.sharded else "ddp",
+                param_dtype=config.param_dtype,
+                activation_checkpointing=config.activation_checkpointing,
             )
             if name in setup.rollout_models:
-                self.rollout[name] = make_rollout(config.rollout, module, tokenizer, device)
+                self.rollout[name] = make_rollout(config.rollout, rollout_module, tokenizer, device)
         self.workers = {}
         for node in setup.nodes:
             spec = registry.resolve(node.uses, Path(setup.base_dir)).spec
@@ -128,43 +129,71 @@ class PoolWorker:
         start = time.time()
         if kind == "sync":
             if model in self.rollout:
-                self.rollout[model].sync_weights(self.train[model].module)
+                self.rollout[model].sync_weights(self.train[model].rollout_weights())
         else:
-            train_parts = tuple(p for p in parts if p != "kv_cache")
+            train_parts = tuple(p for p in parts if p not in ("kv_cache", "rollout_weights"))
             getattr(self.train[model], kind)(train_parts)
+            if "rollout_weights" in parts and model in self.rollout_copies:
+                target = self.train[model].device if kind == "reload" else "cpu"
+                self.rollout_copies[model].to(target)
             if model in self.rollout:
                 _move_rollout(self.rollout[model], kind, parts)
         return None, (start, time.time())
 
+    def _trainable(self) -> dict:
+        return {name: engine for name, engine in self.train.items() if engine.trainable}
+
     def state_dict(self) -> dict:
-        return {
-            name: engine.state_dict() for name, engine in self.train.items() if engine.trainable
-        }
+        return {name: engine.state_dict() for name, engine in self._trainable().items()}
 
     def load_state_dict(self, state: dict) -> None:
         for name, engine_state in state.items():
             self.train[name].load_state_dict(engine_state)
 
     def save(self, directory: str) -> None:
-        """Rank 0 writes the trainable models' state (all ranks hold the same after each step)."""
-        if self.rank == 0:
+        """ddp: rank 0 writes the trainable models' state to pool-<name>.pt (all ranks hold the
+        same after each step). fsdp: every rank writes its shards into pool-<name>/."""
+        if self.setup.strategy == "fsdp":
+            from flowrl.engines import sharded_checkpoint
+
+            if self._trainable():
+                path = Path(directory) / f"pool-{self.setup.pool}"
+                sharded_checkpoint.save(self._trainable(), path, self.rank)
+        elif self.rank == 0:
             torch.save(self.state_dict(), Path(directory) / f"pool-{self.setup.pool}.pt")
 
     def load(self, directory: str) -> None:
-        path = Path(directory) / f"pool-{self.setup.pool}.pt"
-        if path.exists():
+        """Load what `save` wrote. A sharded checkpoint loads under any number of ranks and
+        under either strategy; a ddp one (a single file) only under ddp."""
+        sharded = Path(directory) / f"pool-{self.setup.pool}"
+        path = sharded.with_name(sharded.name + ".pt")
+        if sharded.is_dir():
+            from flowrl.engines import sharded_checkpoint
+
+            sharded_checkpoint.load(self._trainable(), sharded)
+        elif path.exists():
+            if self.setup.strategy == "fsdp":
+                raise ValueError(
+                    f"{path} was written under strategy ddp; resume it with "
+                    f'pools.{self.setup.pool}.strategy="ddp" (a run saved under fsdp resumes '
+                    "under either strategy)"
+                )
             # tensors and plain containers only: loading someone's run never runs code
             self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
     def export_weights(self, model: str):
         """Rank 0's weights of `model` as CPU tensors, for a rollout pool: (state, (start, end));
-        other ranks hold the same weights and return (None, ...)."""
+        other ranks return (None, ...) (under fsdp they take part in gathering the shards)."""
         start = time.time()
-        state = None
-        if self.rank == 0:
-            module = self.train[model].module  # with LoRA, the adapter only
-            state = {k: v.detach().to("cpu", copy=True) for k, v in lora.weights(module).items()}
-        return state, (start, time.time())
+        if self.train[model].module is not None and lora.has_adapter(self.train[model].module):
+            state = None  # with LoRA (ddp only), the adapter: all ranks hold the same
+            if self.rank == 0:
+                module = self.train[model].module
+                state = {
+                    k: v.detach().to("cpu", copy=True) for k, v in lora.weights(module).items()
+                }
+            return state, (start, time.time())
+        return self.train[model].full_state(), (start, time.time())
 
     def import_weights(self, model: str, exported: tuple):
         """Load weights sent by `export_weights` into this pool's copy of `model` (whose
@@ -192,10 +221,21 @@ class PoolWorker:
         return {"node_id": node, "host": socket.gethostname(), "pid": os.getpid()}
 
     def parameters(self, model: str) -> dict:
-        """The model's parameters as CPU tensors (for tests and weight-sync checks)."""
-        return {
-            k: v.detach().cpu().clone() for k, v in self.train[model].module.state_dict().items()
-        }
+        """The model's whole parameters as CPU tensors (for tests and weight-sync checks);
+        under fsdp a collective: call it on every rank."""
+        engine = self.train[model]
+        return engine.sharding.full_state(engine.module, self.rank, everywhere=True)
+
+    def rollout_parameters(self, model: str) -> dict:
+        """The weights the rollout engine of `model` generates from, as CPU tensors."""
+        module = self.rollout_copies.get(model, self.train[model].module)
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+    def local_bytes(self, model: str) -> dict:
+        """Bytes of `model` this rank holds: {"weights", "optimizer"} (its shards under fsdp)."""
+        from flowrl.engines import sharding
+
+        return sharding.local_bytes(self.train[model])
 
     def ping(self) -> int:
         return self.rank
@@ -210,6 +250,33 @@ def _move_rollout(rollout, kind: str, parts: tuple) -> None:
             getattr(rollout, kind)()
     elif moving := tuple(p for p in parts if p in owned):
         getattr(rollout, kind)(moving)
+
+
+def _process_group(setup: PoolSetup, rank: int, world_size: int, url: str, device: str):
+    """The pool's process group (gloo on CPU, nccl on cuda): over its ranks when it has
+    several; over this process alone for fsdp on one rank (FSDP2 needs a group, and a local
+    run reuses the one it made for an earlier pool). None for ddp on one rank."""
+    import torch.distributed as dist
+
+    if world_size == 1 and (setup.strategy != "fsdp" or dist.is_initialized()):
+        return dist.group.WORLD if dist.is_initialized() else None
+    if setup.device == "cuda":
+        torch.cuda.set_device(device)
+    backend = "gloo" if setup.device == "cpu" else "nccl"
+    if world_size > 1:
+        dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+def _rollout_copy(module, config, device: str):
+    """An unsharded copy of `module` for the rollout engine of a model fsdp shards, in the
+    dtype passes compute in (bf16 on cuda with param_dtype), without gradients."""
+    from flowrl.models.loading import DTYPES
+
+    dtype = DTYPES[memory.compute_dtype(config, device, sharded=True)]
+    return copy.deepcopy(module).to(dtype).requires_grad_(False).eval()
 
 
 def _device(kind: str, rank: int) -> str:
@@ -242,6 +309,8 @@ def pool_setups(plan) -> dict[str, PoolSetup]:
             total,
             rollout,
             nodes,
+            pool.strategy,
+            pool.sharded,
         )
     return out
 

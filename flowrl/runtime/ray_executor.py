@@ -1,7 +1,8 @@
 """The Ray executor: each pool a placement group, one PoolWorker actor per rank.
 
 Ranks of a multi-rank pool form a torch.distributed group (gloo on CPU, nccl on GPU) for
-data-parallel training. Calls are submitted without waiting, so independent items overlap.
+data-parallel (ddp) or sharded (fsdp) training. Calls are submitted without waiting, so
+independent items overlap.
 """
 
 import os
@@ -34,12 +35,12 @@ class RayExecutor(Executor):
                 for g in groups
             ]
             bundle_of = {rank: k for k, g in enumerate(groups) for rank in g}
-            group = placement_group(bundles, strategy=pool.strategy)
+            group = placement_group(bundles, strategy=pool.placement)
             ready, _ = ray.wait([group.ready()], timeout=READY_TIMEOUT_S)
             if not ready:
                 remove_placement_group(group)
                 raise NodeFailure(
-                    f"pool {name} needs {len(bundles)} x {bundles[0]} ({pool.strategy}) but "
+                    f"pool {name} needs {len(bundles)} x {bundles[0]} ({pool.placement}) but "
                     f"Ray has {ray.available_resources()}: lower pools.{name}.workers, "
                     f"cpus_per_worker or nodes, or raise run.num_cpus"
                 )

@@ -116,7 +116,7 @@ def test_pool_spanning_two_nodes_places_a_rank_on_each(tiny_plan, tmp_path, two_
         "grpo.toml", **{"pools.main.workers": 2, "pools.main.nodes": 2, "data.batch_size": 2}
     )
     main = plan.pools["main"]
-    assert main.strategy == "STRICT_SPREAD" and main.ranks_by_node == ((0,), (1,))
+    assert main.placement == "STRICT_SPREAD" and main.ranks_by_node == ((0,), (1,))
     assert "placement: STRICT_SPREAD over 2 nodes (node 0: rank 0; node 1: rank 1)" in plan.text()
     trainer = Trainer(plan, tmp_path / "run", "ray")
     try:

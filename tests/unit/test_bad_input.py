@@ -139,10 +139,10 @@ CASES = [
         ["[pools.main]", '"device"', 'one of "cpu", "cuda"'],
     ),
     (
-        "strategy-lowercase",
-        with_line("[pools.main]", 'strategy = "pack"'),
+        "placement-lowercase",
+        with_line("[pools.main]", 'placement = "pack"'),
         [],
-        ["[pools.main]", '"strategy"', '"STRICT_SPREAD"'],
+        ["[pools.main]", '"placement"', '"STRICT_SPREAD"'],
     ),
     (
         "top-p-zero",

@@ -197,12 +197,12 @@ def test_unknown_model_and_pool(tmp_path):
 def test_rollout_pool_and_node_spanning_errors_name_key_and_fix(tmp_path):
     text = GOOD.replace(
         'trainable = true\npath = "tiny"', 'trainable = true\npath = "tiny"\nrollout_pool = "genn"'
-    ).replace("workers = 1", 'workers = 3\nnodes = 2\nstrategy = "PACK"')
+    ).replace("workers = 1", 'workers = 3\nnodes = 2\nplacement = "PACK"')
     found = problems(tmp_path, text)
     where = {p.where: p for p in found}
     assert 'pool "genn" is not defined' in where["[models.policy] rollout_pool"].message
     assert "do not split evenly" in where["[pools.main]"].message
-    assert "STRICT_SPREAD" in where["[pools.main] strategy"].fix
+    assert "STRICT_SPREAD" in where["[pools.main] placement"].fix
     found = problems(tmp_path, GOOD.replace("workers = 1", "workers = 1\nnodes = 2"))
     assert [p.fix for p in found] == ["set nodes <= workers"]
 
