@@ -1,0 +1,350 @@
+"""Tools an agent node may call, referenced from the graph file like scorers.
+
+A reference is a built-in name ("calculator", "python", "answer_check") or "file.py:name"
+(relative to the graph file) or "package.module:name", naming one of:
+
+- a function, sync or `async def`, with type hints and a Google-style docstring (its schema
+  comes from them, through transformers' `get_json_schema`). It returns the text the model
+  sees, or (text, step_reward).
+- a class with per-request state: `__init__(self, **create_kwargs)` gets the row's
+  `extra_info.tools_kwargs[<class or method name>].create_kwargs`; its public documented
+  methods are the tools; optional `reward(self) -> float` is called once when the request
+  ends and `close(self)` after it (verl's create / execute / calc_reward / release).
+- a verl `BaseTool`-shaped class (async `create`, `execute`, `calc_reward`, `release`) with
+  its OpenAI schema as the class attribute `tool_schema`, through `VerlTool`.
+
+`Session.call` turns every failure (a malformed call, an unknown tool, wrong arguments, an
+exception, a timeout) into an error text the model gets as the tool's answer, with a status
+that the rollout counts. Async tools run on the event loop; blocking ones in a thread pool (a
+timed-out thread cannot be killed: it runs on, unseen; the `python` tool uses a process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import importlib.util
+import inspect
+import re
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import attrs
+
+from flowrl.agent.parsers import ToolCall
+
+BUILTIN_TOOLS = {
+    "calculator": "flowrl.agent.builtin:calc",
+    "python": "flowrl.agent.builtin:python",
+    "answer_check": "flowrl.agent.builtin:AnswerCheck",
+}
+JSON_TYPES = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list, tuple),
+    "object": (dict,),
+}
+LIFECYCLE = ("reward", "close")  # class-tool methods that are not tools
+
+
+class ToolError(ValueError):
+    """A tool reference that cannot be loaded or described."""
+
+
+@attrs.frozen
+class ToolResult:
+    name: str  # the tool called ("" for a call too malformed to name one)
+    text: str  # what the model sees
+    status: str  # "ok", "invalid" (bad call), "error" (the tool raised), "timeout"
+    seconds: float = 0.0
+    reward: float | None = None  # a step reward the tool returned
+
+
+def load_object(ref: str, base_dir: str | Path = ".", what: str = "tool"):
+    """The object "file.py:name" (relative to base_dir) or "package.module:name" names."""
+    module_ref, _, name = ref.rpartition(":")
+    if not module_ref or not name:
+        raise ToolError(f'{what} "{ref}": write "file.py:name" or "package.module:name"')
+    if module_ref.endswith(".py"):
+        path = Path(module_ref) if Path(module_ref).is_absolute() else Path(base_dir) / module_ref
+        if not path.is_file():
+            raise ToolError(f'{what} "{ref}": no file {path}')
+        key = "flowrl_user_" + re.sub(r"\W", "_", str(path.resolve()))
+        module = sys.modules.get(key)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(key, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            sys.modules[key] = module
+    else:
+        try:
+            module = importlib.import_module(module_ref)
+        except ImportError as e:
+            raise ToolError(f'{what} "{ref}": cannot import {module_ref} ({e})') from e
+    if not hasattr(module, name):
+        raise ToolError(f'{what} "{ref}": {module_ref} has no "{name}"')
+    return getattr(module, name)
+
+
+def function_schema(function) -> dict:
+    """The OpenAI function schema of a typed, documented function (or method)."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(function)
+    except Exception as e:
+        raise ToolError(
+            f"{getattr(function, '__qualname__', function)}: {e} (a tool needs a type hint "
+            "on every argument and a Google-style docstring describing each under Args:)"
+        ) from e
+
+
+class FunctionTool:
+    """A stateless function: one tool, shared by every request."""
+
+    def __init__(self, function):
+        self.function = function
+        self.schemas = [function_schema(function)]
+        self.names = [self.schemas[0]["function"]["name"]]
+
+    async def open(self, tools_kwargs: dict):
+        return None
+
+    def handles(self, state) -> dict:
+        return {self.names[0]: self.function}
+
+    async def close(self, state) -> dict:
+        return {}
+
+
+class ClassTool:
+    """A class whose instance holds one request's state; its public methods are tools."""
+
+    def __init__(self, cls):
+        self.cls = cls
+        methods = [
+            name
+            for name, member in inspect.getmembers(cls, inspect.isfunction)
+            if not name.startswith("_") and name not in LIFECYCLE
+        ]
+        if not methods:
+            raise ToolError(f"{cls.__qualname__}: a tool class needs public documented methods")
+        self.schemas = [function_schema(getattr(cls, m)) for m in methods]
+        self.names = methods
+
+    async def open(self, tools_kwargs: dict):
+        keys = [self.cls.__name__, *self.names]
+        entry = next((tools_kwargs[k] for k in keys if k in tools_kwargs), {}) or {}
+        instance = self.cls(**(entry.get("create_kwargs") or {}))
+        return instance
+
+    def handles(self, instance) -> dict:
+        return {name: getattr(instance, name) for name in self.names}
+
+    async def close(self, instance) -> dict:
+        out = {}
+        if hasattr(instance, "reward"):
+            out[self.cls.__name__] = float(await _maybe_await(instance.reward()))
+        if hasattr(instance, "close"):
+            await _maybe_await(instance.close())
+        return out
+
+
+class _Schema(dict):
+    """A schema dict that also reads as attributes (verl's pydantic `OpenAIFunctionToolSchema`
+    is read as `tool_schema.function.name`)."""
+
+    def __getattr__(self, key):
+        try:
+            value = self[key]
+        except KeyError as e:
+            raise AttributeError(key) from e
+        return _Schema(value) if isinstance(value, dict) else value
+
+    def model_dump(self, **kwargs) -> dict:
+        return dict(self)
+
+
+class VerlTool:
+    """A verl `BaseTool`-shaped class: one instance, one `create`d id per request."""
+
+    def __init__(self, cls):
+        schema = getattr(cls, "tool_schema", None)
+        if not isinstance(schema, dict) or "function" not in schema:
+            raise ToolError(
+                f"{cls.__qualname__}: a verl-style tool needs its OpenAI schema as the class "
+                'attribute tool_schema = {"type": "function", "function": {...}}'
+            )
+        self.tool = cls(config={}, tool_schema=_Schema(schema))
+        self.schemas = [schema]
+        self.names = [schema["function"]["name"]]
+        self.parameters = list(schema["function"].get("parameters", {}).get("properties", {}))
+
+    async def open(self, tools_kwargs: dict):
+        entry = tools_kwargs.get(self.names[0]) or {}
+        created = await self.tool.create(str(uuid.uuid4()), **(entry.get("create_kwargs") or {}))
+        instance_id = created[0] if isinstance(created, tuple) else created
+        return instance_id, entry.get("execute_kwargs") or {}
+
+    def handles(self, state) -> dict:
+        instance_id, execute_kwargs = state
+
+        async def execute(**arguments):
+            return await self.tool.execute(instance_id, arguments, **execute_kwargs)
+
+        execute.__signature__ = inspect.Signature(
+            [inspect.Parameter(p, inspect.Parameter.KEYWORD_ONLY) for p in self.parameters]
+        )
+        return {self.names[0]: execute}
+
+    async def close(self, state) -> dict:
+        reward = await self.tool.calc_reward(state[0])
+        await self.tool.release(state[0])
+        return {self.names[0]: float(reward or 0.0)}
+
+
+def make_tool(ref: str, base_dir: str | Path = "."):
+    """The tool a reference names (see the module docstring)."""
+    target = load_object(BUILTIN_TOOLS.get(ref, ref), base_dir)
+    if inspect.isclass(target):
+        verl_shaped = all(hasattr(target, m) for m in ("create", "execute", "release"))
+        return VerlTool(target) if verl_shaped else ClassTool(target)
+    if callable(target):
+        return FunctionTool(target)
+    raise ToolError(f'tool "{ref}" is neither a function nor a class')
+
+
+class Toolbox:
+    """The tools of an agent node; `open` gives one request its Session."""
+
+    def __init__(self, refs, base_dir: str | Path = "."):
+        self.tools = [make_tool(ref, base_dir) for ref in refs]
+        self.schemas = [s for tool in self.tools for s in tool.schemas]
+        self.names = [n for tool in self.tools for n in tool.names]
+        twice = sorted({n for n in self.names if self.names.count(n) > 1})
+        if twice:
+            raise ToolError(f"tools named twice: {', '.join(twice)}")
+
+    def open(self, tools_kwargs: dict | None, pool=None) -> Session:
+        return Session(self, tools_kwargs or {}, pool)
+
+
+class Session:
+    """One request's tools: `start` creates per-request state, `call` runs one call and never
+    raises, `close` collects end-of-request rewards ({tool: reward}) and releases."""
+
+    def __init__(self, toolbox: Toolbox, tools_kwargs: dict, pool=None):
+        self.toolbox, self.tools_kwargs, self.pool = toolbox, tools_kwargs, pool
+        self.states, self.functions = None, {}
+
+    async def start(self) -> None:
+        self.states = [await tool.open(self.tools_kwargs) for tool in self.toolbox.tools]
+        for tool, state in zip(self.toolbox.tools, self.states, strict=True):
+            self.functions.update(tool.handles(state))
+
+    async def close(self) -> dict:
+        rewards = {}
+        for tool, state in zip(self.toolbox.tools, self.states or [], strict=False):
+            rewards.update(await tool.close(state))
+        return rewards
+
+    async def call(self, call: ToolCall, timeout: float) -> ToolResult:
+        start = time.monotonic()
+        name = call.name or ""
+        if call.error:
+            text = f"error: could not parse the tool call: {call.error}"
+            return ToolResult(name, text, "invalid")
+        function = self.functions.get(name)
+        if function is None:
+            known = ", ".join(self.functions) or "none"
+            text = f'error: unknown tool "{name}"; the tools are: {known}'
+            return ToolResult(name, text, "invalid")
+        arguments, problem = bind_arguments(function, call.arguments)
+        if problem:
+            return ToolResult(name, f"error: {name}: {problem}", "invalid")
+        try:
+            out = await asyncio.wait_for(self._invoke(function, arguments), timeout)
+        except TimeoutError:
+            text = f"error: TimeoutError: {name} took longer than {timeout:g} s"
+            return ToolResult(name, text, "timeout", time.monotonic() - start)
+        except Exception as e:
+            text = f"error: {type(e).__name__}: {e}"
+            return ToolResult(name, text, "error", time.monotonic() - start)
+        text, reward = tool_output(out)
+        return ToolResult(name, text, "ok", time.monotonic() - start, reward)
+
+    async def _invoke(self, function, arguments: dict):
+        if inspect.iscoroutinefunction(function):
+            return await function(**arguments)
+        loop = asyncio.get_running_loop()
+        out = await loop.run_in_executor(self.pool, functools.partial(function, **arguments))
+        return await _maybe_await(out)
+
+
+def bind_arguments(function, arguments) -> tuple[dict, str | None]:
+    """(keyword arguments, None) for a call of `function`, or ({}, what is wrong). A string
+    (a tag call's one argument) goes to the function's only required parameter."""
+    signature = inspect.signature(function)
+    params = [
+        p for p in signature.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if isinstance(arguments, str):
+        required = [p for p in params if p.default is p.empty] or params[:1]
+        if len(required) != 1:
+            return {}, f"takes {len(required)} arguments; the tag form passes one"
+        arguments = {required[0].name: arguments}
+    arguments = dict(arguments or {})
+    try:
+        signature.bind(**arguments)
+    except TypeError as e:
+        return {}, f"bad arguments: {e}"
+    hints = _hints(function)
+    for key, value in arguments.items():
+        expected = _json_type(hints.get(key))
+        if expected and not (
+            isinstance(value, JSON_TYPES[expected])
+            and not (isinstance(value, bool) and expected in ("integer", "number"))
+        ):
+            return {}, f'argument "{key}" must be a {expected}, got {type(value).__name__}'
+    return arguments, None
+
+
+def tool_output(out) -> tuple[str, float | None]:
+    """A tool's return value as (text, step reward): str, (text, reward[, metrics]), an
+    object with `.text` (verl's ToolResponse), or anything else as its str."""
+    reward = None
+    if isinstance(out, tuple) and len(out) >= 2:
+        out, reward = out[0], (None if out[1] is None else float(out[1]))
+    if hasattr(out, "text") and not isinstance(out, str):
+        out = out.text or ""
+    return (out if isinstance(out, str) else str(out)), reward
+
+
+def _hints(function) -> dict:
+    try:
+        import typing
+
+        return typing.get_type_hints(function)
+    except Exception:
+        return {}
+
+
+def _json_type(hint) -> str | None:
+    for name, types in (("boolean", bool), ("integer", int), ("number", float), ("string", str)):
+        if hint is types:
+            return name
+    origin = getattr(hint, "__origin__", hint)
+    if origin in (list, tuple):
+        return "array"
+    if origin is dict:
+        return "object"
+    return None
+
+
+async def _maybe_await(value):
+    return await value if inspect.isawaitable(value) else value
