@@ -310,7 +310,7 @@ def bind_arguments(function, arguments) -> tuple[dict, str | None]:
             isinstance(value, JSON_TYPES[expected])
             and not (isinstance(value, bool) and expected in ("integer", "number"))
         ):
-            return {}, f'argument "{key}" must be a {expected}, got {type(value).__name__}'
+            return {}, f'argument "{key}" must be of type {expected}, got {type(value).__name__}'
     return arguments, None
 
 

@@ -172,7 +172,7 @@ def test_calls_over_the_per_turn_limit_are_answered_with_an_error(pool):
         ('<tool_call>{"name": "calc", "arguments": {"expression": "2*3"}', "invalid", "not closed"),
         (hermes("nope", x="1"), "invalid", 'unknown tool "nope"'),
         (hermes("calc", expr="2*3"), "invalid", "bad arguments"),
-        (hermes("calc", expression=23), "invalid", 'argument "expression" must be a string'),
+        (hermes("calc", expression=23), "invalid", 'argument "expression" must be of type string'),
         (hermes("explode", x="1"), "error", "ZeroDivisionError: division by zero"),
     ],
 )
