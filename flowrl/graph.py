@@ -24,6 +24,7 @@ DATASET_KEYS = (
     "prompt_mask",
     "uid",
     "prompt_text",
+    "raw_prompt",
     "ground_truth",
     "data_source",
     "extra_info",

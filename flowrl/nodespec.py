@@ -72,6 +72,7 @@ class CheckContext:
     prompts: int  # prompts per step
     workers: int  # ranks of the pool it runs on (1 for a controller node)
     base_dir: str  # the graph file's folder: relative paths in params resolve against it
+    model_path: str = ""  # the path of the node's model ("" for a controller node)
 
 
 @attrs.frozen

@@ -55,6 +55,7 @@ class PromptDataset:
             },
             {
                 "prompt_text": [text for _, text, _, _ in items],
+                "raw_prompt": [row["prompt"] for *_, row in items],
                 "ground_truth": [row["reward_model"]["ground_truth"] for *_, row in items],
                 "data_source": [row["data_source"] for *_, row in items],
                 "extra_info": [row.get("extra_info", {}) for *_, row in items],

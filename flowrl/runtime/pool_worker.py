@@ -107,7 +107,7 @@ class PoolWorker:
         if overrides:  # e.g. greedy decoding for validation
             worker = spec.worker(worker.engine, attrs.evolve(worker.params, **overrides))
         where = f"on pool {self.setup.pool}, rank {self.rank}"
-        meta = {"rank": self.rank, "world_size": self.world_size}
+        meta = {"rank": self.rank, "world_size": self.world_size, "base_dir": self.setup.base_dir}
         out, metrics = call_node(node_id, spec, rename, batch, worker, where, meta)
         return out, metrics, (start, time.time())
 

@@ -1,0 +1,112 @@
+"""Multi-turn rollout with tools: `generate` plus a tool loop, per request a state machine.
+
+reads: prompts, prompt_mask, raw_prompt, extra_info -> writes: responses, response_mask,
+response_attention, response_text, rollout_logprobs, rollout_info
+
+Each (prompt, sample) is a request (flowrl/agent/episode.py): the policy samples a turn; calls
+in it are parsed, run (concurrently, each under a timeout) and their output appended as tokens
+the policy did not sample; until a turn makes no call or a limit ends it. All requests advance
+turn by turn on the engine's KV cache (flowrl/engines/wave_rollout.py). `response_mask` is 1
+on sampled tokens only; `response_attention` on tool output too. `rollout_info` carries each
+request's turns, calls, tool rewards and why it ended (verl's names), for reward.rule with
+`rollout_info = true`. Replaces [nodes.generate] in a graph; docs/multi-turn.md.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import attrs
+
+from flowrl.nodespec import CheckContext, Finding, NodeSpec, RolloutParams
+
+
+@attrs.frozen
+class Params(RolloutParams):
+    max_new_tokens: int = 256  # the whole response: sampled and tool tokens (verl response_length)
+    tools: tuple[str, ...] = ()  # "calculator", "python", "answer_check", "file.py:name"
+    parser: str = "hermes"  # "hermes", "tag" (<name>argument</name>) or "file.py:parse"
+    max_turn_tokens: int = 0  # tokens of one assistant turn; 0 = max_new_tokens
+    max_assistant_turns: int = 4
+    max_calls_per_turn: int = 1  # further calls of a turn are answered with an error
+    max_obs_tokens: int = 256  # one tool output, middle-truncated with a marker
+    tool_timeout_s: float = 10.0  # one call
+    request_timeout_s: float = 120.0  # one request, wall clock
+    max_invalid_calls: int = 3  # invalid calls in a row that end a request; 0 = no limit
+    obs_role: str = "tool"  # the role of tool output messages: "tool" or "user"
+    solution: str = "assistant"  # response_text: the model's own turns, or "full" (verl)
+    interaction: str = ""  # "file.py:reply", reply(messages, **kwargs) -> (done, text, reward)
+    max_user_turns: int = 0  # interaction replies per request
+
+
+def limits(p: Params):
+    from flowrl.agent.episode import Limits
+
+    return Limits(
+        max_new_tokens=p.max_new_tokens,
+        max_turn_tokens=p.max_turn_tokens or p.max_new_tokens,
+        **{f: getattr(p, f) for f in ("max_assistant_turns", "max_calls_per_turn")},
+        **{f: getattr(p, f) for f in ("max_obs_tokens", "tool_timeout_s", "request_timeout_s")},
+        **{f: getattr(p, f) for f in ("max_invalid_calls", "max_user_turns", "obs_role")},
+    )
+
+
+def check(p: Params, context: CheckContext) -> list[Finding]:
+    """Every limit, the tools, parser and interaction, and the chat template's appending."""
+    from flowrl.agent.checks import agent_findings
+
+    return agent_findings(p, context)
+
+
+class AgentWorker:
+    def __init__(self, engine, params: Params):
+        self.engine, self.params = engine, params
+
+    def __call__(self, batch):
+        from flowrl.nodes.generate import generation_metrics, step_generator
+
+        from flowrl.agent.driver import run_sync, run_waves
+        from flowrl.agent.rows import agent_metrics, agent_setup, assemble, episodes_for
+        from flowrl.engines.wave_rollout import WaveRollout
+
+        p, start = self.params, time.perf_counter()
+        setup = agent_setup(p, batch.meta.get("base_dir", "."), self.engine.tokenizer)
+        pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="flowrl-tool")
+        wave = WaveRollout(
+            self.engine,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            do_sample=p.do_sample,
+            generator=step_generator(batch.meta, self.engine.device),
+        )
+        try:
+            episodes = episodes_for(batch, setup, limits(p), p.n, pool)
+            wave.start(batch["prompts"], batch["prompt_mask"], p.n, p.max_new_tokens)
+            stats = run_sync(run_waves(episodes, wave))
+        finally:
+            wave.close()
+            pool.shutdown(wait=False, cancel_futures=True)  # a hung sync tool keeps its thread
+        out = assemble(episodes, self.engine.pad, p.solution)
+        metrics = generation_metrics(out["response_mask"], time.perf_counter() - start)
+        return out, {**metrics, **agent_metrics(episodes, stats)}
+
+
+SPEC = NodeSpec(
+    reads=("prompts", "prompt_mask", "raw_prompt", "extra_info"),
+    writes=(
+        "responses",
+        "response_mask",
+        "response_attention",
+        "response_text",
+        "rollout_logprobs",
+        "rollout_info",
+    ),
+    params=Params,
+    worker=AgentWorker,
+    mode="rollout",
+    head="lm",
+    rows="repeat",
+    check=check,
+)
