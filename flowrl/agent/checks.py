@@ -59,8 +59,8 @@ def _limit_findings(p) -> list[Finding]:
         out.append(
             Finding(
                 f"max_turn_tokens = {p.max_turn_tokens} exceeds max_new_tokens = "
-                f"{p.max_new_tokens} (the whole response)",
-                "lower max_turn_tokens (0 = max_new_tokens)",
+                f"{p.max_new_tokens} (the whole response), which caps every turn",
+                warning=True,
             )
         )
     if p.request_timeout_s < p.tool_timeout_s:
@@ -104,12 +104,31 @@ def _template(path: str, obs_role: str) -> list[str]:
     key = (path, obs_role)
     if key not in _TEMPLATE:
         from flowrl.agent.chat import template_problems
-        from flowrl.models import load_tokenizer
 
         try:
-            tokenizer = load_tokenizer(path)
-        except Exception as e:  # the model check reports a missing model; say why here too
+            tokenizer = tokenizer_of(path)
+        except Exception as e:
             _TEMPLATE[key] = [f"cannot load the tokenizer of {path!r}: {e}"]
         else:
-            _TEMPLATE[key] = template_problems(tokenizer, obs_role)
+            _TEMPLATE[key] = template_problems(tokenizer, obs_role) if tokenizer else []
     return _TEMPLATE[key]
+
+
+def tokenizer_of(path: str):
+    """The tokenizer of a model path, without torch (`flowrl check` runs where torch is not
+    installed); None for the embedded model before its one-off conversion, which needs torch
+    (the first `flowrl run` converts it, and checks the template then)."""
+    from flowrl.models import embedded
+
+    if path == "tiny":
+        from flowrl.models.tiny import tiny_tokenizer
+
+        return tiny_tokenizer()
+    if path == embedded.ALIAS:
+        directory = embedded.cache_root() / "models" / embedded.ALIAS
+        if not (directory / "config.json").is_file():
+            return None
+        path = str(directory)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -18,7 +18,7 @@ def load_rows(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise DataError(
-            f'{path}: no such data file (data.source takes "arithmetic" or a '
+            f'{path}: no such data file (data.source takes "arithmetic", "calculator" or a '
             ".parquet / .jsonl path relative to the graph file)"
         )
     if path.suffix == ".parquet":

@@ -125,7 +125,6 @@ def test_check_accepts_a_good_node(tools_dir):
     ("change", "says"),
     [
         ({"max_assistant_turns": 0}, "max_assistant_turns = 0 must be at least 1"),
-        ({"max_turn_tokens": 500}, "max_turn_tokens = 500 exceeds max_new_tokens = 80"),
         ({"tool_timeout_s": 0.0}, "tool_timeout_s = 0.0 must be positive"),
         ({"max_invalid_calls": -1}, "max_invalid_calls = -1 must be 0 or more"),
         ({"obs_role": "system"}, 'obs_role = "system" must be "tool" or "user"'),
@@ -173,7 +172,7 @@ def test_flowrl_check_runs_the_template_check_without_loading_weights(tools_dir,
             n = 2
             tools = ["my_tools.py:echo"]
             parser = "my_tools.py:always"
-            max_turn_tokens = 900
+            max_assistant_turns = 0
             [nodes.reward]
             uses = "reward.rule"
             rollout_info = true
@@ -186,17 +185,19 @@ def test_flowrl_check_runs_the_template_check_without_loading_weights(tools_dir,
             """
         )
     )
-    with pytest.raises(GraphErrors, match="max_turn_tokens = 900 exceeds"):
+    with pytest.raises(GraphErrors, match="max_assistant_turns = 0 must be at least 1"):
         flowrl.compile(graph)
     from flowrl.agent import checks
 
     monkeypatch.setitem(checks._TEMPLATE, ("tiny", "tool"), ["a template that rewrites"])
-    text = graph.read_text().replace("max_turn_tokens = 900\n", "")
+    text = graph.read_text().replace("max_assistant_turns = 0\n", "max_turn_tokens = 900\n")
     graph.write_text(text)
     with pytest.raises(GraphErrors, match="chat template: a template that rewrites"):
         flowrl.compile(graph)
     monkeypatch.setitem(checks._TEMPLATE, ("tiny", "tool"), [])
-    assert flowrl.compile(graph).spec.nodes["rollout"].params.tools == ("my_tools.py:echo",)
+    plan = flowrl.compile(graph)
+    assert plan.spec.nodes["rollout"].params.tools == ("my_tools.py:echo",)
+    assert any("max_turn_tokens = 900 exceeds" in w for w in plan.warnings)
 
 
 def test_reward_rule_hands_the_rollout_record_to_the_scorer(tmp_path):
