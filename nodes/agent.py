@@ -32,7 +32,7 @@ class Params(RolloutParams):
     max_calls_per_turn: int = 1  # further calls of a turn are answered with an error
     max_obs_tokens: int = 256  # one tool output, middle-truncated with a marker
     tool_timeout_s: float = 10.0  # one call
-    request_timeout_s: float = 120.0  # one request, wall clock
+    request_timeout_s: float = 120.0  # one request's time in tools, summed
     max_invalid_calls: int = 3  # invalid calls in a row that end a request; 0 = no limit
     obs_role: str = "tool"  # the role of tool output messages: "tool" or "user"
     solution: str = "assistant"  # response_text: the model's own turns, or "full" (verl)

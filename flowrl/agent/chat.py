@@ -73,6 +73,10 @@ class ChatTokens:
         """Text of ids without special tokens: for parsing calls, rewards and logs only."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def show(self, ids: list[int]) -> str:
+        """Text of ids with special tokens, as the model sees them: for logs."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     def truncate(self, text: str, max_tokens: int) -> tuple[str, bool]:
         """(text cut to about `max_tokens` tokens by dropping its middle, whether it was cut).
         The kept head and tail are decoded from the text's own ids, so the template may

@@ -50,7 +50,7 @@ class Limits:
     max_calls_per_turn: int = 1  # further calls of a turn are answered with an error
     max_obs_tokens: int = 256  # one tool output, middle-truncated with a marker
     tool_timeout_s: float = 10.0  # one call
-    request_timeout_s: float = 120.0  # the whole request, wall clock from its start
+    request_timeout_s: float = 120.0  # a request's time in tools and interactions, summed
     max_invalid_calls: int = 3  # invalid calls in a row that end the request (0 = no limit)
     max_user_turns: int = 0  # interaction replies
     obs_role: str = "tool"  # the role of tool output messages
@@ -79,7 +79,7 @@ class Episode:
         self.limits, self.interaction = limits, interaction
         self.interaction_kwargs = dict(interaction_kwargs or {})
         self.messages, self.prompt_messages = list(messages), len(messages)
-        self.clock, self.started = clock, clock()
+        self.clock, self.spent = clock, 0.0  # seconds spent in tools and interactions
         self.state, self.reason, self.error = GENERATING, None, None
         self.ids, self.mask, self.logprobs = [], [], []
         self.turn_texts: list[str] = []
@@ -116,6 +116,7 @@ class Episode:
     async def advance(self) -> list[int]:
         """Run the pending calls or the interaction: the ids to append before the next turn
         (an added eos, then the observation delta), or [] when the request ended."""
+        start = self.clock()
         try:
             if self.state == TOOLS:
                 messages = await self._run_calls()
@@ -123,6 +124,9 @@ class Episode:
                 messages = await self._interact()
             else:
                 return []
+            self.spent += self.clock() - start
+            if self._time_left() <= 0:
+                return self._end("timeout") or []
             return [] if messages is None else self._observe(messages)
         except Exception as e:
             self._fail(e)
@@ -148,8 +152,6 @@ class Episode:
         text = self.chat.decode(ids)
         self.turn_texts.append(text)
         self.messages.append({"role": "assistant", "content": text})
-        if self._out_of_time():
-            return self._end("timeout")
         calls = self.parser(text)
         if not calls:
             if not ended:
@@ -183,8 +185,6 @@ class Episode:
             if result.reward is not None:
                 self.tool_rewards.append(result.reward)
             self.invalid_streak = self.invalid_streak + 1 if result.status == "invalid" else 0
-        if self._out_of_time():
-            return self._end("timeout")
         if limits.max_invalid_calls and self.invalid_streak >= limits.max_invalid_calls:
             return self._end("invalid_calls")
         out = []
@@ -226,10 +226,10 @@ class Episode:
         self._end("error")
 
     def _time_left(self) -> float:
-        return self.limits.request_timeout_s - (self.clock() - self.started)
-
-    def _out_of_time(self) -> bool:
-        return self._time_left() <= 0
+        """What is left of the request's time for tools. Only tool and interaction time
+        counts: in the wave driver a request waits for every other row's decoding, which
+        the token limits bound already."""
+        return self.limits.request_timeout_s - self.spent
 
     # -- the result --------------------------------------------------------------------------
     def trained_mask(self) -> list[int]:
@@ -263,7 +263,17 @@ class Episode:
             "policy_tokens": sum(self.mask),
             "tool_tokens": len(self.mask) - sum(self.mask),
             "messages": self.messages[self.prompt_messages :],
+            "trained_spans": self.spans(),
         }
+
+    def spans(self) -> list[list]:
+        """The response as [text, trained] runs (special tokens shown), for samples.jsonl."""
+        out, mask, start = [], self.trained_mask(), 0
+        for k in range(1, len(mask) + 1):
+            if k == len(mask) or mask[k] != mask[start]:
+                out.append([self.chat.show(self.ids[start:k]), mask[start]])
+                start = k
+        return out
 
 
 @attrs.frozen

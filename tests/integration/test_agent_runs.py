@@ -160,3 +160,9 @@ def test_a_verl_parquet_with_tools_kwargs_runs_with_the_answer_check(tmp_path):
     # every request answers "7": right for the two rows whose create_kwargs say 7
     assert [s["score/mean"] for s in steps] == [0.5, 0.5]
     assert all(s["generate/calls_per_request"] == 2.0 for s in steps)
+    sample = json.loads((run_dir / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["termination"] == "budget" and sample["conversation"][1]["role"] == "tool"
+    assert "Current parsed answer='7'" in sample["conversation"][1]["content"]
+    assert sample["response_marked"].startswith("[[")  # the model's turn, trained
+    # the turn was cut at max_turn_tokens: its closing eos was added, not sampled (unmarked)
+    assert "]]<|im_end|>\n<|im_start|>tool\nCurrent parsed" in sample["response_marked"]

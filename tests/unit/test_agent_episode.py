@@ -146,6 +146,12 @@ def test_one_call_then_an_answer(pool):
     assert episode.info()["calls"][0]["status"] == "ok"
     assert episode.solution() == "<calc>12*34</calc>\n408"
     assert "408" in episode.solution("full") and episode.info()["num_turns"] == 3
+    show = TOKENIZER.decode  # with special tokens: what samples.jsonl shows
+    assert episode.info()["trained_spans"] == [
+        [show(turn1), 1],
+        [show(observation), 0],
+        [show(turn2), 1],
+    ]
 
 
 def test_several_calls_keep_call_order_when_they_finish_out_of_order(pool):
@@ -268,9 +274,15 @@ def test_the_request_timeout_ends_it_and_it_trains_on_nothing(pool):
         now[0] += 1.0  # every look at the clock is a second later
         return now[0]
 
-    script = {0: [ids("<calc>2*3</calc>"), ids("6")]}
-    (episode,), _, _ = run(script, pool, "tag", clock=clock, request_timeout_s=2.5)
+    # each round of calls "takes" a second on this clock: the 3rd round passes 2.5 s
+    call = ids("<calc>2*3</calc>")
+    script = {0: [call, call, call, call]}
+    (episode,), backend, _ = run(
+        script, pool, "tag", clock=clock, request_timeout_s=2.5, max_assistant_turns=9
+    )
     assert episode.reason == "timeout" and sum(episode.trained_mask()) == 0
+    assert len(episode.calls) == 3 and backend.count[0] == 3
+    assert episode.spent == 3.0
 
 
 def test_an_interaction_answers_as_the_user_until_it_is_done(pool):

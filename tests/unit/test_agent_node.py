@@ -230,3 +230,54 @@ def test_reward_rule_hands_the_rollout_record_to_the_scorer(tmp_path):
     assert float(scores["scores"][0]) == pytest.approx(3 + 0.45 + 10 + 100)
     assert rule.SPEC.reads_for(params)[-1] == "rollout_info"
     assert "rollout_info" not in rule.SPEC.reads_for(rule.Params())
+
+
+def test_reward_tools_adds_step_and_final_rewards_and_a_call_bonus():
+    from flowrl.nodes.reward.tools import tool_scores
+
+    infos = [
+        {"calls": [{"status": "ok"}], "tool_rewards": [0.0, -0.05], "rollout_reward_scores": {}},
+        {"calls": [{"status": "invalid"}], "tool_rewards": [], "rollout_reward_scores": {"t": 1}},
+        {"calls": [], "tool_rewards": [], "rollout_reward_scores": {}},
+    ]
+    # 1 - 0.05 + 0.1 bonus; 0 + 0.5 * 1 (no bonus: the call did not run); 1 unchanged
+    shaped = tool_scores([1.0, 0.0, 1.0], infos, coef=1.0, final_coef=0.5, call_bonus=0.1)
+    assert shaped == pytest.approx([1.05, 0.5, 1.0])
+
+
+def test_reward_tools_wires_after_a_renamed_rule_reward(tools_dir):
+    graph = tools_dir / "g.toml"
+    graph.write_text(
+        textwrap.dedent(
+            """
+            [data]
+            batch_size = 2
+            [models.policy]
+            path = "tiny"
+            trainable = true
+            [pools.main]
+            workers = 1
+            [nodes.generate]
+            uses = "agent"
+            model = "policy"
+            n = 2
+            tools = ["calculator"]
+            parser = "tag"
+            [nodes.reward]
+            uses = "reward.rule"
+            rename = { scores = "rule_scores" }
+            [nodes.tool_reward]
+            uses = "reward.tools"
+            call_bonus = 0.1
+            [nodes.advantage]
+            uses = "advantage.grpo"
+            [nodes.update]
+            uses = "update.policy"
+            model = "policy"
+            on_policy = true
+            """
+        )
+    )
+    plan = flowrl.compile(graph)
+    assert plan.graph.writers["scores"] == "tool_reward"
+    assert plan.graph.writers["rule_scores"] == "reward"
