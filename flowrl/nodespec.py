@@ -43,6 +43,9 @@ DISPATCHES = ("split", "broadcast", "rank0")
 ROWS = ("same", "repeat", "filter")
 HEADS = ("lm", "value")
 KEEP = "keep"  # the one key a filter node returns
+# a worker's metrics may hold, under this key, [(name, start, end)] wall-clock spans of its
+# phases (e.g. the agent node's decode and tool time); the trace shows them under the node
+PHASES = "trace_phases"
 
 
 @attrs.frozen

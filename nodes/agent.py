@@ -19,7 +19,7 @@ import time
 
 import attrs
 
-from flowrl.nodespec import CheckContext, Finding, NodeSpec, RolloutParams
+from flowrl.nodespec import PHASES, CheckContext, Finding, NodeSpec, RolloutParams
 
 
 @attrs.frozen
@@ -90,7 +90,8 @@ class AgentWorker:
             pool.shutdown(wait=False, cancel_futures=True)  # a hung sync tool keeps its thread
         out = assemble(episodes, self.engine.pad, p.solution)
         metrics = generation_metrics(out["response_mask"], time.perf_counter() - start)
-        return out, {**metrics, **agent_metrics(episodes, stats)}
+        # decode and tool phases go to the run's trace, on this rank's track
+        return out, {**metrics, **agent_metrics(episodes, stats), PHASES: stats.phases}
 
 
 SPEC = NodeSpec(

@@ -40,34 +40,45 @@ class WaveStats:
     waves: int = 0
     decode_s: float = 0.0  # wall time inside the engine
     tools_s: float = 0.0  # wall time running tools and interactions
+    phases: list = attrs.Factory(list)  # ("decode" | "tools", start, end) in epoch seconds
+
+    def add(self, kind: str, start: float) -> None:
+        """Record a phase that began at `start` (time.time()) and ends now."""
+        end = time.time()
+        self.phases.append((kind, start, end))
+        if kind == "decode":
+            self.decode_s += end - start
+        else:
+            self.tools_s += end - start
 
 
 async def run_waves(episodes: list, backend: TurnBackend) -> WaveStats:
     """Run `episodes` (episode.Episode) to the end on `backend`; nothing a request does
     raises here, only the engine's own errors do."""
     stats = WaveStats()
-    start = time.perf_counter()
+    start = time.time()
     await asyncio.gather(*(episode.start() for episode in episodes))
-    stats.tools_s += time.perf_counter() - start
+    stats.add("tools", start)
     active = [i for i, episode in enumerate(episodes) if not episode.done]
     append = {i: [] for i in active}
     while active:
         stats.waves += 1
-        start = time.perf_counter()
+        start = time.time()
         limits = [episodes[i].turn_limit() for i in active]
         turns = backend.turn(active, [append[i] for i in active], limits)
-        stats.decode_s += time.perf_counter() - start
+        stats.add("decode", start)
         for i, (ids, logprobs) in zip(active, turns, strict=True):
             episodes[i].on_turn(ids, logprobs)
-        start = time.perf_counter()
+        start = time.time()
         waiting = [i for i in active if not episodes[i].done]
         observations = await asyncio.gather(*(episodes[i].advance() for i in waiting))
         append = dict(zip(waiting, observations, strict=True))
         active = [i for i in waiting if not episodes[i].done]
-        stats.tools_s += time.perf_counter() - start
-    start = time.perf_counter()
+        if waiting:
+            stats.add("tools", start)
+    start = time.time()
     await asyncio.gather(*(episode.finish() for episode in episodes))
-    stats.tools_s += time.perf_counter() - start
+    stats.add("tools", start)
     return stats
 
 

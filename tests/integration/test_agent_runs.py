@@ -160,6 +160,9 @@ def test_a_verl_parquet_with_tools_kwargs_runs_with_the_answer_check(tmp_path):
     # every request answers "7": right for the two rows whose create_kwargs say 7
     assert [s["score/mean"] for s in steps] == [0.5, 0.5]
     assert all(s["generate/calls_per_request"] == 2.0 for s in steps)
+    trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    names = {event["name"] for event in trace}
+    assert {"generate", "generate/decode", "generate/tools"} <= names
     sample = json.loads((run_dir / "samples.jsonl").read_text().splitlines()[0])
     assert sample["termination"] == "budget" and sample["conversation"][1]["role"] == "tool"
     assert "Current parsed answer='7'" in sample["conversation"][1]["content"]
