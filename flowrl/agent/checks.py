@@ -27,6 +27,10 @@ def agent_findings(p, context: CheckContext) -> list[Finding]:
             load_object(p.interaction, context.base_dir, "interaction")
         except Exception as e:
             out.append(Finding(str(e), 'interaction = "file.py:reply"'))
+        if not p.max_user_turns:
+            out.append(
+                Finding("interaction is set but max_user_turns = 0: it never answers", warning=True)
+            )
     elif p.max_user_turns:
         out.append(Finding("max_user_turns is set but there is no interaction", warning=True))
     if context.model_path:

@@ -28,6 +28,8 @@ import time
 
 import attrs
 
+from flowrl.agent.session import ToolResult
+
 GENERATING, TOOLS, INTERACTING, DONE = "generating", "tools", "interacting", "done"
 REASONS = (
     "stop",
@@ -156,10 +158,12 @@ class Episode:
         if not calls:
             if not ended:
                 return self._end("length")
-            if self.interaction is not None and self.user_turns < self.limits.max_user_turns:
+            if self.interaction is None or not self.limits.max_user_turns:
+                return self._end("stop")
+            if self.user_turns < self.limits.max_user_turns:
                 self.state = INTERACTING
                 return None
-            return self._end("max_turns" if self.interaction is not None else "stop")
+            return self._end("max_turns")  # the user had their turns
         if len(self.turn_texts) >= self.limits.max_assistant_turns:
             return self._end("max_turns")
         if not ended:  # cut by max_turn_tokens: close the turn as the template would
@@ -177,7 +181,7 @@ class Episode:
         results = list(await asyncio.gather(*(self.session.call(c, timeout) for c in allowed)))
         for call in extra:
             text = f"error: at most {limits.max_calls_per_turn} calls per turn; not run"
-            results.append(_Result(call.name or "", text, "invalid"))
+            results.append(ToolResult(call.name or "", text, "invalid"))
         for result in results:
             self.calls.append(
                 {"name": result.name, "status": result.status, "seconds": result.seconds}
@@ -274,12 +278,3 @@ class Episode:
                 out.append([self.chat.show(self.ids[start:k]), mask[start]])
                 start = k
         return out
-
-
-@attrs.frozen
-class _Result:  # an answer the episode gives itself (a call over the per-turn limit)
-    name: str
-    text: str
-    status: str
-    seconds: float = 0.0
-    reward: float | None = None

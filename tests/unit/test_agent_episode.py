@@ -300,6 +300,17 @@ def test_an_interaction_answers_as_the_user_until_it_is_done(pool):
     assert backend.appended[0][1] == user and episode.mask.count(0) == len(user)
 
 
+def test_an_interaction_out_of_turns_ends_by_max_turns(pool):
+    def reply(messages, **kwargs):
+        return False, "Again.", 0.0
+
+    script = {0: [ids("1"), ids("2"), ids("3")]}
+    (episode,), backend, _ = run(script, pool, interaction=reply, max_user_turns=2)
+    assert episode.reason == "max_turns" and episode.user_turns == 2 and backend.count[0] == 3
+    (quiet,), _, _ = run({0: [ids("1")]}, pool, interaction=reply, max_user_turns=0)
+    assert quiet.reason == "stop"
+
+
 def test_tool_step_rewards_are_recorded(pool):
     script = {0: [ids(hermes("scored", answer="7")), ids("7")]}
     (episode,), _, _ = run(script, pool)

@@ -9,13 +9,13 @@ import pytest
 
 from flowrl.agent.builtin import calc
 from flowrl.agent.parsers import ToolCall, make_parser, parse_hermes, tag_parser
+from flowrl.agent.session import bind_arguments
 from flowrl.agent.tools import (
     ClassTool,
     FunctionTool,
     Toolbox,
     ToolError,
     VerlTool,
-    bind_arguments,
     function_schema,
     make_tool,
 )
