@@ -98,8 +98,9 @@ def _batch(graph: Graph, refill, errors: Collector) -> tuple[BatchPlan, list[str
                 "set n >= 2 on the generate node before it",
             )
         workers = spec.pools[spec.pool_of(node)].workers if decl.model else 1
+        model_path = spec.models[decl.model].path if decl.model in spec.models else ""
         context = CheckContext(
-            node, rows[node], samples[node], prompts, workers, str(spec.base_dir)
+            node, rows[node], samples[node], prompts, workers, str(spec.base_dir), model_path
         )
         for finding in decl.spec.findings(decl.params, context):
             if finding.warning:

@@ -49,6 +49,9 @@ DISPATCHES = ("split", "broadcast", "rank0")
 ROWS = ("same", "repeat", "filter")
 HEADS = ("lm", "value")
 KEEP = "keep"  # the one key a filter node returns
+# a worker's metrics may hold, under this key, [(name, start, end)] wall-clock spans of its
+# phases (e.g. the agent node's decode and tool time); the trace shows them under the node
+PHASES = "trace_phases"
 
 
 @attrs.frozen
@@ -78,6 +81,7 @@ class CheckContext:
     prompts: int  # prompts per step
     workers: int  # ranks of the pool it runs on (1 for a controller node)
     base_dir: str  # the graph file's folder: relative paths in params resolve against it
+    model_path: str = ""  # the path of the node's model ("" for a controller node)
 
 
 @attrs.frozen

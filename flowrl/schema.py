@@ -44,7 +44,10 @@ STRATEGIES = ("ddp", "fsdp")  # training strategies (flowrl/engines/sharding.py)
 DTYPES = ("float32", "bfloat16", "float16")
 # run.loggers: each logger's pip package ("" = none needed); flowrl/runtime/loggers.py has them
 LOGGER_PACKAGES = {"jsonl": "", "tensorboard": "tensorboard", "wandb": "wandb"}
-BUILTIN_SOURCES = ("arithmetic",)  # data.source names that are not files (flowrl/data/)
+BUILTIN_SOURCES = (
+    "arithmetic",
+    "calculator",
+)  # data.source names that are not files (flowrl/data/)
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")  # data files the loader reads
 DEFAULT_POOL = "main"  # the pool of a graph that declares none
 
@@ -54,6 +57,7 @@ DATASET_KEYS = (
     "prompt_mask",
     "uid",
     "prompt_text",
+    "raw_prompt",
     "ground_truth",
     "data_source",
     "extra_info",

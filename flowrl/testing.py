@@ -22,6 +22,7 @@ from flowrl.tiny_run import VARIED_SCORER, tiny_overrides
 __all__ = [
     "CHAT_TEMPLATE",
     "SPECIAL",
+    "ScriptedTurns",
     "VARIED_SCORER",
     "TinyRun",
     "run_tiny",
@@ -55,3 +56,25 @@ def run_tiny(graph: str | Path, out_dir: str | Path, backend: str = "local", **e
     run_dir = run(tiny_plan(graph, out_dir, **extra), backend=backend)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return TinyRun(run_dir, [json.loads(line) for line in lines])
+
+
+class ScriptedTurns:
+    """A turn backend (flowrl.agent.driver.TurnBackend) that samples nothing: request i's
+    k-th turn is `script[i][k]` (a list of ids), cut to the turn's limit. It records what the
+    driver appended before each turn (`appended[i]`) and the limits it asked for."""
+
+    def __init__(self, script: dict, logprob: float = -0.5):
+        self.script, self.logprob = script, logprob
+        self.count = {i: 0 for i in script}
+        self.appended = {i: [] for i in script}
+        self.limits = {i: [] for i in script}
+
+    def turn(self, rows, append, limits):
+        out = []
+        for i, extra, limit in zip(rows, append, limits, strict=True):
+            self.appended[i].append(list(extra))
+            self.limits[i].append(limit)
+            ids = list(self.script[i][self.count[i]])[:limit]
+            self.count[i] += 1
+            out.append((ids, [self.logprob] * len(ids)))
+        return out

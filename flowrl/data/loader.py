@@ -6,15 +6,19 @@ import numpy as np
 import torch
 
 from flowrl.data.arithmetic import arithmetic_rows
+from flowrl.data.calculator import calculator_rows
 from flowrl.data.verl_format import DataError, load_rows
 from flowrl.protocol import DataProto
 from flowrl.schema import DATASET_KEYS
 
 
 def make_rows(source: str, split: str, size: int, seed: int, base_dir=".") -> list[dict]:
-    """ "arithmetic" -> the synthetic task; else a data file relative to base_dir."""
+    """ "arithmetic" or "calculator" -> a built-in task; else a data file relative to
+    base_dir."""
     if source == "arithmetic":
         return arithmetic_rows(split, size, seed)
+    if source == "calculator":
+        return calculator_rows(split, size, seed)
     path = Path(source) if Path(source).is_absolute() else Path(base_dir) / source
     return load_rows(path)
 
@@ -56,6 +60,7 @@ class PromptDataset:
             },
             {
                 "prompt_text": [text for _, text, _, _ in items],
+                "raw_prompt": [row["prompt"] for *_, row in items],
                 "ground_truth": [row["reward_model"]["ground_truth"] for *_, row in items],
                 "data_source": [row["data_source"] for *_, row in items],
                 "extra_info": [row.get("extra_info", {}) for *_, row in items],

@@ -1,7 +1,9 @@
 """Rows in verl's dataset format, from .parquet or .jsonl files.
 
 Each row: `prompt` (a list of {role, content} chat messages, or a plain string),
-`data_source`, `reward_model.ground_truth`, and optional `extra_info`.
+`data_source`, `reward_model.ground_truth`, and optional `extra_info` (multi-turn rows: verl's
+`tools_kwargs`, `interaction_kwargs`, `need_tools_kwargs`) and `agent_name` (kept in
+`extra_info`, where the agent node reads it).
 """
 
 import json
@@ -18,7 +20,7 @@ def load_rows(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise DataError(
-            f'{path}: no such data file (data.source takes "arithmetic" or a '
+            f'{path}: no such data file (data.source takes "arithmetic", "calculator" or a '
             ".parquet / .jsonl path relative to the graph file)"
         )
     if path.suffix == ".parquet":
@@ -71,9 +73,12 @@ def _check(row: dict, path: Path, index: int) -> dict:
             f'{where}: missing "reward_model.ground_truth" (write '
             '"reward_model": {"ground_truth": "..."})'
         )
+    extra = dict(row.get("extra_info") or {})
+    if row.get("agent_name") is not None:  # verl: "tool_agent" or "single_turn_agent"
+        extra.setdefault("agent_name", row["agent_name"])
     return {
         "prompt": [dict(m) for m in prompt],
         "data_source": row.get("data_source") or "unknown",
         "reward_model": dict(reward),
-        "extra_info": row.get("extra_info") or {},
+        "extra_info": extra,
     }

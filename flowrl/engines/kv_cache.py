@@ -66,8 +66,30 @@ class PreallocatedLayer(DynamicLayer):
             self.value_buffer = self.value_buffer[indices]
             self._views()
 
+    def grow(self, capacity: int) -> None:
+        """Make room for `capacity` positions, keeping the filled ones (a multi-turn rollout
+        appends tool output whose length is known only when the tools have answered)."""
+        if capacity <= self.capacity:
+            return
+        self.capacity = capacity
+        if self.is_initialized:
+            for name in ("key_buffer", "value_buffer"):
+                old = getattr(self, name)
+                new = old.new_empty(*old.shape[:2], capacity, old.shape[-1])
+                new[:, :, : self.length] = old[:, :, : self.length]
+                setattr(self, name, new)
+            self._views()
+
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("the rollout engine never crops its cache")
+
+
+def reserve(cache: Cache, positions: int) -> None:
+    """Grow every preallocated layer of `cache` to hold `positions` (at least doubling, so
+    appending in steps costs amortised constant copies); a DynamicCache grows by itself."""
+    for layer in getattr(cache, "layers", ()):
+        if isinstance(layer, PreallocatedLayer) and positions > layer.capacity:
+            layer.grow(max(positions, 2 * layer.capacity))
 
 
 def preallocated_cache(module, capacity: int) -> Cache:

@@ -5,8 +5,6 @@ graph, to try a run end to end without a real model."""
 import string
 from functools import cache
 
-import torch
-
 SPECIAL = ["<pad>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
@@ -48,6 +46,7 @@ def tiny_model(
     """A random Llama (2 layers, hidden 32, 2 heads sharing 1 KV head, tied embeddings) over
     `vocab` tokens (default: tiny_tokenizer's); head "value" wraps it in a ValueModel.
     Seeded without touching the global random state."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = tiny_tokenizer()

@@ -9,7 +9,12 @@ from flowrl.errors import FlowrlError
 from flowrl.rewards import arithmetic, gsm8k
 
 BY_NAME = {"arithmetic": arithmetic.compute_score, "gsm8k": gsm8k.compute_score}
-BY_SOURCE = {"arithmetic": "arithmetic", "gsm8k": "gsm8k", "openai/gsm8k": "gsm8k"}
+BY_SOURCE = {
+    "arithmetic": "arithmetic",
+    "calculator": "arithmetic",  # the last integer of the model's own text is a * b
+    "gsm8k": "gsm8k",
+    "openai/gsm8k": "gsm8k",
+}
 SIGNATURE = "compute_score(data_source, solution_str, ground_truth, extra_info)"
 
 

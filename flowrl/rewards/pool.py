@@ -17,10 +17,13 @@ from multiprocessing.connection import wait
 
 from flowrl.rewards import resolve_scorer, score_value
 
+STARTUP_S = 300.0  # the most a scorer process may take to start and import its scorer
+
 
 def _serve(connection, scorer: str, base_dir: str) -> None:
-    """Child process: score rows until the pipe closes."""
+    """Child process: say it is ready, then score rows until the pipe closes."""
     function = resolve_scorer(scorer, base_dir)
+    connection.send("ready")
     while True:
         try:
             index, row = connection.recv()
@@ -40,6 +43,17 @@ class _Child:
         self.process.start()
         theirs.close()
         self.row, self.deadline = None, 0.0  # the row in flight, and when it times out
+        self.ready = False  # a row's timeout starts once the child has imported its scorer
+
+    def wait_ready(self) -> bool:
+        """Block until the child has started (on a busy machine a spawn takes seconds);
+        False if it died first (its scorer failed to import)."""
+        if not self.ready:
+            try:
+                self.ready = self.connection.poll(STARTUP_S) and self.connection.recv() == "ready"
+            except (EOFError, OSError):
+                self.ready = False
+        return self.ready
 
     def kill(self) -> None:
         self.process.kill()
@@ -64,11 +78,19 @@ class ScorerPool:
         results, counts = [None] * len(rows), {"errors": 0, "timeouts": 0}
         todo = list(range(len(rows)))[::-1]
         while todo or any(c.row is not None for c in self.children):
-            for child in self.children:
+            for k, child in enumerate(self.children):
+                if child.row is None and todo and not child.wait_ready():
+                    self._fail(rows, todo[-1], "crash", "its scorer process did not start")
+                    counts["errors"] += 1
+                    todo.pop()
+                    self._replace(k)
+                    continue
                 if child.row is None and todo:
                     child.row, child.deadline = todo.pop(), time.monotonic() + self.timeout_s
                     child.connection.send((child.row, rows[child.row]))
             busy = [c for c in self.children if c.row is not None]
+            if not busy:  # every child failed to start: the rows left go round again
+                continue
             soonest = min(c.deadline for c in busy)
             ready = wait([c.connection for c in busy], max(soonest - time.monotonic(), 0))
             for k, child in enumerate(self.children):

@@ -430,6 +430,13 @@ def _log_samples(file, step: int, batch, count: int) -> None:
                 row[key] = str(batch[key][i])
         if "scores" in batch:
             row["score"] = float(batch["scores"][i])
+        if "rollout_info" in batch:  # a multi-turn row: the conversation, trained spans in [[ ]]
+            info = batch["rollout_info"][i]
+            row["termination"] = info["termination"]
+            row["conversation"] = info["messages"]
+            row["response_marked"] = "".join(
+                f"[[{text}]]" if trained else text for text, trained in info["trained_spans"]
+            )
         file.write(json.dumps(row) + "\n")
     file.flush()
 

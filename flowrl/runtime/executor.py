@@ -13,7 +13,7 @@ import time
 import attrs
 import torch
 
-from flowrl.nodespec import KEEP
+from flowrl.nodespec import KEEP, PHASES
 from flowrl.protocol import DataProto
 from flowrl.runtime.inputs import Recording
 from flowrl.runtime.node_call import NodeFailure, call_node
@@ -179,6 +179,9 @@ class Executor(abc.ABC):
                 rows = len(result[0]) if item.kind == "call" else 0
                 track = f"{item.to_pool or item.pool}/rank{rank}"
                 walk.slices.append(Slice(item.name, item.kind, track, t0, t1, rows))
+                if item.kind == "call":  # a node's own phases, e.g. decode and tools
+                    for name, p0, p1 in result[1].pop(PHASES, ()):
+                        walk.slices.append(Slice(f"{item.name}/{name}", "phase", track, p0, p1))
             if item.kind == "call":
                 walk.outputs[item.node] = results
 

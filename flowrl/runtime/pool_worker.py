@@ -113,7 +113,7 @@ class PoolWorker:
         if overrides:  # e.g. greedy decoding for validation
             worker = spec.worker(worker.engine, attrs.evolve(worker.params, **overrides))
         where = f"on pool {self.setup.pool}, rank {self.rank}"
-        meta = {"rank": self.rank, "world_size": self.world_size}
+        meta = {"rank": self.rank, "world_size": self.world_size, "base_dir": self.setup.base_dir}
         saver = None
         if record is not None:
             uses = next(n.uses for n in self.setup.nodes if n.id == node_id)

@@ -1,12 +1,16 @@
 """Rule-based reward: a scorer function per row (verl's `compute_score` signature).
 
-reads: response_text, ground_truth, data_source, extra_info -> writes: scores
-`scorer = "auto"` picks by each row's data_source (arithmetic, gsm8k); a path
+reads: response_text, ground_truth, data_source, extra_info (+ rollout_info when
+rollout_info = true) -> writes: scores
+`scorer = "auto"` picks by each row's data_source (arithmetic, gsm8k, calculator); a path
 "my_scorer.py:compute_score" is resolved against the graph file's folder. Rows are scored in
 `workers` child processes, each under `timeout_s` (flowrl/rewards/pool.py): a scorer that
 raises, hangs or crashes gives that row `fallback_score`, counted in the `errors` and
 `timeouts` metrics, and the run goes on. `workers = 0` scores in this process, unguarded
-(for stepping through a scorer in a debugger).
+(for stepping through a scorer in a debugger). After an agent node, `rollout_info = true`
+hands each request's turns and tool rewards to the scorer inside `extra_info` under verl's
+names (num_turns, tool_rewards, turn_scores, rollout_reward_scores), so verl scorers that read
+them work unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from flowrl.nodespec import Finding, NodeSpec
 from flowrl.rewards import ScorerError, resolve_scorer, score_value
 from flowrl.validators import checked, count, positive
 
+VERL_KEYS = ("num_turns", "tool_rewards", "turn_scores", "rollout_reward_scores")
+
 
 @attrs.frozen
 class Params:
@@ -25,6 +31,17 @@ class Params:
     workers: int = checked(2, count(0, 256))  # scoring processes; 0 = in this one, no timeout
     timeout_s: float = checked(10.0, positive())  # seconds one row's scorer may take
     fallback_score: float = 0.0  # the score of a row whose scorer failed or timed out
+    rollout_info: bool = False  # merge the agent node's rollout_info into extra_info
+
+
+def with_rollout_info(infos, rollout_infos) -> list[dict]:
+    """Each row's extra_info updated with its request's record under verl's keys."""
+    out = []
+    for info, rollout in zip(infos, rollout_infos, strict=True):
+        merged = dict(info or {})
+        merged.update({key: rollout[key] for key in VERL_KEYS if key in (rollout or {})})
+        out.append(merged)
+    return out
 
 
 def rule_scores(results, fallback: float) -> tuple[list[float], dict]:
@@ -45,12 +62,15 @@ def _in_process(rows, params, base_dir: str):
 
 
 def run(batch, params):
+    infos = batch["extra_info"]
+    if params.rollout_info:
+        infos = with_rollout_info(infos, batch["rollout_info"])
     rows = list(
         zip(
             batch["data_source"],
             batch["response_text"],
             batch["ground_truth"],
-            batch["extra_info"],
+            infos,
             strict=True,
         )
     )
@@ -86,4 +106,5 @@ SPEC = NodeSpec(
     params=Params,
     fn=run,
     check=check,
+    optional_reads={"rollout_info": lambda p: p.rollout_info},
 )

@@ -105,3 +105,37 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path, text, expected):
 def test_jsonl_with_byte_order_mark_loads(tmp_path):
     (tmp_path / "d.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps(rows_of(1)[0]).encode())
     assert load_rows(tmp_path / "d.jsonl")[0]["reward_model"]["ground_truth"] == "0"
+
+
+def test_calculator_rows_are_verl_multi_turn_rows_with_disjoint_splits():
+    from flowrl.data import calculator_rows
+
+    train, val = calculator_rows("train", 50, seed=2), calculator_rows("validation", 0, seed=2)
+    assert train == calculator_rows("train", 50, seed=2) and len(val) == 1024
+    row = train[0]
+    question = row["prompt"][-1]["content"]
+    a, b = map(int, question.removeprefix("What is ").removesuffix("?").split(" * "))
+    assert 100 <= a <= 999 and 10 <= b <= 99
+    assert row["reward_model"]["ground_truth"] == str(a * b)
+    roles = [m["role"] for m in row["prompt"]]
+    assert roles == ["system", "user", "assistant", "tool", "assistant", "user"]  # one example
+    assert row["prompt"][2]["content"] == "<calc>12*34</calc>"
+    assert row["extra_info"]["agent_name"] == "tool_agent"
+    assert calculator_rows("train", 1, examples=False)[0]["prompt"][0]["role"] == "system"
+    assert len(calculator_rows("train", 1, examples=False)[0]["prompt"]) == 2
+    assert not {r["prompt"][-1]["content"] for r in train} & {
+        r["prompt"][-1]["content"] for r in val
+    }
+
+
+def test_verl_agent_name_is_kept_in_extra_info_and_raw_prompt_reaches_the_batch(tmp_path):
+    rows = rows_of(2)
+    rows[0]["agent_name"] = "tool_agent"
+    rows[0]["extra_info"]["tools_kwargs"] = {"t": {"create_kwargs": {"x": 1}}}
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    loaded = load_rows(tmp_path / "d.jsonl")
+    assert loaded[0]["extra_info"]["agent_name"] == "tool_agent"
+    assert loaded[0]["extra_info"]["tools_kwargs"] == {"t": {"create_kwargs": {"x": 1}}}
+    assert "agent_name" not in loaded[1]["extra_info"]
+    batch = PromptDataset(loaded, tiny_tokenizer(), max_prompt_len=64).collate([0, 1])
+    assert list(batch["raw_prompt"]) == [r["prompt"] for r in loaded]

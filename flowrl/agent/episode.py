@@ -1,0 +1,280 @@
+"""One request of a multi-turn rollout as a state machine, in plain Python (no torch, no engine).
+
+    start: create the request's tools ------------------------------▶ GENERATING | DONE(error)
+    GENERATING --a sampled turn--▶ parse it:
+        calls                                   ─▶ TOOLS     | DONE(max_turns | timeout | length)
+        no call, an interaction, user turns left ─▶ INTERACTING
+        no call                                 ─▶ DONE(stop; length if the turn was cut)
+    TOOLS --run the calls (timeouts)--▶ observation ids ─▶ GENERATING
+                                      | DONE(budget | invalid_calls | timeout)
+    INTERACTING --reply(messages)--▶ user ids ─▶ GENERATING | DONE(interaction_done | budget)
+
+A driver (flowrl/agent/driver.py) feeds `on_turn` the ids an engine sampled for this request
+and appends what `advance` returns to the engine's sequence; the episode keeps the response:
+sampled ids verbatim (mask 1), observation deltas (mask 0; chat.py), their log-probs (0.0 off
+the sampled tokens). A turn cut by `max_turn_tokens` that still made calls gets an eos the
+policy did not sample (mask 0), so the ids stay the chat template's.
+
+Anything that raises inside a request ends that request with reason "error" (the exception is
+kept in `info`); such a request and one that ran out of time ("timeout") train on nothing (mask
+all 0). No request's failure escapes to the step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+
+import attrs
+
+from flowrl.agent.session import ToolResult
+
+GENERATING, TOOLS, INTERACTING, DONE = "generating", "tools", "interacting", "done"
+REASONS = (
+    "stop",
+    "length",
+    "max_turns",
+    "budget",
+    "invalid_calls",
+    "timeout",
+    "error",
+    "interaction_done",
+)
+FAILED = ("error", "timeout")  # requests that contribute zero loss
+
+
+@attrs.frozen
+class Limits:
+    max_new_tokens: int = 256  # the whole response: sampled and observation tokens
+    max_turn_tokens: int = 256  # one assistant turn
+    max_assistant_turns: int = 4
+    max_calls_per_turn: int = 1  # further calls of a turn are answered with an error
+    max_obs_tokens: int = 256  # one tool output, middle-truncated with a marker
+    tool_timeout_s: float = 10.0  # one call
+    request_timeout_s: float = 120.0  # a request's time in tools and interactions, summed
+    max_invalid_calls: int = 3  # invalid calls in a row that end the request (0 = no limit)
+    max_user_turns: int = 0  # interaction replies
+    obs_role: str = "tool"  # the role of tool output messages
+
+
+class Episode:
+    """One request's conversation. Args: prompt_ids, the chat (chat.ChatTokens), a parser
+    (text -> [ToolCall]), the request's tool session (tools.Session), Limits; optionally the
+    prompt messages, an interaction `reply(messages, **kwargs) -> (done, text, reward)` with
+    its kwargs, and a clock."""
+
+    def __init__(
+        self,
+        prompt_ids,
+        chat,
+        parser,
+        session,
+        limits: Limits,
+        messages=(),
+        interaction=None,
+        interaction_kwargs=None,
+        clock=time.monotonic,
+    ):
+        self.prompt_ids, self.chat = list(prompt_ids), chat
+        self.parser, self.session = parser, session
+        self.limits, self.interaction = limits, interaction
+        self.interaction_kwargs = dict(interaction_kwargs or {})
+        self.messages, self.prompt_messages = list(messages), len(messages)
+        self.clock, self.spent = clock, 0.0  # seconds spent in tools and interactions
+        self.state, self.reason, self.error = GENERATING, None, None
+        self.ids, self.mask, self.logprobs = [], [], []
+        self.turn_texts: list[str] = []
+        self.user_turns, self.invalid_streak = 0, 0
+        self.calls: list[dict] = []  # {name, status, seconds} per call
+        self.tool_rewards: list[float] = []  # step rewards tools returned
+        self.turn_scores: list[float] = []  # interaction rewards
+        self.reward_scores: dict = {}  # end-of-request tool rewards {tool: reward}
+        self._pending_calls, self._unfed = [], []
+
+    @property
+    def done(self) -> bool:
+        return self.state == DONE
+
+    def turn_limit(self) -> int:
+        """The most tokens the next assistant turn may sample."""
+        return min(self.limits.max_turn_tokens, self.limits.max_new_tokens - len(self.ids))
+
+    # -- transitions -----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Create the request's tools (class instances, verl `create`)."""
+        try:
+            await self.session.start()
+        except Exception as e:
+            self._fail(e)
+
+    def on_turn(self, ids, logprobs=None) -> None:
+        """Record one sampled assistant turn and decide what follows."""
+        try:
+            self._on_turn(list(ids), list(logprobs) if logprobs is not None else [0.0] * len(ids))
+        except Exception as e:
+            self._fail(e)
+
+    async def advance(self) -> list[int]:
+        """Run the pending calls or the interaction: the ids to append before the next turn
+        (an added eos, then the observation delta), or [] when the request ended."""
+        start = self.clock()
+        try:
+            if self.state == TOOLS:
+                messages = await self._run_calls()
+            elif self.state == INTERACTING:
+                messages = await self._interact()
+            else:
+                return []
+            self.spent += self.clock() - start
+            if self._time_left() <= 0:
+                return self._end("timeout") or []
+            return [] if messages is None else self._observe(messages)
+        except Exception as e:
+            self._fail(e)
+            return []
+
+    async def finish(self) -> None:
+        """End-of-request tool rewards and release; call once, after the request is done."""
+        if self.state != DONE:
+            self._end("error")
+            self.error = "the rollout stopped before the request ended"
+        try:
+            if self.session.states is not None:
+                self.reward_scores = await self.session.close()
+        except Exception as e:
+            self.reward_scores, self.error = {}, self.error or f"{type(e).__name__}: {e}"
+
+    # -- inside the transitions ------------------------------------------------------------
+    def _on_turn(self, ids: list[int], logprobs: list[float]) -> None:
+        self.ids += ids
+        self.mask += [1] * len(ids)
+        self.logprobs += logprobs
+        ended = bool(ids) and ids[-1] == self.chat.eos
+        text = self.chat.decode(ids)
+        self.turn_texts.append(text)
+        self.messages.append({"role": "assistant", "content": text})
+        calls = self.parser(text)
+        if not calls:
+            if not ended:
+                return self._end("length")
+            if self.interaction is None or not self.limits.max_user_turns:
+                return self._end("stop")
+            if self.user_turns < self.limits.max_user_turns:
+                self.state = INTERACTING
+                return None
+            return self._end("max_turns")  # the user had their turns
+        if len(self.turn_texts) >= self.limits.max_assistant_turns:
+            return self._end("max_turns")
+        if not ended:  # cut by max_turn_tokens: close the turn as the template would
+            if len(self.ids) >= self.limits.max_new_tokens:
+                return self._end("length")
+            self._append([self.chat.eos], trained=False)
+            self._unfed = [self.chat.eos]
+        self._pending_calls, self.state = calls, TOOLS
+        return None
+
+    async def _run_calls(self) -> list[dict] | None:
+        limits, calls = self.limits, self._pending_calls
+        allowed, extra = calls[: limits.max_calls_per_turn], calls[limits.max_calls_per_turn :]
+        timeout = min(limits.tool_timeout_s, self._time_left())
+        results = list(await asyncio.gather(*(self.session.call(c, timeout) for c in allowed)))
+        for call in extra:
+            text = f"error: at most {limits.max_calls_per_turn} calls per turn; not run"
+            results.append(ToolResult(call.name or "", text, "invalid"))
+        for result in results:
+            self.calls.append(
+                {"name": result.name, "status": result.status, "seconds": result.seconds}
+            )
+            if result.reward is not None:
+                self.tool_rewards.append(result.reward)
+            self.invalid_streak = self.invalid_streak + 1 if result.status == "invalid" else 0
+        if limits.max_invalid_calls and self.invalid_streak >= limits.max_invalid_calls:
+            return self._end("invalid_calls")
+        out = []
+        for result in results:
+            text, _ = self.chat.truncate(result.text, limits.max_obs_tokens)
+            out.append({"role": limits.obs_role, "content": text})
+        return out
+
+    async def _interact(self) -> list[dict] | None:
+        self.user_turns += 1
+        reply = self.interaction(self.messages, **self.interaction_kwargs)
+        done, text, reward = (await reply) if inspect.isawaitable(reply) else reply
+        if reward is not None:
+            self.turn_scores.append(float(reward))
+        if done:
+            return self._end("interaction_done")
+        return [{"role": "user", "content": str(text)}]
+
+    def _observe(self, messages: list[dict]) -> list[int]:
+        ids = self.chat.delta(messages)
+        if len(self.ids) + len(ids) >= self.limits.max_new_tokens:  # no room for a turn after
+            return self._end("budget") or []
+        self._append(ids, trained=False)
+        self.messages += messages
+        unfed, self._unfed = self._unfed, []
+        self.state = GENERATING
+        return unfed + ids
+
+    def _append(self, ids: list[int], trained: bool) -> None:
+        self.ids += ids
+        self.mask += [int(trained)] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+    def _end(self, reason: str) -> None:
+        self.state, self.reason = DONE, reason
+
+    def _fail(self, error: Exception) -> None:
+        self.error = f"{type(error).__name__}: {error}"
+        self._end("error")
+
+    def _time_left(self) -> float:
+        """What is left of the request's time for tools. Only tool and interaction time
+        counts: in the wave driver a request waits for every other row's decoding, which
+        the token limits bound already."""
+        return self.limits.request_timeout_s - self.spent
+
+    # -- the result --------------------------------------------------------------------------
+    def trained_mask(self) -> list[int]:
+        """1 on sampled tokens; all 0 for a request that failed (it contributes no loss)."""
+        return [0] * len(self.mask) if self.reason in FAILED else list(self.mask)
+
+    def solution(self, mode: str = "assistant") -> str:
+        """What the reward sees: the model's own turns ("assistant"), or the decoded whole
+        response with tool output ("full", as verl)."""
+        if mode == "full":
+            return self.chat.decode(self.ids)
+        return "\n".join(self.turn_texts)
+
+    def info(self) -> dict:
+        """The request's record, under verl's names where verl has one."""
+        statuses = [c["status"] for c in self.calls]
+        return {
+            "termination": self.reason,
+            "error": self.error,
+            "assistant_turns": len(self.turn_texts),
+            "user_turns": self.user_turns,
+            "num_turns": len(self.turn_texts) + self.user_turns + 1,  # verl counts the prompt
+            "calls": list(self.calls),
+            "tool_calls": len(self.calls),
+            "invalid_calls": statuses.count("invalid"),
+            "tool_errors": statuses.count("error"),
+            "tool_timeouts": statuses.count("timeout"),
+            "tool_rewards": list(self.tool_rewards),
+            "turn_scores": list(self.turn_scores),
+            "rollout_reward_scores": dict(self.reward_scores),
+            "policy_tokens": sum(self.mask),
+            "tool_tokens": len(self.mask) - sum(self.mask),
+            "messages": self.messages[self.prompt_messages :],
+            "trained_spans": self.spans(),
+        }
+
+    def spans(self) -> list[list]:
+        """The response as [text, trained] runs (special tokens shown), for samples.jsonl."""
+        out, mask, start = [], self.trained_mask(), 0
+        for k in range(1, len(mask) + 1):
+            if k == len(mask) or mask[k] != mask[start]:
+                out.append([self.chat.show(self.ids[start:k]), mask[start]])
+                start = k
+        return out

@@ -1,0 +1,136 @@
+"""Between a batch and its requests: what the agent node needs besides the state machine.
+
+- `AgentSetup`: an agent node's tools, parser, chat and interaction, resolved once;
+- `episodes_for`: one Episode per (row, sample), with the row's verl fields;
+- `assemble`: the episodes as right-padded response tensors and per-row columns;
+- `agent_metrics`: turns, tokens, calls, errors and why requests ended.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import torch
+
+from flowrl.agent.chat import ChatTokens
+from flowrl.agent.episode import REASONS, Episode, Limits
+from flowrl.agent.parsers import make_parser
+from flowrl.agent.tools import Toolbox, load_object
+
+
+@attrs.frozen
+class AgentSetup:
+    toolbox: Toolbox
+    parser: object
+    chat: ChatTokens
+    interaction: object | None
+
+
+_SETUPS: dict = {}  # (params' references, base_dir, tokenizer id) -> AgentSetup
+
+
+def agent_setup(params, base_dir: str, tokenizer) -> AgentSetup:
+    """The resolved tools, parser, chat and interaction of an agent node's params (cached:
+    built once per worker process, not every step)."""
+    key = (tuple(params.tools), params.parser, params.interaction, base_dir, id(tokenizer))
+    if key not in _SETUPS:
+        toolbox = Toolbox(params.tools, base_dir)
+        _SETUPS[key] = AgentSetup(
+            toolbox,
+            make_parser(params.parser, toolbox.names, base_dir),
+            ChatTokens(tokenizer),
+            load_object(params.interaction, base_dir, "interaction")
+            if params.interaction
+            else None,
+        )
+    return _SETUPS[key]
+
+
+def _no_calls(text: str) -> list:
+    return []
+
+
+def episodes_for(batch, setup: AgentSetup, limits: Limits, n: int, pool) -> list[Episode]:
+    """One Episode per row and sample (interleaved: row 0's n samples first). A row's
+    `extra_info` gives verl's `tools_kwargs` and `interaction_kwargs`; `agent_name =
+    "single_turn_agent"` runs it without tools."""
+    prompts, mask = batch["prompts"], batch["prompt_mask"]
+    infos = batch["extra_info"] if "extra_info" in batch else [None] * len(prompts)
+    messages = batch["raw_prompt"] if "raw_prompt" in batch else [()] * len(prompts)
+    out = []
+    for i in range(len(prompts)):
+        ids = prompts[i][mask[i].bool()].tolist()
+        extra = infos[i] if isinstance(infos[i], dict) else {}
+        single = extra.get("agent_name") == "single_turn_agent"
+        for _ in range(n):
+            out.append(
+                Episode(
+                    ids,
+                    setup.chat,
+                    _no_calls if single else setup.parser,
+                    setup.toolbox.open(extra.get("tools_kwargs"), pool),
+                    limits,
+                    messages=list(messages[i] or ()),
+                    interaction=None if single else setup.interaction,
+                    interaction_kwargs=extra.get("interaction_kwargs"),
+                )
+            )
+    return out
+
+
+def assemble(episodes: list[Episode], pad: int, solution: str) -> dict:
+    """{responses, response_mask, response_attention, rollout_logprobs}: (r, t), right-padded
+    (t the longest response); response_text and rollout_info: (r,) objects."""
+    r, t = len(episodes), max((len(e.ids) for e in episodes), default=0)
+    responses = torch.full((r, t), pad, dtype=torch.long)
+    trained = torch.zeros((r, t), dtype=torch.long)
+    attention = torch.zeros((r, t), dtype=torch.long)
+    logprobs = torch.zeros((r, t), dtype=torch.float32)
+    texts, infos = np.empty(r, dtype=object), np.empty(r, dtype=object)
+    for k, episode in enumerate(episodes):
+        length = len(episode.ids)
+        responses[k, :length] = torch.tensor(episode.ids, dtype=torch.long)
+        trained[k, :length] = torch.tensor(episode.trained_mask(), dtype=torch.long)
+        attention[k, :length] = 1
+        logprobs[k, :length] = torch.tensor(episode.logprobs, dtype=torch.float32)
+        texts[k], infos[k] = episode.solution(solution), episode.info()
+    return {
+        "responses": responses,
+        "response_mask": trained,
+        "response_attention": attention,
+        "rollout_logprobs": logprobs,
+        "response_text": texts,
+        "rollout_info": infos,
+    }
+
+
+def agent_metrics(episodes: list[Episode], stats) -> dict:
+    """Per-rank metrics of one rollout (the runtime prefixes the node id and averages ranks):
+    means per request unless named otherwise; termination/<reason> is a share of requests."""
+    infos = [e.info() for e in episodes]
+    count = max(len(infos), 1)
+    seconds = [c["seconds"] for i in infos for c in i["calls"]]
+
+    def mean(key):
+        return sum(i[key] for i in infos) / count
+
+    out = {
+        "num_turns_mean": mean("assistant_turns"),
+        "num_turns_max": float(max((i["assistant_turns"] for i in infos), default=0)),
+        "policy_tokens": mean("policy_tokens"),
+        "tool_tokens": mean("tool_tokens"),
+        "calls_per_request": mean("tool_calls"),
+        "call_rate": sum(i["tool_calls"] > 0 for i in infos) / count,
+        "invalid_calls": mean("invalid_calls"),
+        "tool_errors": mean("tool_errors"),
+        "tool_timeouts": mean("tool_timeouts"),
+        "tool_seconds_mean": sum(seconds) / len(seconds) if seconds else 0.0,
+        "tool_seconds_max": max(seconds, default=0.0),
+        "decode_s": stats.decode_s,
+        "tools_s": stats.tools_s,
+        "waves": float(stats.waves),
+        "gen_tokens_per_s": sum(i["policy_tokens"] for i in infos) / max(stats.decode_s, 1e-9),
+    }
+    for reason in REASONS:
+        out[f"termination/{reason}"] = sum(i["termination"] == reason for i in infos) / count
+    return out
