@@ -169,19 +169,10 @@ class HFRollout:
     def reload(self) -> None:
         """The cache is rebuilt by the next `generate` at the size that call needs."""
 
-    def sync_weights(self, source) -> None:
-        """Copy trained weights in, unless this engine already shares the module. `source`: a
-        module, or (name, tensor) pairs (a sharded train engine gathers them one at a time;
-        each is copied, in this engine's dtype, before the next is gathered)."""
-        if source is self.module:
-            return
-        if isinstance(source, torch.nn.Module):
+    def sync_weights(self, source: torch.nn.Module) -> None:
+        """Copy trained weights in, unless this engine already shares the module."""
+        if source is not self.module:
             self.module.load_state_dict(source.state_dict())
-            return
-        params = dict(self.module.named_parameters())
-        with torch.no_grad():
-            for name, tensor in source:
-                params[name].copy_(tensor)
 
 
 def _shared_prefix(ids: torch.Tensor, mask: torch.Tensor) -> int:

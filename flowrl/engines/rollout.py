@@ -12,8 +12,7 @@ name from the table, and `flowrl check` runs where torch is not installed.
 
 Memory: the compiler tracks a rollout model's `weights` and `kv_cache` parts. When a plan moves
 `kv_cache` off or back on the device, the pool worker calls `offload()` or `reload()`; after an
-update it calls `sync_weights(...)` with the trained weights (the module, or under fsdp the
-gathered parameters), so the next step samples from them. A
+update it calls `sync_weights(module)`, so the next step samples from the trained weights. A
 backend that holds more of those parts itself (a server with its own copy of the weights)
 says which in a class attribute, `parts = ("weights", "kv_cache")`, and then gets the moving
 ones as an argument, `offload(parts)` / `reload(parts)`, whenever one of them moves.
@@ -26,7 +25,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -98,10 +96,9 @@ class RolloutBackend(Protocol):
         resume their memory)."""
         ...
 
-    def sync_weights(self, source: torch.nn.Module | Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Take the weights of `source`: the train engine's module (maybe the same object),
-        or, from a train engine sharded by fsdp, (parameter name, whole tensor) pairs that
-        are gathered as they are read (read them all, in order: each is a collective)."""
+    def sync_weights(self, source: torch.nn.Module) -> None:
+        """Take the weights of `source` (the train engine's module, maybe the same object; for
+        a model sharded by fsdp, the pool's unsharded rollout copy, refreshed just before)."""
         ...
 
 

@@ -10,7 +10,7 @@
   while the shards, the gradient reduction and the optimizer stay in the weights' dtype.
 
 Both give the engine the same small interface: `wrap`, `reduce_grads`, `clip_grads`,
-`full_weights` (for a rollout copy), `full_state` (for a rollout pool and export) and
+`copy_weights` (into a rollout copy), `full_state` (for a rollout pool and export) and
 `move_weights` (offload); sharded checkpoints are sharded_checkpoint.py. The numbers agree: a
 2-rank fsdp update equals the 1-rank update (tests/integration/test_fsdp.py).
 
@@ -66,9 +66,12 @@ class Replicated:
         """Clip to the global gradient norm; returns the norm before clipping."""
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
-    def full_weights(self, module: torch.nn.Module):
-        """The module itself: a colocated rollout engine shares it (a free weight sync)."""
-        return module
+    def copy_weights(self, module: torch.nn.Module, target: torch.nn.Module) -> None:
+        """Copy the module's weights into `target`, an unsharded module of the same model
+        (nothing to do when a colocated rollout engine shares the module itself)."""
+        if target is not module:
+            with torch.no_grad():
+                target.load_state_dict(module.state_dict())
 
     def full_state(self, module: torch.nn.Module, rank: int, everywhere: bool = False):
         """Rank 0's state dict as CPU copies (None on other ranks, which hold the same, unless
@@ -129,11 +132,13 @@ class FullyShard(Replicated):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # a DTensor: norm of all shards
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
-    def full_weights(self, module: torch.nn.Module):
-        """(name, whole tensor) for each parameter, gathered one at a time, so a rank never
-        holds a second whole copy; every rank must consume it (each gather is a collective)."""
-        for name, param in module.named_parameters():
-            yield name, param.detach().full_tensor()
+    def copy_weights(self, module: torch.nn.Module, target: torch.nn.Module) -> None:
+        """Gather each parameter whole and copy it into `target` (in its dtype), one at a
+        time, so a rank never holds a second whole copy; a collective per parameter."""
+        params = dict(target.named_parameters())
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                params[name].copy_(param.detach().full_tensor())
 
     def full_state(self, module: torch.nn.Module, rank: int, everywhere: bool = False):
         """The whole state dict as CPU tensors on rank 0 (None on the others, unless

@@ -213,10 +213,10 @@ class TrainEngine:
         return float(tensor)
 
     # -- weights for others --------------------------------------------------------------------
-    def rollout_weights(self):
-        """What a rollout engine's `sync_weights` takes: this module (ddp: a colocated rollout
-        shares it) or, under fsdp, (name, whole tensor) pairs gathered one at a time."""
-        return self.sharding.full_weights(self.module)
+    def copy_weights_to(self, target: torch.nn.Module) -> None:
+        """Copy the whole weights into `target` (an unsharded module of the model, e.g. the
+        rollout copy of an fsdp model), gathered one parameter at a time under fsdp."""
+        self.sharding.copy_weights(self.module, target)
 
     def full_state(self) -> dict | None:
         """The whole state dict as CPU tensors on rank 0, None on the others (a collective

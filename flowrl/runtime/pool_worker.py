@@ -127,17 +127,20 @@ class PoolWorker:
     def transition(self, kind: str, model: str, parts: tuple):
         """Move model parts on or off the device, or sync weights: (None, (start, end))."""
         start = time.time()
+        copy = self.rollout_copies.get(model)  # fsdp: the unsharded copy the rollout uses
         if kind == "sync":
             if model in self.rollout:
-                self.rollout[model].sync_weights(self.train[model].rollout_weights())
+                if copy is not None:  # gathered one parameter at a time
+                    self.train[model].copy_weights_to(copy)
+                self.rollout[model].sync_weights(self.train[model].module if copy is None else copy)
         else:
             train_parts = tuple(p for p in parts if p not in ("kv_cache", "rollout_weights"))
             getattr(self.train[model], kind)(train_parts)
-            if "rollout_weights" in parts and model in self.rollout_copies:
-                target = self.train[model].device if kind == "reload" else "cpu"
-                self.rollout_copies[model].to(target)
-            if model in self.rollout:
-                _move_rollout(self.rollout[model], kind, parts)
+            if "rollout_weights" in parts and copy is not None:
+                copy.to(self.train[model].device if kind == "reload" else "cpu")
+            if model in self.rollout:  # a backend with weights of its own: they are the copy's
+                moved = tuple("weights" if p == "rollout_weights" else p for p in parts)
+                _move_rollout(self.rollout[model], kind, moved)
         return None, (start, time.time())
 
     def _trainable(self) -> dict:

@@ -11,7 +11,7 @@ from flowrl.nodes.update import policy
 from torch.distributed.tensor import DTensor
 
 from flowrl.cli import load_plan
-from flowrl.engines import RolloutEngine, TrainEngine
+from flowrl.engines import TrainEngine
 from flowrl.engines.scoring import decoder_layers
 from flowrl.protocol import DataProto
 from flowrl.runtime.local_executor import LocalExecutor
@@ -91,7 +91,7 @@ def test_fsdp_engine_feeds_a_rollout_copy_and_moves_its_shards(group):
     sharded = engine(model, "fsdp", group)
     policy.PolicyUpdateWorker(sharded, policy.Params())(batch())
     copy_for_rollout = tiny_model(seed=5)  # other weights, as a stale copy would have
-    RolloutEngine(copy_for_rollout, tiny_tokenizer()).sync_weights(sharded.rollout_weights())
+    sharded.copy_weights_to(copy_for_rollout)
     trained = whole(sharded)
     for name, value in copy_for_rollout.state_dict().items():
         assert torch.equal(value, trained[name]), name
