@@ -2,8 +2,10 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 GRAPH ?= graphs/ppo.toml
+STEPS ?= 20
+SEEDS ?= 0,1
 
-.PHONY: setup run test test-fast bench soak lint format
+.PHONY: setup run test test-fast bench soak algorithms lint format
 
 setup:
 	@command -v dot >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
@@ -31,6 +33,9 @@ bench: setup  # flowrl against TRL's GRPOTrainer, side by side (~13 min on 2 cor
 
 soak: setup  # 300 tiny-model steps, a flaky scorer, SIGKILL + resume every 50 (not in CI)
 	$(PYTHON) bench/soak/run.py
+
+algorithms: setup  # every algorithm graph on the embedded model -> docs/algorithms.md (~2 h)
+	$(PYTHON) bench/algorithms.py --steps $(STEPS) --seeds $(SEEDS) --write
 
 lint:
 	ruff check flowrl nodes tests bench

@@ -155,7 +155,11 @@ def cmd_nodes(args) -> int:
         if ref.doc:
             print(f"    {ref.doc}")
         print(f"    reads:  {', '.join(spec.reads)}")
+        if spec.optional_reads:
+            print(f"            + {', '.join(spec.optional_reads)} (depending on its params)")
         print(f"    writes: {', '.join(spec.writes) or '(none)'}")
+        if spec.optional_writes:
+            print(f"            + {', '.join(spec.optional_writes)} (depending on its params)")
         for field in attrs.fields(spec.params):
             default = (
                 field.default.factory()

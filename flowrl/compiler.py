@@ -16,7 +16,7 @@ from flowrl import dsl, memory, schema
 from flowrl.errors import Collector, did_you_mean, one_of
 from flowrl.graph import DATASET, Graph, build
 from flowrl.nodespec import CheckContext, RolloutParams
-from flowrl.plan import BatchPlan, ExecutionPlan, Item, PoolPlan, ValidationPlan
+from flowrl.plan import BatchPlan, ExecutionPlan, Item, PoolPlan, RefillPlan, ValidationPlan
 
 # What a call must find on the device, by mode.
 NEEDS = {
@@ -35,7 +35,8 @@ def compile_file(file: str | Path, overrides=()) -> ExecutionPlan:
 def compile_graph(built: Graph) -> ExecutionPlan:
     """The execution plan of one training step; raises GraphErrors on bad batch arithmetic."""
     errors = Collector(built.spec.file)
-    batch, warnings = _batch(built, errors)
+    refill = _refill(built, errors)
+    batch, warnings = _batch(built, refill, errors)
     _check_save_inputs(built, errors)
     errors.raise_if_any()
     pools = _pools(built, batch)
@@ -49,6 +50,7 @@ def compile_graph(built: Graph) -> ExecutionPlan:
         tuple(built.warnings) + tuple(warnings),
         _validation(built),
         built,
+        refill,
     )
 
 
@@ -67,31 +69,22 @@ def _check_save_inputs(graph: Graph, errors: Collector) -> None:
 # -- 1. batch arithmetic -------------------------------------------------------------------
 
 
-def _batch(graph: Graph, errors: Collector) -> tuple[BatchPlan, list[str]]:
+def _batch(graph: Graph, refill, errors: Collector) -> tuple[BatchPlan, list[str]]:
     spec, warnings = graph.spec, []
     prompts = spec.data.batch_size
     rows = {}  # node id -> rows it receives
     samples = {}  # node id -> samples per prompt upstream of and including it
     expanders = [n for n, d in spec.nodes.items() if d.spec.rows == "repeat" and d.params.n > 1]
-    for node in graph.order:
+    kept = set(refill.after) if refill and refill.groups else set()
+    for node in graph.order:  # row edges order every node against each expander
         ancestors = nx.ancestors(graph.dag, node)
         n = 1
         for expander in expanders:
             if expander in ancestors:
                 n *= spec.nodes[expander].params.n
-        rows[node], samples[node] = prompts * n, n
-    for expander in expanders:
-        related = nx.ancestors(graph.dag, expander) | nx.descendants(graph.dag, expander)
-        for other in spec.nodes:
-            if other != expander and other not in related:
-                errors.add(
-                    f"[nodes.{other}]",
-                    f"may run before or after [nodes.{expander}], "
-                    f"which turns each row into {spec.nodes[expander].params.n}, so its "
-                    "row count is ambiguous",
-                    f"make it read a key of {expander}, or of a "
-                    f"node before it, or set n = 1 on {expander}",
-                )
+        # after a refilling filter, at most its target groups remain
+        rows[node] = (refill.groups if node in kept else prompts) * n
+        samples[node] = n
     for node, decl in spec.nodes.items():
         where = f"[nodes.{node}]"
         if decl.spec.groups and samples[node] < 2:
@@ -116,7 +109,29 @@ def _batch(graph: Graph, errors: Collector) -> tuple[BatchPlan, list[str]]:
                 "idle (raise data.batch_size or lower the pool's workers)"
             )
     total = max(rows.values(), default=prompts)
-    return BatchPlan(prompts, total // prompts, total, rows), warnings
+    return BatchPlan(prompts, max(samples.values(), default=1), total, rows), warnings
+
+
+def _refill(graph: Graph, errors: Collector) -> RefillPlan | None:
+    """The plan of the filter node that refills its step (a `refill` hook), if any: the nodes
+    each prompt batch runs (its ancestors and itself) and those that run once after it."""
+    spec = graph.spec
+    filters = [n for n in graph.order if spec.nodes[n].spec.refill is not None]
+    for extra in filters[1:]:
+        errors.add(
+            f"[nodes.{extra}]",
+            f"a step refills through one filter node, and [nodes.{filters[0]}] already does",
+            "keep one filter with a refill (min_groups), or chain the conditions in one node",
+        )
+    if not filters:
+        return None
+    node = filters[0]
+    decl = spec.nodes[node]
+    groups, rounds = decl.spec.refill.of(decl.params)
+    ancestors = nx.ancestors(graph.dag, node)
+    before = tuple(n for n in graph.order if n in ancestors or n == node)
+    after = tuple(n for n in graph.order if n not in before)
+    return RefillPlan(node, groups, max(rounds, 1), before, after)
 
 
 # -- 2. placement and 3. the residency policy ----------------------------------------------
@@ -312,7 +327,10 @@ def _validation(built: Graph) -> ValidationPlan:
     writer = built.writers.get("scores")
     if writer in (None, DATASET):
         return ValidationPlan()
-    needed = {writer} | nx.ancestors(built.dag, writer)
+    # only what `scores` is computed from: row edges order nodes, they carry no data
+    dag = built.dag
+    data = nx.subgraph_view(dag, filter_edge=lambda a, b: dag.edges[a, b]["kind"] != "rows")
+    needed = {writer} | nx.ancestors(data, writer)
     nodes = tuple(n for n in built.order if n in needed)
     greedy = tuple(n for n in nodes if built.spec.nodes[n].mode == "rollout")
     return ValidationPlan(nodes, greedy)

@@ -16,6 +16,7 @@ from pathlib import Path
 import attrs
 
 from flowrl import registry, schema
+from flowrl.engines.rollout import DEVICE
 from flowrl.errors import Collector, did_you_mean, one_of
 from flowrl.nodespec import NodeSpec
 from flowrl.overrides import TOP_LEVEL, addressable, apply_overrides, said
@@ -165,7 +166,25 @@ def _place(name, model: schema.ModelConfig, pools, errors, overridden) -> schema
             f"not defined{did_you_mean(model.rollout_pool, pools)}",
             f'pools: {one_of(pools)}; or leave rollout_pool out to generate on "{model.pool}"',
         )
+    _check_rollout_device(name, model, pools, errors, overridden)
     return model
+
+
+def _check_rollout_device(name, model: schema.ModelConfig, pools, errors, overridden) -> None:
+    """A rollout backend that runs on one kind of device only (sglang: "cuda") needs its
+    rollout pool to be one."""
+    need, pool = DEVICE.get(model.rollout), model.rollout_pool or model.pool
+    if need is None or pool not in pools or pools[pool].device == need:
+        return
+    override = said(overridden, f"models.{name}.rollout") or said(
+        overridden, f"pools.{pool}.device"
+    )
+    errors.add(
+        f"[models.{name}] rollout",
+        f'{override}rollout = "{model.rollout}" runs on "{need}" only, but its pool "{pool}" has '
+        f'device = "{pools[pool].device}"',
+        f'set device = "{need}" in [pools.{pool}], or rollout = "hf" (CPU and GPU)',
+    )
 
 
 def _check_pool(name: str, pool: schema.PoolConfig, errors: Collector) -> None:
@@ -253,7 +272,7 @@ def _node(node_id, table, models, base_dir, errors: Collector, overridden) -> No
 
 
 def _extra_read_names(spec: NodeSpec) -> set[str]:
-    return set(spec.optional_reads)
+    return set(spec.optional_reads) | set(spec.optional_writes)
 
 
 def _check_model(where, spec: NodeSpec, model, models, errors: Collector, said="") -> None:

@@ -4,7 +4,11 @@ Edges come from names, never from lists of wires:
 - data edges: a node that reads key k runs after the one node that writes k (or k comes from
   the dataset);
 - state edges: a node that trains model M runs after every other node of the step that uses M,
-  so the whole step sees one version of M's weights; the next step sees the update.
+  so the whole step sees one version of M's weights; the next step sees the update;
+- row edges: a node that changes the rows (generate with n samples, a filter) is ordered
+  against every node the other edges leave unordered with it: a node above it in the file
+  runs before it, on the rows it receives; a node below it runs after it, on the rows it
+  returns. So no node's rows change between its dispatch and its collect.
 A node none of whose outputs is read (under the params as set, e.g. ref_logprob when the
 update's kl_loss_coef is 0) is dropped, and so is a model only such nodes used: it is never
 loaded. The controller counts as a reader of "scores" (validation and metrics).
@@ -15,6 +19,7 @@ import attrs
 import networkx as nx
 
 from flowrl import registry
+from flowrl.engines.rollout import INSTALL, missing_package
 from flowrl.errors import Collector, did_you_mean
 from flowrl.schema import DATASET_KEYS, GraphSpec
 
@@ -25,7 +30,7 @@ CONTROLLER_READS = ("scores",)  # what the controller itself reads: validation, 
 @attrs.frozen
 class Graph:
     spec: GraphSpec
-    dag: nx.DiGraph  # node ids; edge attrs: kind ("data" | "state"), keys (tuple)
+    dag: nx.DiGraph  # node ids; edge attrs: kind ("data" | "state" | "rows"), keys (tuple)
     writers: dict[str, str]  # key -> node id, or "dataset"
     order: tuple[str, ...]  # a topological order, file order among equals
     warnings: tuple[str, ...]
@@ -62,6 +67,7 @@ def build(spec: GraphSpec) -> Graph:
     _add_state_edges(spec, dag)
     _check_cycles(dag, errors)
     errors.raise_if_any()
+    _add_row_edges(spec, dag)
     dead = _dead_nodes(spec)
     if dead:  # checked as written; runs without them
         return _without(spec, dead)
@@ -160,6 +166,24 @@ def _add_state_edges(spec: GraphSpec, dag: nx.DiGraph) -> None:
                 _add_edge(dag, user, trainer, "state", None)
 
 
+def _add_row_edges(spec: GraphSpec, dag: nx.DiGraph) -> None:
+    """Order every row-changing node against each node it is not yet ordered with: file order
+    decides. Checked edge by edge, so no edge closes a cycle."""
+    position = {n: i for i, n in enumerate(spec.nodes)}
+    for changer, decl in spec.nodes.items():
+        if decl.spec.rows == "same":
+            continue
+        for other in spec.nodes:
+            if other == changer or nx.has_path(dag, changer, other):
+                continue
+            if nx.has_path(dag, other, changer):
+                continue
+            if position[other] < position[changer]:
+                _add_edge(dag, other, changer, "rows", None)
+            else:
+                _add_edge(dag, changer, other, "rows", None)
+
+
 def _check_cycles(dag: nx.DiGraph, errors: Collector) -> None:
     try:
         cycle = nx.find_cycle(dag)
@@ -191,4 +215,10 @@ def _warnings(spec: GraphSpec, writers: dict[str, str]) -> list[str]:
             out.append(f"[models.{name}] is not used by any node")
         elif model.trainable and name not in trained:
             out.append(f"[models.{name}] is trainable but no node trains it")
+        if name in used and (package := missing_package(model.rollout)):
+            out.append(
+                f'[models.{name}] rollout = "{model.rollout}" needs the {package} package, '
+                f"not installed here: {INSTALL[model.rollout]} (`flowrl run` stops on it "
+                "before loading a model)"
+            )
     return out

@@ -8,7 +8,8 @@ Two kinds of node:
 
 - controller nodes give `fn`: `fn(batch, params) -> writes` runs on the controller, no model.
   With `stateful=True` it is `fn(batch, params, state)`, where `state` is a dict the runtime
-  keeps across steps and saves in checkpoints (e.g. an adaptive KL coefficient).
+  keeps across steps and saves in checkpoints as JSON (e.g. an adaptive KL coefficient), so
+  it holds numbers, strings, lists and dicts only.
 - model nodes give `worker` and `mode`: the runtime builds `worker(engine, params)` once on each
   rank of the pool that hosts the node's model and calls `worker(batch)` with that rank's rows.
 
@@ -22,7 +23,10 @@ spec, never by reading a param name itself:
 - `check(params, context) -> findings`: the node's own batch checks, run by `flowrl check`;
 - `updates_per_step(params, rows) -> int`: optimizer steps per training step (train nodes), which
   sizes the learning-rate schedule;
-- `optional_reads`: keys read only under some params (e.g. `old_logprobs` unless `on_policy`);
+- `optional_reads` / `optional_writes`: keys read or written only under some params (e.g.
+  `old_logprobs` unless `on_policy`);
+- `refill` (filter nodes): how many groups to keep and in how many prompt batches, so the
+  controller samples more prompts until the filter has kept enough (DAPO's dynamic sampling);
 - rollout nodes' params subclass `RolloutParams`, so validation can ask any of them for greedy
   decoding and the compiler can size the KV cache.
 
@@ -111,6 +115,10 @@ class NodeSpec:
         stateful: fn takes a third argument, a dict kept across steps.
         optional_reads: key -> params -> bool: further keys, read only when the predicate
             holds (e.g. {"ref_logprobs": lambda p: p.kl_loss_coef > 0}).
+        optional_writes: key -> params -> bool: further keys, written only when the
+            predicate holds (e.g. generate's rollout_logprobs).
+        refill: for a filter node, the `Refill` naming its params: the controller re-runs the
+            nodes before it on fresh prompt batches until it has kept enough groups.
         check: (params, CheckContext) -> list of Finding: the node's own checks of its params
             against the step's batch, run at compile time (`flowrl check`).
         updates_per_step: (params, rows) -> optimizer steps the node takes per training step
@@ -129,6 +137,8 @@ class NodeSpec:
     groups: bool = False
     stateful: bool = False
     optional_reads: dict[str, Callable[[Any], bool]] = attrs.field(factory=dict)
+    optional_writes: dict[str, Callable[[Any], bool]] = attrs.field(factory=dict)
+    refill: "Refill | None" = None
     check: Callable[[Any, CheckContext], list[Finding]] | None = None
     updates_per_step: Callable[[Any, int], int] | None = None
 
@@ -148,6 +158,8 @@ class NodeSpec:
             )
         if self.updates_per_step is not None and self.mode != "train":
             raise ValueError('NodeSpec.updates_per_step is for mode="train" nodes')
+        if self.refill is not None and self.rows != "filter":
+            raise ValueError('NodeSpec.refill is for rows="filter" nodes')
 
     @property
     def uses_model(self) -> bool:
@@ -157,6 +169,11 @@ class NodeSpec:
         """The keys read under these params: `reads` plus the optional reads that apply."""
         extra = [key for key, wanted in self.optional_reads.items() if wanted(params)]
         return tuple(dict.fromkeys((*self.reads, *extra)))
+
+    def writes_for(self, params: Any) -> tuple[str, ...]:
+        """The keys written under these params: `writes` plus the optional writes that apply."""
+        extra = [key for key, wanted in self.optional_writes.items() if wanted(params)]
+        return tuple(dict.fromkeys((*self.writes, *extra)))
 
     def findings(self, params: Any, context: CheckContext) -> list[Finding]:
         return list(self.check(params, context)) if self.check else []
@@ -206,6 +223,24 @@ class MiniBatches:
 
 
 MINI_BATCHES = MiniBatches()  # for params named epochs and mini_batch_size
+
+
+@attrs.frozen
+class Refill:
+    """The hook of a filter node whose step refills: `groups` names the param holding how many
+    groups (prompts, by `uid`) the step should keep (0 = no refill: train on what is kept) and
+    `rounds` the one holding the most prompt batches a step may sample (verl's
+    `max_num_gen_batches`). The controller runs the nodes before the filter on a prompt batch,
+    keeps what the filter keeps, and repeats on the next prompt batch until `groups` groups are
+    kept or `rounds` batches are spent; then it trims to `groups` groups and runs the rest of
+    the step once on them."""
+
+    groups: str = "min_groups"
+    rounds: str = "max_rounds"
+
+    def of(self, params: Any) -> tuple[int, int]:
+        """(groups to keep, most prompt batches) under these params."""
+        return int(getattr(params, self.groups)), int(getattr(params, self.rounds))
 
 
 def split_output(out: Any) -> tuple[dict, dict]:

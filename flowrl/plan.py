@@ -97,6 +97,29 @@ class ValidationPlan:
 
 
 @attrs.frozen
+class RefillPlan:
+    """A step that refills through a filter node (DAPO's dynamic sampling): the controller runs
+    `before` on a prompt batch, keeps the rows the filter keeps, and repeats on fresh prompt
+    batches until `groups` groups are kept or `rounds` batches are spent; it trims to `groups`
+    groups and runs `after` once on them. groups = 0: one batch, whatever the filter keeps."""
+
+    node: str  # the filter
+    groups: int
+    rounds: int
+    before: tuple[str, ...]  # the filter's ancestors and the filter, in plan order
+    after: tuple[str, ...]  # every other node
+
+    def text(self) -> str:
+        runs = ", ".join(self.before)
+        if not self.groups:
+            return f"filter: {self.node} drops rows before {', '.join(self.after)}"
+        return (
+            f"refill: {runs} run on up to {self.rounds} prompt batches until {self.node} "
+            f"has kept {self.groups} groups; then {', '.join(self.after)} on those groups"
+        )
+
+
+@attrs.frozen
 class ExecutionPlan:
     file: str
     pools: dict[str, PoolPlan]
@@ -106,6 +129,7 @@ class ExecutionPlan:
     warnings: tuple[str, ...] = ()
     validation: ValidationPlan = ValidationPlan()
     graph: Any = attrs.field(default=None, eq=False, repr=False)  # the graph.Graph that runs
+    refill: RefillPlan | None = None  # a filter node that refills the step
 
     @property
     def spec(self):
@@ -136,6 +160,8 @@ class ExecutionPlan:
                 lines.append(f"    {model}: {info}")
         b = self.batch
         lines.append(f"batch: {b.prompts} prompts x {b.samples} samples = {b.rows} rows")
+        if self.refill:
+            lines.append(self.refill.text())
         lines.append("step")
         width = len(str(len(self.items)))
         for item in self.items:
@@ -157,6 +183,7 @@ class ExecutionPlan:
             "pools": {name: attrs.asdict(pool) for name, pool in self.pools.items()},
             "batch": attrs.asdict(self.batch),
             "validation": attrs.asdict(self.validation),
+            "refill": attrs.asdict(self.refill) if self.refill else None,
             "items": [attrs.asdict(i) for i in self.items],
             "overlaps": {name: list(others) for name, others in self.overlaps},
             "warnings": list(self.warnings),

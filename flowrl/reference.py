@@ -28,7 +28,7 @@ def field_comments(cls) -> dict[str, str]:
             continue
         for line in inspect.getsource(klass).splitlines():
             match = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.*)$", line)
-            if match:
+            if match and not match.group(2).startswith("noqa"):
                 out[match.group(1)] = match.group(2).strip()
     return out
 
@@ -81,10 +81,16 @@ def markdown() -> str:
             f"{name.replace('.', '/')}.py`; reads {_keys(ref.spec.reads)}; writes "
             f"{_keys(ref.spec.writes)}"
             + (
-                f"; reads also {_keys(ref.spec.optional_reads)} depending on its params."
+                f"; reads also {_keys(ref.spec.optional_reads)} depending on its params"
                 if ref.spec.optional_reads
-                else "."
-            ),
+                else ""
+            )
+            + (
+                f"; writes also {_keys(ref.spec.optional_writes)} depending on its params"
+                if ref.spec.optional_writes
+                else ""
+            )
+            + ".",
             "",
         ]
         parts += [*table(ref.spec.params), ""] if attrs.fields(ref.spec.params) else []

@@ -30,7 +30,7 @@ class NodeRef:
     spec: NodeSpec
     file: str
     line: int  # the line of `SPEC =`
-    doc: str  # the module docstring's first line
+    doc: str  # the module docstring's first paragraph, on one line
 
     @property
     def location(self) -> str:
@@ -96,4 +96,6 @@ def _spec_line(file: str) -> int:
 
 
 def _first_line(module) -> str:
-    return (module.__doc__ or "").strip().split("\n", 1)[0]
+    """The docstring's first paragraph as one line (a sentence may wrap in the source)."""
+    paragraph = (module.__doc__ or "").strip().split("\n\n", 1)[0]
+    return " ".join(line.strip() for line in paragraph.splitlines())

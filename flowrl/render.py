@@ -98,10 +98,12 @@ def graph_dot(graph, all_keys: bool = False) -> str:
     for source, target in _row_links(graph.dag, rows, set(labels)):
         lines.append(f'  "{dot_escape(source)}" -> "{dot_escape(target)}" [style=invis];')
     for source, target in sorted(graph.dag.edges):
-        if graph.dag.edges[source, target]["kind"] != "data":
+        kind = graph.dag.edges[source, target]["kind"]
+        if kind != "data":  # "state": after the model's readers; "rows": after a row change
+            why = "model state" if kind == "state" else "rows"
             lines.append(
                 f'  "{dot_escape(source)}" -> "{dot_escape(target)}" '
-                '[style=dashed, label="model state", color="#999999"];'
+                f'[style=dashed, label="{why}", color="#999999"];'
             )
     lines.append("}")
     return "\n".join(lines) + "\n"

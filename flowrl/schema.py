@@ -168,7 +168,7 @@ class NodeDecl:
 
     @property
     def writes(self) -> tuple[str, ...]:
-        return tuple(self.rename.get(k, k) for k in self.spec.writes)
+        return tuple(self.rename.get(k, k) for k in self.spec.writes_for(self.params))
 
     @property
     def mode(self) -> str | None:

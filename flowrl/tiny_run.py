@@ -5,7 +5,8 @@ Every model's path becomes "tiny" (flowrl/models/tiny.py: a character-level toke
 2-layer Llama, built in milliseconds, no download); a step has 2 prompts and responses of at
 most 6 tokens; 2 steps; validation on 4 prompts, at the start and the end; reward nodes score
 by length (flowrl/rewards/varied.py), so the updates see nonzero advantages. Trainable models
-get lr 0.01, so a test can see their parameters move. No torch or ray here.
+get lr 0.01, so a test can see their parameters move; GPU pools and GPU-only rollout backends
+fall back to CPU and flowrl's own decode loop. No torch or ray here.
 """
 
 from pathlib import Path
@@ -49,5 +50,17 @@ def tiny_overrides(graph, out_dir=None, scorer: str | None = VARIED_SCORER, **ex
         out.append(f'run.out_dir="{out_dir}"')
     declared_pools = spec.raw.get("pools", {})  # a graph without [pools] gets one by default
     out += [f"pools.{name}.cpus_per_worker=1" for name in declared_pools]
+    out += cpu_fallback(spec)
     out += [f"{key}={value}" for key, value in extra.items()]
+    return out
+
+
+def cpu_fallback(spec) -> list[str]:
+    """A GPU graph (graphs/grpo_sglang.toml) runs here on CPU, with flowrl's decode loop in
+    place of its GPU-only rollout backend (which could not load the tiny model anyway), so
+    its wiring is tried on any machine; tests/gpu/test_sglang.py runs it as written."""
+    from flowrl.engines.rollout import DEVICE
+
+    out = [f'pools.{name}.device="cpu"' for name, p in spec.pools.items() if p.device != "cpu"]
+    out += [f'models.{name}.rollout="hf"' for name, m in spec.models.items() if m.rollout in DEVICE]
     return out

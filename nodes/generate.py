@@ -1,6 +1,8 @@
 """Sample responses from the policy: n per prompt, stopping at EOS.
 
 reads: prompts, prompt_mask -> writes: responses, response_mask, response_attention, response_text
+(+ rollout_logprobs when return_logprobs: each sampled token's log-prob under the distribution
+it was drawn from, for update.policy's truncated importance sampling, tis_cap)
 Every response token is sampled, so response_attention (the tokens a forward attends to) equals
 response_mask (the tokens trained on); a multi-turn rollout makes them differ.
 Rows come back interleaved (all samples of prompt 0, then prompt 1, ...); the runtime repeats
@@ -21,10 +23,14 @@ from flowrl.nodespec import NodeSpec, RolloutParams
 class Params(RolloutParams):
     """n, max_new_tokens, temperature, top_p, top_k, do_sample: see RolloutParams."""
 
+    return_logprobs: bool = False  # also write rollout_logprobs (the sampler's log-probs)
+
 
 def step_generator(meta: dict, device="cpu") -> torch.Generator:
-    """A generator seeded by (seed, step, rank): a resumed run samples what the first did."""
+    """A generator seeded by (seed, step, round, rank): a resumed run samples what the first
+    did."""
     seed = int(meta.get("seed", 0)) * 1_000_003 + int(meta.get("step", 0)) * 9_973
+    seed += int(meta.get("round", 0)) * 7_919  # a refilling step's further prompt batches
     return torch.Generator(device=device).manual_seed(seed + int(meta.get("rank", 0)))
 
 
@@ -54,7 +60,10 @@ class GenerateWorker:
             top_k=p.top_k,
             do_sample=p.do_sample,
             generator=step_generator(batch.meta, self.engine.device),
+            logprobs=p.return_logprobs,
         )
+        if p.return_logprobs:
+            out["rollout_logprobs"] = out.pop("logprobs")  # (b * n, t)
         texts = np.empty(len(out["responses"]), dtype=object)  # (b * n,) strings
         texts[:] = self.engine.tokenizer.batch_decode(out["responses"], skip_special_tokens=True)
         metrics = generation_metrics(out["response_mask"], time.perf_counter() - start)
@@ -70,4 +79,5 @@ SPEC = NodeSpec(
     mode="rollout",
     head="lm",
     rows="repeat",
+    optional_writes={"rollout_logprobs": lambda p: p.return_logprobs},
 )

@@ -1,5 +1,6 @@
 """Engines: the train engine (forward, backward, optimizer, offload) and the rollout backends
-(the contract and their table in rollout.py; flowrl's own decode loop in hf_rollout.py).
+(the contract and their table in rollout.py; flowrl's own decode loop in hf_rollout.py; an
+in-process SGLang engine in sglang_backend.py, imported only when a graph picks it).
 
 The names below load on first use, so that importing the torch-free contract
 `flowrl.engines.rollout` (schema.py does, to validate `rollout = "..."`) imports no torch.

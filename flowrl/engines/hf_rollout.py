@@ -48,6 +48,7 @@ class HFRollout:
         top_k: int = 0,
         do_sample: bool = True,
         generator: torch.Generator | None = None,
+        logprobs: bool = False,
     ) -> dict:
         """Sample n responses per prompt.
 
@@ -56,23 +57,26 @@ class HFRollout:
             prompt_mask: (b, p) 1 for real tokens, 0 for padding.
             n: samples per prompt; rows come back interleaved (prompt 0's n samples first).
             generator: a CPU generator for sampling (on CUDA, one on the device).
+            logprobs: also return each sampled token's log-prob (see `sample_tokens`).
 
         Returns:
             {"responses": (b*n, t) int64 right-padded with the pad id, "response_mask":
             (b*n, t) int64 covering each response up to and including its first EOS}, t the
-            longest response in the batch. Ordinary tensors (made outside inference mode), so
-            a train engine may use them directly.
+            longest response in the batch; with `logprobs`, "logprobs": (b*n, t) float32, 0
+            past each response. Ordinary tensors (made outside inference mode), so a train
+            engine may use them directly.
         """
         sampling = (temperature, top_k, top_p, do_sample, generator)
         with torch.inference_mode():
-            out = self._generate(prompts, prompt_mask, n, max_new_tokens, sampling)
+            out = self._generate(prompts, prompt_mask, n, max_new_tokens, sampling, logprobs)
         return {key: value.clone() for key, value in out.items()}
 
-    def _generate(self, prompts, prompt_mask, n: int, max_new_tokens: int, sampling) -> dict:
+    def _generate(self, prompts, prompt_mask, n: int, max_new_tokens: int, sampling, logprobs):
         rows = prompts.shape[0] * n
         if rows == 0 or max_new_tokens <= 0:
             empty = torch.zeros(rows, 0, dtype=torch.long)
-            return {"responses": empty, "response_mask": empty.clone()}
+            out = {"responses": empty, "response_mask": empty.clone()}
+            return {**out, "logprobs": torch.zeros(rows, 0)} if logprobs else out
         ids, mask = _trim_left(prompts, prompt_mask)
         self.cache = preallocated_cache(self.module, ids.shape[1] + max_new_tokens)
         logits, mask = self._prefill(ids.to(self.device), mask.to(self.device))  # (b, v)
@@ -80,7 +84,7 @@ class HFRollout:
             self.cache.batch_repeat_interleave(n)
             logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
         position = mask.sum(-1, keepdim=True)  # (r, 1): positions count real tokens from 0
-        out = self._decode(logits, mask, position, max_new_tokens, sampling)
+        out = self._decode(logits, mask, position, max_new_tokens, sampling, logprobs)
         self.cache = None
         return out
 
@@ -108,16 +112,21 @@ class HFRollout:
         self.cache.batch_repeat_interleave(len(ids))
         return self._forward(ids[:, shared:], mask, positions[:, shared:]), mask
 
-    def _decode(self, logits, mask, position, max_new_tokens: int, sampling) -> dict:
+    def _decode(self, logits, mask, position, max_new_tokens: int, sampling, logprobs) -> dict:
         """The token loop from the prefill's last logits (r, v); position (r, 1) is the next."""
         rows = logits.shape[0]
         out = torch.full((rows, max_new_tokens), self.pad, dtype=torch.long, device=self.device)
+        token_logprobs = torch.zeros(rows, max_new_tokens, device=self.device) if logprobs else None
         lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
         active = torch.arange(rows, device=self.device)  # output row of each batch row
         done = torch.zeros(rows, dtype=torch.bool, device=self.device)
         for step in range(max_new_tokens):
             live = ~done
-            token = sample_tokens(logits, *sampling).masked_fill(done, self.pad)  # (a,)
+            token = sample_tokens(logits, *sampling, with_logprobs=logprobs)
+            if logprobs:
+                token, chosen = token
+                token_logprobs[active, step] = chosen.masked_fill(done, 0.0)
+            token = token.masked_fill(done, self.pad)  # (a,)
             out[active, step] = token
             lengths[active] += live.long()
             done = done | (token == self.eos)
@@ -134,7 +143,10 @@ class HFRollout:
             position = position + 1
         t = int(lengths.max())
         response_mask = torch.arange(t, device=self.device)[None, :] < lengths[:, None]
-        return {"responses": out[:, :t].cpu(), "response_mask": response_mask.long().cpu()}
+        result = {"responses": out[:, :t].cpu(), "response_mask": response_mask.long().cpu()}
+        if logprobs:
+            result["logprobs"] = (token_logprobs[:, :t] * response_mask).float().cpu()
+        return result
 
     def _forward(self, ids, mask, positions) -> torch.Tensor:
         """One cached model call -> logits (a, v) of the last position, in float32."""

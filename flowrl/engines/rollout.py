@@ -11,14 +11,20 @@ when a graph picks it. This module imports no torch at module level: schema.py v
 name from the table, and `flowrl check` runs where torch is not installed.
 
 Memory: the compiler tracks a rollout model's `weights` and `kv_cache` parts. When a plan moves
-`kv_cache` off or back on the device, the pool worker calls `offload()` or `reload()` (a server
-backend releases and resumes its memory there); after an update it calls
-`sync_weights(module)`, so the next step samples from the trained weights.
+`kv_cache` off or back on the device, the pool worker calls `offload()` or `reload()`; after an
+update it calls `sync_weights(module)`, so the next step samples from the trained weights. A
+backend that holds more of those parts itself (a server with its own copy of the weights)
+says which in a class attribute, `parts = ("weights", "kv_cache")`, and then gets the moving
+ones as an argument, `offload(parts)` / `reload(parts)`, whenever one of them moves.
+
+Some backends need a GPU pool or a package flowrl does not install: `DEVICE` and `PACKAGE`
+say which, and `flowrl check` reports them (never importing the package).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -27,7 +33,11 @@ if TYPE_CHECKING:
 # name -> "module:Class", imported only when a graph picks the name
 ROLLOUT_BACKENDS = {
     "hf": "flowrl.engines.hf_rollout:HFRollout",  # flowrl's own KV-cache decode loop (CPU/CUDA)
+    "sglang": "flowrl.engines.sglang_backend:SGLangRollout",  # in-process SGLang engine (GPU)
 }
+DEVICE = {"sglang": "cuda"}  # backend -> the only pool device it runs on
+PACKAGE = {"sglang": "sglang"}  # backend -> the package it imports, an optional extra
+INSTALL = {"sglang": 'pip install -e ".[sglang]" in a checkout, or pip install "flowrl[sglang]"'}
 
 
 @runtime_checkable
@@ -50,6 +60,7 @@ class RolloutBackend(Protocol):
         top_k: int = 0,
         do_sample: bool = True,
         generator: torch.Generator | None = None,
+        logprobs: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Sample n responses per prompt.
 
@@ -62,26 +73,39 @@ class RolloutBackend(Protocol):
                 (top_k = 0 and top_p = 1.0 are off).
             do_sample: False (or temperature 0) picks the most likely token: greedy.
             generator: the random source of sampling, on `device`; None = torch's global one.
+            logprobs: also return "logprobs", each sampled token's log-prob under the
+                distribution it was drawn from (after temperature, top-k, top-p; greedy: the
+                model's at temperature 1), for truncated importance sampling.
 
         Returns:
             {"responses": (b*n, t) int64 right-padded with the pad id, "response_mask":
             (b*n, t) int64, 1 on each response up to and including its first EOS}, t the
-            longest response; CPU tensors made outside inference mode, so a train engine may
-            use them directly.
+            longest response; with `logprobs`, "logprobs": (b*n, t) float32, 0 past each
+            response; CPU tensors made outside inference mode, so a train engine may use them
+            directly.
         """
         ...
 
     def offload(self) -> None:
-        """Free the device memory of the kv_cache part (a server: release its memory)."""
+        """Free the device memory of the kv_cache part. A backend with `parts` is called as
+        `offload(moving)`, those of its parts that leave (a server: release their memory)."""
         ...
 
     def reload(self) -> None:
-        """Make the kv_cache part usable again (a server: resume its memory)."""
+        """Make the kv_cache part usable again; with `parts`, `reload(moving)` (a server:
+        resume their memory)."""
         ...
 
     def sync_weights(self, source: torch.nn.Module) -> None:
         """Take the weights of `source` (the train engine's module, maybe the same object)."""
         ...
+
+
+def missing_package(name: str) -> str:
+    """The package backend `name` needs when it is not installed here, else "". Looked up with
+    importlib.util.find_spec, which finds a package without importing it."""
+    package = PACKAGE.get(name, "")
+    return package if package and importlib.util.find_spec(package) is None else ""
 
 
 def rollout_class(name: str) -> type:

@@ -7,18 +7,31 @@ generator, so a rollout is reproducible from its seed.
 import torch
 
 
-def sample_tokens(logits, temperature, top_k, top_p, do_sample, generator) -> torch.Tensor:
+def sample_tokens(
+    logits, temperature, top_k, top_p, do_sample, generator, with_logprobs: bool = False
+):
     """logits (a, v) -> one token per row (a,): greedy, or sampled after temperature, top-k
-    and top-p, in the order `generate` applies them."""
+    and top-p, in the order `generate` applies them.
+
+    With `with_logprobs`, (tokens (a,), logprobs (a,)): each token's log-probability under the
+    distribution it was drawn from (logits / temperature, renormalised over the top-k / top-p
+    candidates); for greedy decoding, under the model's distribution at temperature 1.
+    """
     if not do_sample or temperature == 0:
-        return logits.argmax(-1)
+        token = logits.argmax(-1)
+        if not with_logprobs:
+            return token
+        return token, logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
     logits, order = logits / temperature, None
     if 0 < top_k < logits.shape[-1]:
         logits, order = logits.topk(top_k, dim=-1)  # (a, k), and their token ids
     if top_p < 1.0:
         logits, order = nucleus(logits, order, top_p)
-    token = draw(logits.softmax(-1), generator)
-    return token if order is None else order.gather(-1, token[:, None]).squeeze(-1)
+    index = draw(logits.softmax(-1), generator)  # (a,): a position among the candidates
+    token = index if order is None else order.gather(-1, index[:, None]).squeeze(-1)
+    if not with_logprobs:
+        return token
+    return token, logits.log_softmax(-1).gather(-1, index[:, None]).squeeze(-1)
 
 
 def nucleus(logits, order, top_p: float):

@@ -12,6 +12,7 @@ inputs of a failed node call (failures/) and of the nodes in run.save_inputs (in
 """
 
 import contextlib
+import functools
 import json
 import os
 import random
@@ -27,12 +28,14 @@ import torch
 from tqdm import tqdm
 
 from flowrl.data import PromptDataset, PromptLoader, make_rows
+from flowrl.engines.rollout import INSTALL, missing_package
 from flowrl.errors import FlowrlError
 from flowrl.models import load_tokenizer
 from flowrl.nodespec import GREEDY
 from flowrl.runtime import checkpoint, faults, make_executor
 from flowrl.runtime.inputs import Recording
 from flowrl.runtime.loggers import Loggers
+from flowrl.runtime.refill import refilled_step
 from flowrl.runtime.trace import Trace
 
 
@@ -51,6 +54,7 @@ def run(plan, backend: str | None = None, resume: str | None = None) -> Path:
 class Trainer:
     def __init__(self, plan, run_dir: Path, backend: str):
         _check_devices(plan)
+        _check_packages(plan)
         spec = plan.spec
         self.spec, self.plan, self.run_dir = spec, plan, run_dir
         _seed_everything(spec.run.seed)
@@ -148,11 +152,16 @@ class Trainer:
 
     def step(self, step: int) -> tuple[dict, object]:
         start = time.time()
-        batch = next(self.loader)
-        batch.meta.update(step=step, seed=self.spec.run.seed)
+        batch = self._prompts(step)
         run = self.spec.run
         record = self._record(step, step - 1, keep=tuple(run.save_inputs))
-        batch, metrics, slices = self.executor.run_step(batch, record=record)
+        if self.plan.refill is not None:  # a filter that samples more prompts (DAPO)
+            more = functools.partial(self._prompts, step)
+            batch, metrics, slices = refilled_step(
+                self.executor, self.plan.refill, batch, more, record
+            )
+        else:
+            batch, metrics, slices = self.executor.run_step(batch, record=record)
         seconds = time.time() - start
         self.trace.add(slices, step)
         out = {"step": step, "time_s": seconds, **_batch_metrics(batch), **metrics}
@@ -166,6 +175,14 @@ class Trainer:
         out["tokens_per_s"] = tokens / seconds
         out.update(_process_metrics())
         return out, batch
+
+    def _prompts(self, step: int, round_: int = 0):
+        """The next prompt batch, with the meta that seeds its sampling."""
+        batch = next(self.loader)
+        batch.meta.update(step=step, seed=self.spec.run.seed)
+        if round_:
+            batch.meta["round"] = round_
+        return batch
 
     def _record(self, step: int, state_step: int, keep=(), validation=False) -> Recording:
         """Where this walk's node calls keep their inputs (flowrl/runtime/inputs.py)."""
@@ -202,7 +219,7 @@ class Trainer:
         try:
             with checkpoint.writing(self.run_dir, step, self.spec.run.keep_checkpoints) as out:
                 self.executor.broadcast("save", str(out))
-                (out / "controller.json").write_text(json.dumps(state))
+                (out / "controller.json").write_text(_state_json(state))
         except OSError as e:  # a full disk or a folder made read-only during the run
             previous = checkpoint.latest(self.run_dir)
             raise RunDirError(
@@ -284,6 +301,24 @@ def _check_devices(plan) -> None:
             )
 
 
+class MissingPackage(FlowrlError, RuntimeError):
+    """A graph picks a rollout backend whose package is not installed."""
+
+
+def _check_packages(plan) -> None:
+    """A rollout backend whose package is not installed (sglang) fails here, by name, before
+    any model loads (on a Ray cluster, RAY_ADDRESS set, the workers' packages count: skipped)."""
+    if os.environ.get("RAY_ADDRESS"):
+        return
+    for name in sorted({d.model for d in plan.spec.nodes.values() if d.mode == "rollout"}):
+        backend = plan.spec.models[name].rollout
+        if package := missing_package(backend):
+            raise MissingPackage(
+                f'{plan.file}: [models.{name}] rollout = "{backend}" needs the {package} '
+                f"package, which is not installed: {INSTALL[backend]}"
+            )
+
+
 def _writable(run_dir: Path) -> None:
     """Create the run directory and check it takes files, before any model loads."""
     try:
@@ -319,15 +354,26 @@ def _rollout_model(spec) -> str:
 
 
 def _batch_metrics(batch) -> dict:
-    out = {}
+    out = {"rows": len(batch)}
+    if len(batch) == 0:  # a filter kept nothing: no update this step
+        return out
     if "scores" in batch:
         out["score/mean"] = float(batch["scores"].float().mean())
     if "response_mask" in batch:
         lengths = batch["response_mask"].sum(-1).float()
         out["response_length/mean"] = float(lengths.mean())
         out["response_length/max"] = float(lengths.max())
-    out["rows"] = len(batch)
     return out
+
+
+def _state_json(state: dict) -> str:
+    try:
+        return json.dumps(state)
+    except TypeError as e:
+        raise TypeError(
+            f"a stateful node keeps a value a checkpoint cannot store ({e}): keep numbers, "
+            "strings, lists and dicts in its state"
+        ) from e
 
 
 def _process_metrics() -> dict:
@@ -342,10 +388,14 @@ def _process_metrics() -> dict:
 
 
 def _timings(slices) -> dict:
-    """Seconds per plan item: the longest rank's run (they run in parallel)."""
-    out = {}
+    """Seconds per plan item: summed over the item's runs on a track (a refilling step runs
+    some items once per prompt batch), then the longest rank's (they run in parallel)."""
+    per_track: dict[tuple, float] = {}
     for s in slices:
-        out[s.name] = max(out.get(s.name, 0.0), s.end - s.start)
+        per_track[s.name, s.track] = per_track.get((s.name, s.track), 0.0) + s.end - s.start
+    out: dict[str, float] = {}
+    for (name, _), seconds in per_track.items():
+        out[name] = max(out.get(name, 0.0), seconds)
     return out
 
 

@@ -46,6 +46,7 @@ class Executor(abc.ABC):
 
     def __init__(self, plan):
         self.plan, self.spec = plan, plan.spec
+        self._by_id = {i.id: i for i in plan.items}
         self.node_state: dict[str, dict] = {
             n: {} for n, d in self.spec.nodes.items() if d.model is None
         }
@@ -99,9 +100,12 @@ class Executor(abc.ABC):
         `overrides` maps a node id to params to change for this walk (e.g. greedy decoding).
         `record` says where a failed call's inputs go, and which nodes' inputs to keep
         (flowrl/runtime/inputs.py); None keeps nothing.
+        Under `only`, the other items are passed over in plan order: a pool's transitions keep
+        their order around the calls that run (a model no running call uses is not moved), so
+        a partial walk leaves every pool as a whole step does.
         Returns (batch with every node's writes, metrics, slices).
         """
-        walk = _Walk([i for i in self.plan.items if _wanted(i, only)], batch, record)
+        walk = _Walk(list(self.plan.items), batch, record, skip=self._skipped(only))
         while len(walk.done) < len(walk.items):
             ready = [i for i in walk.items if walk.ready(i)]
             for item in ready:
@@ -110,7 +114,29 @@ class Executor(abc.ABC):
                 self._wait(walk)
         return walk.batch, walk.metrics, walk.slices
 
+    def _skipped(self, only: set | None) -> set:
+        """Ids of the items a walk over the nodes in `only` passes over."""
+        if only is None:
+            return set()
+        calls = [i for i in self.plan.items if i.kind in ("call", "controller") and i.node in only]
+        used = {i.model for i in calls if i.model}
+        trained = {i.model for i in calls if i.mode == "train"}
+        skip = set()
+        for item in self.plan.items:
+            if item.kind == "sync":
+                wanted = item.model in trained
+            elif item.node is not None:
+                wanted = item.node in only
+            else:  # reload / offload
+                wanted = item.model in used
+            if not wanted:
+                skip.add(item.id)
+        return skip
+
     def _start(self, item, walk: "_Walk", overrides: dict) -> None:
+        if item.id in walk.skip:
+            walk.done.add(item.id)
+            return
         start = time.time()
         if item.kind == "controller":
             walk.batch = self._controller(item.node, walk.batch, walk.metrics, walk.record)
@@ -138,7 +164,7 @@ class Executor(abc.ABC):
     def _wait(self, walk: "_Walk") -> None:
         ids = {id(handle): item_id for item_id, handle in walk.pending.items()}
         for handle in self.finished(list(walk.pending.values())):
-            item = walk.by_id[ids[id(handle)]]
+            item = self._by_id[ids[id(handle)]]
             try:
                 results = self.results(handle)
             except NodeFailure:
@@ -202,7 +228,15 @@ class Executor(abc.ABC):
         context = {"base_dir": str(self.spec.base_dir)}  # relative paths in params resolve here
         view = batch.select(decl.reads)
         writes, node_metrics = call_node(
-            node, spec, decl.rename, view, run, "on the controller", context, saver
+            node,
+            spec,
+            decl.rename,
+            view,
+            run,
+            "on the controller",
+            context,
+            saver,
+            params=decl.params,
         )
         _merge_metrics(metrics, node, [node_metrics])
         if spec.rows == "filter":
@@ -223,23 +257,12 @@ class _Walk:
     outputs: dict = attrs.Factory(dict)  # node -> per-rank results waiting to be collected
     metrics: dict = attrs.Factory(dict)
     slices: list = attrs.Factory(list)
-    by_id: dict = attrs.field(init=False)
-
-    def __attrs_post_init__(self):
-        self.by_id = {i.id: i for i in self.items}
+    skip: set = attrs.Factory(set)  # ids of items passed over (done once their deps are)
 
     def ready(self, item) -> bool:
         if item.id in self.done or item.id in self.pending:
             return False
-        return all(d in self.done or d not in self.by_id for d in item.deps)
-
-
-def _wanted(item, only) -> bool:
-    if only is None:
-        return True
-    if item.kind == "sync":
-        return False
-    return item.node in only if item.node else True
+        return all(d in self.done for d in item.deps)
 
 
 def _merge(batch: DataProto, writes: DataProto, decl) -> DataProto:

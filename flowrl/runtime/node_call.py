@@ -27,6 +27,7 @@ def call_node(
     where: str,
     meta: dict | None = None,
     save_to=None,
+    params=None,
 ) -> tuple[DataProto, dict]:
     """Run one node on `batch` (graph keys); returns (its writes under graph keys, metrics).
 
@@ -39,6 +40,7 @@ def call_node(
         save_to: None, or a hook (`flowrl.runtime.inputs.Saver`) with `before(batch)`, called
             before the node runs, and `failed(batch, error) -> str`, called when it fails,
             whose text (where the inputs went, the replay command) ends the failure's message.
+        params: the node's params, which decide its optional writes (None: none).
 
     A filter node (rows="filter") returns only `keep`; any other node exactly its declared
     writes. Anything else raises NodeFailure naming the node.
@@ -55,7 +57,8 @@ def call_node(
             f"node {node_id} failed {where}: {type(e).__name__}: {e}\n"
             f"  its batch: {batch.describe()}{hint}"
         ) from e
-    expected = {KEEP} if spec.rows == "filter" else set(spec.writes)
+    declared = spec.writes if params is None else spec.writes_for(params)
+    expected = {KEEP} if spec.rows == "filter" else set(declared)
     if set(writes) != expected:
         missing, extra = sorted(expected - set(writes)), sorted(set(writes) - expected)
         error = NodeFailure(

@@ -117,7 +117,10 @@ class PoolWorker:
         if record is not None:
             uses = next(n.uses for n in self.setup.nodes if n.id == node_id)
             saver = record.saver(node_id, uses, worker.params, self.rank, self.world_size)
-        out, metrics = call_node(node_id, spec, rename, batch, worker, where, meta, saver)
+        params = getattr(worker, "params", None)  # decides the optional writes
+        out, metrics = call_node(
+            node_id, spec, rename, batch, worker, where, meta, saver, params=params
+        )
         return out, metrics, (start, time.time())
 
     def transition(self, kind: str, model: str, parts: tuple):
@@ -129,8 +132,8 @@ class PoolWorker:
         else:
             train_parts = tuple(p for p in parts if p != "kv_cache")
             getattr(self.train[model], kind)(train_parts)
-            if "kv_cache" in parts and model in self.rollout:
-                getattr(self.rollout[model], kind)()
+            if model in self.rollout:
+                _move_rollout(self.rollout[model], kind, parts)
         return None, (start, time.time())
 
     def state_dict(self) -> dict:
@@ -169,7 +172,9 @@ class PoolWorker:
         start = time.time()
         state, _ = exported
         with torch.no_grad():
-            lora.load_weights(self.train[model].module, state)
+            lora.load_weights(self.train[model].module, state)  # with LoRA, the adapter
+        if model in self.rollout:  # a backend with its own copy (sglang) takes them too
+            self.rollout[model].sync_weights(self.train[model].module)
         return None, (start, time.time())
 
     def where(self) -> dict:
@@ -194,6 +199,17 @@ class PoolWorker:
 
     def ping(self) -> int:
         return self.rank
+
+
+def _move_rollout(rollout, kind: str, parts: tuple) -> None:
+    """Offload or reload a rollout backend's share of `parts`: the kv_cache part, or with a
+    `parts` attribute (a backend holding its own weights) those of its parts that move."""
+    owned = getattr(rollout, "parts", None)
+    if owned is None:
+        if "kv_cache" in parts:
+            getattr(rollout, kind)()
+    elif moving := tuple(p for p in parts if p in owned):
+        getattr(rollout, kind)(moving)
 
 
 def _device(kind: str, rank: int) -> str:

@@ -2,6 +2,11 @@
 the same, since their group-relative advantages are zero and teach nothing.
 
 reads: scores, uid -> keeps rows (a filter: the runtime drops the others)
+With `min_groups > 0` the step refills, as verl's `filter_groups`: the controller samples
+further prompt batches (running every node before this one again) until this node has kept
+`min_groups` groups or `max_rounds` batches are spent (verl's `max_num_gen_batches`), then
+trains on the first `min_groups` groups kept. Where verl stops the run when the batches run
+out, this trains on the groups it has (the metric refill/groups says how many).
 """
 
 from __future__ import annotations
@@ -10,12 +15,14 @@ import attrs
 
 from flowrl import ops
 from flowrl.lazy import torch
-from flowrl.nodespec import NodeSpec
+from flowrl.nodespec import Finding, NodeSpec, Refill
+from flowrl.validators import MAX_ROWS, checked, count
 
 
 @attrs.frozen
 class Params:
-    pass
+    min_groups: int = checked(0, count(0, MAX_ROWS))  # refill to this many groups; 0 = no refill
+    max_rounds: int = checked(4, count(1, 1000))  # refill: the most prompt batches a step samples
 
 
 def varied_groups(scores, uid):
@@ -32,6 +39,26 @@ def run(batch, params):
     return {"keep": keep}, {"kept_fraction": float(keep.float().mean()) if len(keep) else 0.0}
 
 
+def check(params: Params, context) -> list[Finding]:
+    most = context.prompts * params.max_rounds
+    if params.min_groups > most:
+        return [
+            Finding(
+                f"min_groups = {params.min_groups} can never be reached: {params.max_rounds} "
+                f"prompt batches of {context.prompts} prompts hold {most} groups",
+                f"set min_groups <= {most}, or raise max_rounds or data.batch_size",
+            )
+        ]
+    return []
+
+
 SPEC = NodeSpec(
-    reads=("scores", "uid"), writes=(), params=Params, fn=run, rows="filter", groups=True
+    reads=("scores", "uid"),
+    writes=(),
+    params=Params,
+    fn=run,
+    rows="filter",
+    groups=True,
+    check=check,
+    refill=Refill(groups="min_groups", rounds="max_rounds"),
 )

@@ -2,7 +2,9 @@
 
 reads: scores, old_logprobs, ref_logprobs, response_mask -> writes: token_rewards
 r_t = -beta * KL_t on every token, plus the sequence score on its last token (the last 1 of
-response_mask: the last sampled token). beta is fixed or adapted each step toward a target KL.
+response_mask: the last sampled token). beta is fixed or adapted each step toward a target KL
+(`kl_input`: verl's per-token mean by default). Metrics: kl (per sequence, summed over its
+tokens), kl_token_mean (per token) and kl_coef.
 """
 
 from __future__ import annotations
@@ -14,33 +16,29 @@ from flowrl.lazy import torch
 from flowrl.nodespec import NodeSpec
 from flowrl.validators import at_least, checked, count, one_of, positive
 
+# what the adaptive controller compares with target_kl: each row's mean KL per trained token,
+# averaged over rows (verl's input, so verl's target_kl = 0.1 carries over), or each row's
+# summed KL averaged over rows (Ziegler et al.'s per-sequence KL, target ~ 6 nats)
+KL_INPUTS = ("token-mean", "seq-sum")
+
 
 @attrs.frozen
 class Params:
     kl_coef: float = checked(0.001, at_least(0))  # beta (the adaptive controller's start)
     kl_kind: str = checked("k1", one_of(ops.KL_KINDS))  # KL estimator
     controller: str = checked("fixed", one_of(("fixed", "adaptive")))  # how beta evolves
-    target_kl: float = checked(6.0, positive())  # adaptive: the KL per sequence to steer toward
+    kl_input: str = checked("token-mean", one_of(KL_INPUTS))  # adaptive: KL per token or per row
+    target_kl: float = checked(0.1, positive())  # adaptive: the KL to steer toward (verl's)
     horizon: int = checked(10000, count(1))  # adaptive: how fast beta moves (in rows)
 
 
-class FixedKLController:
-    def __init__(self, coef: float):
-        self.value = coef
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        pass
-
-
-class AdaptiveKLController:
-    """beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon (Ziegler et al. 2019)."""
-
-    def __init__(self, coef: float, target: float, horizon: int):
-        self.value, self.target, self.horizon = coef, target, horizon
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        error = min(max(current_kl / self.target - 1, -0.2), 0.2)
-        self.value *= 1 + error * n_steps / self.horizon
+def next_kl_coef(coef: float, current_kl: float, rows: int, params) -> float:
+    """The fixed controller keeps beta; the adaptive one (Ziegler et al. 2019) moves it:
+    beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * rows / horizon."""
+    if params.controller == "fixed":
+        return coef
+    error = min(max(current_kl / params.target_kl - 1, -0.2), 0.2)
+    return coef * (1 + error * rows / params.horizon)
 
 
 def kl_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef, kind):
@@ -55,14 +53,7 @@ def kl_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef, kin
 
 
 def run(batch, params, state):
-    if "controller" not in state:
-        state["controller"] = (
-            FixedKLController(params.kl_coef)
-            if params.controller == "fixed"
-            else AdaptiveKLController(params.kl_coef, params.target_kl, params.horizon)
-        )
-    controller = state["controller"]
-    coef = controller.value
+    coef = state.setdefault("kl_coef", params.kl_coef)  # kept across steps and checkpoints
     rewards, kl = kl_token_rewards(
         batch["scores"],
         batch["old_logprobs"],
@@ -71,9 +62,12 @@ def run(batch, params, state):
         coef,
         params.kl_kind,
     )
-    mean_kl = float(kl.mean()) if len(kl) else 0.0
-    controller.update(mean_kl, len(kl))
-    return {"token_rewards": rewards}, {"kl": mean_kl, "kl_coef": coef}
+    lengths = batch["response_mask"].sum(-1).clamp(min=1)  # (b,)
+    seq_sum = float(kl.mean()) if len(kl) else 0.0
+    token_mean = float((kl / lengths).mean()) if len(kl) else 0.0
+    current = token_mean if params.kl_input == "token-mean" else seq_sum
+    state["kl_coef"] = next_kl_coef(coef, current, len(kl), params)
+    return {"token_rewards": rewards}, {"kl": seq_sum, "kl_token_mean": token_mean, "kl_coef": coef}
 
 
 SPEC = NodeSpec(

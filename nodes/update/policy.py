@@ -49,7 +49,7 @@ class Params:
     mini_batch_size: int = checked(0, count(0, MAX_ROWS))  # rows per optimizer step; 0 = all
     clip_low: float = checked(0.2, at_least(0))  # ratio floor 1 - clip_low
     clip_high: float = checked(0.2, at_least(0))  # ratio ceiling 1 + clip_high (DAPO: 0.28)
-    dual_clip: float = checked(0.0, zero_or(above(1)))  # bounds the loss of negative advantages
+    dual_clip: float = checked(3.0, zero_or(above(1)))  # bound c on negative advantages (verl: 3)
     agg: str = checked("token-mean", one_of(ops.AGG_MODES))  # loss aggregation
     entropy_coef: float = 0.0  # entropy bonus weight
     kl_loss_coef: float = checked(0.0, at_least(0))  # weight of the KL(policy || ref) loss term

@@ -177,7 +177,7 @@ def test_keys_glossary_covers_every_key():
     for name in registry.builtin_names():
         spec = registry.resolve(name).spec
         used |= set(spec.reads) | set(spec.writes)
-        used |= set(spec.optional_reads)
+        used |= set(spec.optional_reads) | set(spec.optional_writes)
     for path in GRAPHS:
         for decl in dsl.load(path).nodes.values():
             used |= set(decl.reads) | set(decl.writes)
@@ -236,3 +236,83 @@ def test_flowrl_compile_is_public_and_torch_free():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
+
+
+ZOO = ("rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "dr_grpo", "dapo", "gspo")
+
+
+def test_the_algorithm_zoo_is_shipped_with_its_papers():
+    shipped = {p.stem: p for p in GRAPHS}
+    for name in ZOO:
+        header = shipped[name].read_text().split("\n[run]")[0]
+        assert "arXiv" in header and f"graphs/{name}.toml" in header, name
+
+
+def uses(name):
+    return {n: (d.uses, d.params) for n, d in dsl.load(ROOT / f"graphs/{name}.toml").nodes.items()}
+
+
+def test_each_zoo_graph_sets_what_its_algorithm_changes():
+    assert uses("rloo")["advantage"][0] == "advantage.rloo"
+    for name in ("reinforce_pp", "reinforce_pp_baseline"):
+        nodes = uses(name)
+        assert nodes["token_rewards"][0] == "reward.token_rewards"  # no KL-penalty node
+        assert nodes["advantage"][0] == "advantage.reinforce_pp"
+        assert nodes["update_policy"][1].kl_loss_coef > 0
+    assert uses("reinforce_pp_baseline")["advantage"][1].baseline == "group"
+    dr = uses("dr_grpo")
+    assert not dr["advantage"][1].scale_by_std
+    assert dr["update_policy"][1].agg == "seq-mean-token-sum-norm"
+    gspo = uses("gspo")["update_policy"][1]
+    assert (gspo.loss, gspo.clip_low, gspo.clip_high) == ("gspo", 3e-4, 4e-4)
+    dapo = uses("dapo")
+    assert dapo["update_policy"][1].clip_high > dapo["update_policy"][1].clip_low
+    assert dapo["update_policy"][1].kl_loss_coef == 0 and dapo["filter"][1].min_groups > 0
+    assert dapo["overlong"][0] == "reward.overlong"
+
+
+def test_remax_scores_a_greedy_response_per_prompt_before_sampling():
+    plan = compile_file(ROOT / "graphs/remax.toml")
+    greedy = plan.spec.nodes["greedy"].params
+    assert not greedy.do_sample and greedy.n == 1
+    assert plan.batch.rows_per_node["greedy"] == 4  # the prompts, before the 8 samples each
+    assert plan.graph.writers["baseline_scores"] == "greedy_reward"
+    names = [i.name for i in plan.items]
+    assert names.index("greedy_reward") < names.index("dispatch:generate")
+    assert plan.validation.nodes == ("generate", "reward")  # the baseline is not validated
+
+
+def test_dapo_plan_orders_the_filter_before_every_reader_of_its_rows():
+    import networkx as nx
+
+    plan = compile_file(ROOT / "graphs/dapo.toml")
+    dag = plan.graph.dag
+    before = nx.ancestors(dag, "filter")
+    assert before == {"generate", "reward"}
+    deps = {i.id: set(i.deps) for i in plan.items}
+
+    def upstream(item_id):
+        seen, todo = set(), [item_id]
+        while todo:
+            for dep in deps[todo.pop()] - seen:
+                seen.add(dep)
+                todo.append(dep)
+        return seen
+
+    filter_id = plan.item("filter").id
+    for node in set(plan.spec.nodes) - before - {"filter"}:
+        first = plan.item(f"dispatch:{node}" if plan.spec.nodes[node].model else node)
+        assert filter_id in upstream(first.id), node
+    assert plan.refill.before == ("generate", "reward", "filter")
+    text = plan.text()
+    assert "refill: generate, reward, filter run on up to 4 prompt batches" in text
+    assert plan.batch.rows_per_node["update_policy"] == 32  # 4 groups x 8 samples
+
+
+def test_nodes_lists_the_keys_that_depend_on_params(capsys):
+    assert main(["nodes"]) == 0
+    out = capsys.readouterr().out
+    generate = out[out.index("\ngenerate  ") : out.index("\nlogprob  ")]
+    assert "+ rollout_logprobs (depending on its params)" in generate
+    update = out[out.index("\nupdate.policy  ") :]
+    assert "+ old_logprobs, ref_logprobs, rollout_logprobs (depending on its params)" in update

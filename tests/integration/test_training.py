@@ -105,3 +105,23 @@ def test_grpo_trains_on_ray(tiny_plan, tmp_path):
     finally:
         trainer.close()
         assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_dapo_refills_until_enough_groups_on_both_executors(backend, tiny_plan, tmp_path):
+    if backend == "ray":
+        pytest.importorskip("ray")
+    # 2 prompts a batch, 3 groups wanted: every step needs a second prompt batch at least
+    spec, built, plan = tiny_plan("dapo.toml", **{"nodes.filter.min_groups": 3, "run.num_cpus": 2})
+    trainer, before, after = train(spec, built, plan, tmp_path, backend)
+    try:
+        check_parameters(spec, before, after)
+        lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+        for line in lines[1:]:
+            assert line["refill/rounds"] >= 2, line
+            # the update sees the first 3 informative groups of 8 samples, or fewer if the
+            # 4 prompt batches held fewer
+            assert line["rows"] == 8 * min(line["refill/groups"], 3)
+            assert "update_policy/clip_frac" in line
+    finally:
+        trainer.close()

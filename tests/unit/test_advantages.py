@@ -8,7 +8,8 @@ from flowrl.nodes.advantage.reinforce_pp import discounted_returns, group_baseli
 from flowrl.nodes.advantage.remax import remax_advantages
 from flowrl.nodes.advantage.rloo import leave_one_out_advantages
 from flowrl.nodes.filter.dynamic_sampling import varied_groups
-from flowrl.nodes.reward.kl_penalty import AdaptiveKLController, kl_token_rewards
+from flowrl.nodes.reward.kl_penalty import Params as KLParams
+from flowrl.nodes.reward.kl_penalty import kl_token_rewards, next_kl_coef
 from flowrl.nodes.reward.model import last_token_scores
 
 from flowrl import ops
@@ -169,9 +170,9 @@ def test_last_one_and_reward_model_score_at_the_last_real_token():
 
 def test_adaptive_kl_controller():
     # kl 12 vs target 6: error clipped to 0.2; n/horizon = 0.5 -> coef *= 1.1
-    controller = AdaptiveKLController(0.1, target=6.0, horizon=10)
-    controller.update(12.0, 5)
-    assert controller.value == pytest.approx(0.11)
+    adaptive = KLParams(controller="adaptive", target_kl=6.0, horizon=10)
+    assert next_kl_coef(0.1, 12.0, 5, adaptive) == pytest.approx(0.11)
+    assert next_kl_coef(0.1, 12.0, 5, KLParams()) == 0.1  # fixed
 
 
 def test_dynamic_sampling_drops_uniform_groups():

@@ -1,0 +1,153 @@
+"""The learning table of docs/algorithms.md: every algorithm graph on the embedded model, the
+same step budget for all, a few seeds.
+
+    python bench/algorithms.py --steps 20 --seeds 0,1 --write     # make algorithms
+    python bench/algorithms.py --graphs dapo --steps 2 run.val_size=8    # a quick try
+
+Each (graph, seed) runs `flowrl run graphs/<graph>.toml` in a fresh process (the local
+executor unless --backend ray) with run.steps = --steps, run.seed = seed, validation at step
+0, at the middle (--steps // 2) and at the end (run.val_every = --steps // 2), plus any
+KEY=VALUE overrides given. From each run's
+metrics.jsonl it takes the greedy validation score (`val/score`: the share of validation
+prompts answered right, for the arithmetic task's 0/1 scorer) at those three steps and the
+median step time (`time_s`: generation to optimizer step, validation excluded). It prints the
+table; with --write also the raw results to bench/results/algorithms.json and the table into
+docs/algorithms.md between the MEASURED markers.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "algorithms.md"
+RESULTS = ROOT / "bench" / "results" / "algorithms.json"
+BEGIN = "<!-- BEGIN MEASURED: python bench/algorithms.py --write -->"
+END = "<!-- END MEASURED -->"
+# one graph per algorithm; ppo_pools and grpo_disaggregated place ppo and grpo differently
+ALGORITHMS = (
+    "ppo",
+    "grpo",
+    "rloo",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "remax",
+    "dr_grpo",
+    "dapo",
+    "gspo",
+)
+
+
+def run_one(graph: str, seed: int, steps: int, overrides: list[str], out: Path, backend: str):
+    """Train one graph at one seed in its own process; returns its measurements."""
+    out_dir = out / f"{graph}-seed{seed}"
+    command = [
+        sys.executable,
+        "-m",
+        "flowrl.cli",
+        "run",
+        str(ROOT / "graphs" / f"{graph}.toml"),
+        f"--backend={backend}",
+        f"run.steps={steps}",
+        f"run.seed={seed}",
+        f"run.val_every={max(steps // 2, 1)}",
+        f'run.out_dir="{out_dir}"',
+        *overrides,
+    ]
+    start = time.time()
+    subprocess.run(command, check=True, cwd=ROOT)
+    runs = sorted(out_dir.iterdir())
+    lines = [json.loads(x) for x in (runs[-1] / "metrics.jsonl").read_text().splitlines()]
+    scores = {row["step"]: row["val/score"] for row in lines if "val/score" in row}
+    middle = steps // 2
+    return {
+        "graph": graph,
+        "seed": seed,
+        "steps": steps,
+        "val_start": scores.get(0),
+        "val_middle": scores.get(middle),
+        "val_end": scores.get(steps),
+        "middle_step": middle,
+        "median_step_s": statistics.median(r["time_s"] for r in lines if "time_s" in r),
+        "wall_s": time.time() - start,
+        "run_dir": str(runs[-1]),
+    }
+
+
+def _cell(values: list) -> str:
+    """The mean over seeds, then each seed's value."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return "-"
+    seeds = ", ".join("-" if v is None else f"{v:.3f}" for v in values)
+    return f"{statistics.mean(known):.3f} ({seeds})" if len(values) > 1 else f"{known[0]:.3f}"
+
+
+def table(results: list[dict], command: str, backend: str) -> str:
+    """The measured table, one row per graph, in ALGORITHMS order."""
+    graphs = sorted({r["graph"] for r in results}, key=_order)
+    seeds = sorted({r["seed"] for r in results})
+    steps = results[0]["steps"]
+    middle = results[0]["middle_step"]
+    lines = [
+        f"Measured with `{command}` ({backend} executor, {platform.machine()}, "
+        f"{time.strftime('%Y-%m-%d')}): {steps} steps, seeds {', '.join(map(str, seeds))}; "
+        "each cell is the mean over seeds, then each seed's value.",
+        "",
+        f"| graph | val step 0 | val step {middle} | val step {steps} | median step (s) |",
+        "|---|---|---|---|---|",
+    ]
+    for graph in graphs:
+        rows = [next(r for r in results if r["graph"] == graph and r["seed"] == s) for s in seeds]
+        cells = [_cell([r[key] for r in rows]) for key in ("val_start", "val_middle", "val_end")]
+        step = statistics.mean(r["median_step_s"] for r in rows)
+        lines.append(f"| {graph} | {' | '.join(cells)} | {step:.1f} |")
+    return "\n".join(lines)
+
+
+def _order(graph: str) -> int:
+    return ALGORITHMS.index(graph) if graph in ALGORITHMS else len(ALGORITHMS)
+
+
+def write_doc(text: str) -> None:
+    doc = DOC.read_text()
+    head, _, rest = doc.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    DOC.write_text(f"{head}{BEGIN}\n\n{text}\n\n{END}{tail}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("overrides", nargs="*", help="KEY=VALUE overrides for every run")
+    p.add_argument("--graphs", default=",".join(ALGORITHMS), help="comma-separated names")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--backend", default="local", choices=["local", "ray"])
+    p.add_argument("--out", default=str(ROOT / "runs" / "algorithms"), help="run directories")
+    p.add_argument("--write", action="store_true", help=f"write the table and {RESULTS.name}")
+    args = p.parse_args(argv)
+    graphs = [g for g in args.graphs.split(",") if g]
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    results = []
+    for graph in graphs:
+        for seed in seeds:
+            out = Path(args.out)
+            results.append(run_one(graph, seed, args.steps, args.overrides, out, args.backend))
+            print(json.dumps(results[-1]), flush=True)
+    command = " ".join(["python bench/algorithms.py", *(argv or sys.argv[1:])])
+    text = table(results, command, args.backend)
+    print(text)
+    if args.write:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+        write_doc(text)
+        print(f"wrote {DOC} and {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

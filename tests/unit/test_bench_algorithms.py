@@ -1,0 +1,59 @@
+"""bench/algorithms.py's table: one row per graph in the doc's order, the mean over seeds then
+each seed's value, written between the doc's markers and nowhere else."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("algorithms", ROOT / "bench" / "algorithms.py")
+algorithms = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(algorithms)
+
+
+def result(graph, seed, start, middle, end, step_s):
+    return {
+        "graph": graph,
+        "seed": seed,
+        "steps": 20,
+        "middle_step": 10,
+        "val_start": start,
+        "val_middle": middle,
+        "val_end": end,
+        "median_step_s": step_s,
+    }
+
+
+def test_table_rows_follow_the_algorithm_order_with_means_over_seeds():
+    results = [
+        result("dapo", 0, 0.25, 0.5, 0.75, 10.0),
+        result("grpo", 0, 0.25, None, 0.5, 4.0),
+        result("grpo", 1, 0.5, 0.5, 0.75, 6.0),
+        result("dapo", 1, 0.25, 0.25, 0.25, 12.0),
+    ]
+    text = algorithms.table(results, "python bench/algorithms.py", "local")
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert rows[0] == "| graph | val step 0 | val step 10 | val step 20 | median step (s) |"
+    # grpo comes before dapo; a missing value is left out of the mean and shown as "-"
+    assert rows[1] == (
+        "| grpo | 0.375 (0.250, 0.500) | 0.500 (-, 0.500) | 0.625 (0.500, 0.750) | 5.0 |"
+    )
+    assert rows[2].startswith("| dapo | 0.250 (0.250, 0.250) | 0.375 (0.500, 0.250) |")
+    assert "seeds 0, 1" in text and "local executor" in text
+
+
+def test_write_doc_replaces_only_the_measured_part(tmp_path, monkeypatch):
+    doc = tmp_path / "algorithms.md"
+    doc.write_text(f"# Algorithms\nkept\n{algorithms.BEGIN}\nold table\n{algorithms.END}\ntail\n")
+    monkeypatch.setattr(algorithms, "DOC", doc)
+    algorithms.write_doc("new table")
+    assert doc.read_text() == (
+        f"# Algorithms\nkept\n{algorithms.BEGIN}\n\nnew table\n\n{algorithms.END}\ntail\n"
+    )
+
+
+def test_the_doc_has_the_markers_and_a_row_per_shipped_graph():
+    text = (ROOT / "docs" / "algorithms.md").read_text()
+    assert algorithms.BEGIN in text and algorithms.END in text
+    for path in (ROOT / "graphs").glob("*.toml"):
+        assert f"| `{path.name}` |" in text, path.name
+    assert set(algorithms.ALGORITHMS) <= {p.stem for p in (ROOT / "graphs").glob("*.toml")}
