@@ -99,7 +99,7 @@ def graph_dot(graph, all_keys: bool = False) -> str:
         lines.append(f'  "{dot_escape(source)}" -> "{dot_escape(target)}" [style=invis];')
     for source, target in sorted(graph.dag.edges):
         kind = graph.dag.edges[source, target]["kind"]
-        if kind != "data":  # a state edge, or a row-changing node ordered before a reader
+        if kind != "data":  # "state": after the model's readers; "rows": after a row change
             why = "model state" if kind == "state" else "rows"
             lines.append(
                 f'  "{dot_escape(source)}" -> "{dot_escape(target)}" '

@@ -5,7 +5,8 @@ Every model's path becomes "tiny" (flowrl/models/tiny.py: a character-level toke
 2-layer Llama, built in milliseconds, no download); a step has 2 prompts and responses of at
 most 6 tokens; 2 steps; validation on 4 prompts, at the start and the end; reward nodes score
 by length (flowrl/rewards/varied.py), so the updates see nonzero advantages. Trainable models
-get lr 0.01, so a test can see their parameters move. No torch or ray here.
+get lr 0.01, so a test can see their parameters move; GPU pools and GPU-only rollout backends
+fall back to CPU and flowrl's own decode loop. No torch or ray here.
 """
 
 from pathlib import Path

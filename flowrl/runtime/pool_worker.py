@@ -204,7 +204,7 @@ class PoolWorker:
         start = time.time()
         state, _ = exported
         with torch.no_grad():
-            lora.load_weights(self.train[model].module, state)
+            lora.load_weights(self.train[model].module, state)  # with LoRA, the adapter
         if model in self.rollout:  # a backend with its own copy (sglang) takes them too
             self.rollout[model].sync_weights(self.train[model].module)
         return None, (start, time.time())
