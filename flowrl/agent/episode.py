@@ -23,6 +23,7 @@ all 0). No request's failure escapes to the step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import time
 
@@ -127,9 +128,11 @@ class Episode:
             else:
                 return []
             self.spent += self.clock() - start
+            if messages is None:  # the calls or the reply ended the request
+                return []
             if self._time_left() <= 0:
                 return self._end("timeout") or []
-            return [] if messages is None else self._observe(messages)
+            return self._observe(messages)
         except Exception as e:
             self._fail(e)
             return []
@@ -199,8 +202,12 @@ class Episode:
 
     async def _interact(self) -> list[dict] | None:
         self.user_turns += 1
-        reply = self.interaction(self.messages, **self.interaction_kwargs)
-        done, text, reward = (await reply) if inspect.isawaitable(reply) else reply
+        if inspect.iscoroutinefunction(self.interaction):
+            reply = await self.interaction(self.messages, **self.interaction_kwargs)
+        else:  # a blocking reply runs in the tools' threads, not on the event loop
+            call = functools.partial(self.interaction, self.messages, **self.interaction_kwargs)
+            reply = await asyncio.get_running_loop().run_in_executor(self.session.pool, call)
+        done, text, reward = reply
         if reward is not None:
             self.turn_scores.append(float(reward))
         if done:

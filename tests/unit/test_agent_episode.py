@@ -311,6 +311,23 @@ def test_an_interaction_out_of_turns_ends_by_max_turns(pool):
     assert quiet.reason == "stop"
 
 
+def test_an_async_interaction_and_the_end_reason_it_gives_are_kept(pool):
+    async def reply(messages, **kwargs):
+        return True, "", 3.0
+
+    now = [0.0]
+
+    def clock():  # the reply "takes" ten seconds, past the request's time
+        now[0] += 10.0
+        return now[0]
+
+    script = {0: [ids("408")]}
+    (episode,), _, _ = run(
+        script, pool, interaction=reply, max_user_turns=1, clock=clock, request_timeout_s=5
+    )
+    assert episode.reason == "interaction_done" and episode.turn_scores == [3.0]
+
+
 def test_tool_step_rewards_are_recorded(pool):
     script = {0: [ids(hermes("scored", answer="7")), ids("7")]}
     (episode,), _, _ = run(script, pool)
