@@ -11,10 +11,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import flowrl
 from flowrl.cli import load_plan, main
 from flowrl.runtime.controller import Trainer
 
-SCORER = Path(__file__).with_name("varied_scorer.py")
+SCORER = Path(flowrl.__file__).parent / "rewards" / "varied.py"  # scores by length
 TOOLS = '''
 def echo(text: str) -> str:
     """Echo the text back.
