@@ -14,6 +14,7 @@ must never run code (see docs/reliability.md), so the rest is JSON.
 import io
 import json
 import pickle
+import warnings
 from pathlib import Path
 
 import torch
@@ -66,7 +67,9 @@ def load_weights(module: torch.nn.Module, path: Path, name: str) -> None:
     """Only the weights of model `name`, into a plain (unsharded) module, in this process
     alone (no process group): for `flowrl export`."""
     state = {name: {"model": get_model_state_dict(module)}}
-    dcp.load(state, storage_reader=_SafeReader(path), no_dist=True)
+    with warnings.catch_warnings():  # that it reads in one process is the point
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
+        dcp.load(state, storage_reader=_SafeReader(path), no_dist=True)
     set_model_state_dict(module, state[name]["model"])
 
 

@@ -111,3 +111,10 @@ def test_scaling_doc_table_is_the_estimate():
     resident, peak = memory.grpo_per_rank(7e9, 8)
     assert resident == 7e9 * (4 + 4 + 8 + 4) / 8 + 7e9 * 2 and peak == 7e9 * 2
     assert memory.grpo_per_rank(7e9, 8, "ddp") == (7e9 * 20, 7e9 * 16)
+
+
+def test_lora_on_a_sharded_pool_is_an_error():
+    graph = str(GRAPHS.parent / "examples" / "grpo_lora.toml")
+    load_plan(graph, [])  # fine under ddp
+    with pytest.raises(GraphErrors, match='whose strategy is "fsdp", is not supported'):
+        load_plan(graph, ['pools.main.strategy="fsdp"'])
