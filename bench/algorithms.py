@@ -29,6 +29,8 @@ DOC = ROOT / "docs" / "algorithms.md"
 RESULTS = ROOT / "bench" / "results" / "algorithms.json"
 BEGIN = "<!-- BEGIN MEASURED: python bench/algorithms.py --write -->"
 END = "<!-- END MEASURED -->"
+WATCHED = ("clip_frac", "clip_frac_lower", "approx_kl", "/kl", "kl_loss")
+KL_KEYS = ("kl_penalty/kl", "update_policy/kl_loss")  # the drift from the reference
 # one graph per algorithm; ppo_pools and grpo_disaggregated place ppo and grpo differently
 ALGORITHMS = (
     "ppo",
@@ -45,13 +47,15 @@ ALGORITHMS = (
 
 def run_one(graph: str, seed: int, steps: int, overrides: list[str], out: Path, backend: str):
     """Train one graph at one seed in its own process; returns its measurements."""
+    file = Path(graph) if graph.endswith(".toml") else ROOT / "graphs" / f"{graph}.toml"
+    graph = file.stem  # a path (e.g. examples/grpo_lora.toml) or a name in graphs/
     out_dir = out / f"{graph}-seed{seed}"
     command = [
         sys.executable,
         "-m",
         "flowrl.cli",
         "run",
-        str(ROOT / "graphs" / f"{graph}.toml"),
+        str(file.resolve()),
         f"--backend={backend}",
         f"run.steps={steps}",
         f"run.seed={seed}",
@@ -65,6 +69,8 @@ def run_one(graph: str, seed: int, steps: int, overrides: list[str], out: Path, 
     lines = [json.loads(x) for x in (runs[-1] / "metrics.jsonl").read_text().splitlines()]
     scores = {row["step"]: row["val/score"] for row in lines if "val/score" in row}
     middle = steps // 2
+    trained = [row for row in lines if "time_s" in row]
+    watched = sorted({k for row in trained for k in row if k.endswith(WATCHED)})
     return {
         "graph": graph,
         "seed": seed,
@@ -73,7 +79,11 @@ def run_one(graph: str, seed: int, steps: int, overrides: list[str], out: Path, 
         "val_middle": scores.get(middle),
         "val_end": scores.get(steps),
         "middle_step": middle,
-        "median_step_s": statistics.median(r["time_s"] for r in lines if "time_s" in r),
+        "val": scores,  # every validation: step -> score
+        "median_step_s": statistics.median(r["time_s"] for r in trained),
+        # per-step means of the update's clip and KL metrics (did the clip act? the KL drift?)
+        "means": {k: statistics.mean(r[k] for r in trained if k in r) for k in watched},
+        "max_kl": max((r[k] for r in trained for k in KL_KEYS if k in r), default=None),
         "wall_s": time.time() - start,
         "run_dir": str(runs[-1]),
     }
@@ -124,12 +134,15 @@ def write_doc(text: str) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("overrides", nargs="*", help="KEY=VALUE overrides for every run")
-    p.add_argument("--graphs", default=",".join(ALGORITHMS), help="comma-separated names")
+    p.add_argument(
+        "--graphs", default=",".join(ALGORITHMS), help="comma-separated names in graphs/ or paths"
+    )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--backend", default="local", choices=["local", "ray"])
     p.add_argument("--out", default=str(ROOT / "runs" / "algorithms"), help="run directories")
     p.add_argument("--write", action="store_true", help=f"write the table and {RESULTS.name}")
+    p.add_argument("--json", help="also write the raw results to this file")
     args = p.parse_args(argv)
     graphs = [g for g in args.graphs.split(",") if g]
     seeds = [int(s) for s in args.seeds.split(",") if s]
@@ -142,6 +155,8 @@ def main(argv=None) -> None:
     command = " ".join(["python bench/algorithms.py", *(argv or sys.argv[1:])])
     text = table(results, command, args.backend)
     print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     if args.write:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(results, indent=2) + "\n")

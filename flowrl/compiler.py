@@ -41,6 +41,7 @@ def compile_graph(built: Graph) -> ExecutionPlan:
     refill = _refill(built, errors)
     batch, warnings = _batch(built, refill, errors)
     _check_save_inputs(built, errors)
+    held = _held(built, refill, errors)
     errors.raise_if_any()
     pools = _pools(built, batch, warnings)
     items = _Builder(built, pools).build()
@@ -54,7 +55,40 @@ def compile_graph(built: Graph) -> ExecutionPlan:
         _validation(built),
         built,
         refill,
+        held,
     )
+
+
+def _held(graph: Graph, refill, errors: Collector) -> tuple[str, ...]:
+    """The train nodes that wait out run.critic_warmup: those of models without a value head."""
+    spec = graph.spec
+    if not spec.run.critic_warmup:
+        return ()
+    train = [n for n in graph.order if spec.nodes[n].mode == "train"]
+    critics = [n for n in train if spec.models[spec.nodes[n].model].head == "value"]
+    where = f"[run] critic_warmup = {spec.run.critic_warmup}"
+    if not critics:
+        errors.add(
+            "[run]",
+            f"critic_warmup = {spec.run.critic_warmup}, but no train node updates a value-head "
+            "model, so there is no critic to warm up",
+            'add a critic (a model with head = "value" and an update.critic node) or set '
+            "critic_warmup = 0",
+        )
+    elif spec.run.critic_warmup >= spec.run.steps:
+        errors.add(
+            "[run]",
+            f"{where} leaves none of the run's {spec.run.steps} steps to "
+            f"{', '.join(n for n in train if n not in critics)}",
+            "set critic_warmup below run.steps",
+        )
+    elif refill is not None:
+        errors.add(
+            "[run]",
+            f"{where} cannot be combined with the refilling filter [nodes.{refill.node}]",
+            "set critic_warmup = 0, or min_groups = 0 on the filter",
+        )
+    return tuple(n for n in train if n not in critics)
 
 
 def _check_save_inputs(graph: Graph, errors: Collector) -> None:

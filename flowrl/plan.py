@@ -133,6 +133,7 @@ class ExecutionPlan:
     validation: ValidationPlan = ValidationPlan()
     graph: Any = attrs.field(default=None, eq=False, repr=False)  # the graph.Graph that runs
     refill: RefillPlan | None = None  # a filter node that refills the step
+    held: tuple[str, ...] = ()  # train nodes that skip the first run.critic_warmup steps
 
     @property
     def spec(self):
@@ -165,6 +166,11 @@ class ExecutionPlan:
         lines.append(f"batch: {b.prompts} prompts x {b.samples} samples = {b.rows} rows")
         if self.refill:
             lines.append(self.refill.text())
+        if self.held:
+            lines.append(
+                f"critic warm-up: {', '.join(self.held)} skip steps 1-"
+                f"{self.spec.run.critic_warmup}; the other nodes run"
+            )
         lines.append("step")
         width = len(str(len(self.items)))
         for item in self.items:
@@ -187,6 +193,7 @@ class ExecutionPlan:
             "batch": attrs.asdict(self.batch),
             "validation": attrs.asdict(self.validation),
             "refill": attrs.asdict(self.refill) if self.refill else None,
+            "held": list(self.held),
             "items": [attrs.asdict(i) for i in self.items],
             "overlaps": {name: list(others) for name, others in self.overlaps},
             "warnings": list(self.warnings),

@@ -119,6 +119,7 @@ class RunConfig:
     save_inputs: list[str] = checked([], _names())  # nodes whose inputs are kept, to replay
     save_inputs_last: int = checked(1, count(1, MAX_STEPS))  # of the last K steps
     loggers: list[str] = checked([], _loggers())  # jsonl (always), tensorboard, wandb
+    critic_warmup: int = checked(0, count(0, MAX_STEPS))  # first N steps train only the critic
 
 
 @attrs.frozen

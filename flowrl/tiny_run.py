@@ -51,6 +51,8 @@ def tiny_overrides(graph, out_dir=None, scorer: str | None = VARIED_SCORER, **ex
     declared_pools = spec.raw.get("pools", {})  # a graph without [pools] gets one by default
     out += [f"pools.{name}.cpus_per_worker=1" for name in declared_pools]
     out += cpu_fallback(spec)
+    if spec.run.critic_warmup:  # of the 2 steps, the first warms the critic up
+        out.append("run.critic_warmup=1")
     out += [f"{key}={value}" for key, value in extra.items()]
     return out
 

@@ -161,7 +161,10 @@ class Trainer:
                 self.executor, self.plan.refill, batch, more, record
             )
         else:
-            batch, metrics, slices = self.executor.run_step(batch, record=record)
+            only = None
+            if step <= run.critic_warmup:  # the critic alone trains: plan.held waits
+                only = set(self.spec.nodes) - set(self.plan.held)
+            batch, metrics, slices = self.executor.run_step(batch, only=only, record=record)
         seconds = time.time() - start
         self.trace.add(slices, step)
         out = {"step": step, "time_s": seconds, **_batch_metrics(batch), **metrics}

@@ -301,7 +301,11 @@ def pool_setups(plan) -> dict[str, PoolSetup]:
         rollout = tuple(
             sorted({spec.nodes[n].model for n in pool.node_ids if spec.nodes[n].mode == "rollout"})
         )
-        total = {m: count * spec.run.steps for m, count in pool.updates_per_step.items()}
+        held = {spec.nodes[n].model for n in plan.held}  # they skip run.critic_warmup steps
+        total = {
+            m: count * (spec.run.steps - (spec.run.critic_warmup if m in held else 0))
+            for m, count in pool.updates_per_step.items()
+        }
         out[name] = PoolSetup(
             name,
             pool.device,

@@ -30,3 +30,10 @@ def test_run_tiny_flag_trains_from_the_command_line(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     (run_dir,) = (tmp_path / "runs").glob("grpo-*")
     assert (run_dir / "checkpoints/step_000002").is_dir()
+
+
+def test_critic_warmup_holds_the_policy_update_for_its_steps(tmp_path):
+    run = run_tiny(ROOT / "graphs/ppo.toml", tmp_path, **{"run.critic_warmup": 1})
+    first, second = run.metrics[1], run.metrics[2]
+    assert first["update_critic/grad_norm"] > 0 and "update_policy/grad_norm" not in first
+    assert second["update_policy/grad_norm"] > 0 and second["update_critic/grad_norm"] > 0
