@@ -14,25 +14,16 @@ inputs of a failed node call (failures/) and of the nodes in run.save_inputs (in
 import contextlib
 import functools
 import json
-import os
-import random
-import signal
-import threading
 import time
-from datetime import datetime
 from pathlib import Path
 
-import numpy as np
 import toml
-import torch
 from tqdm import tqdm
 
 from flowrl.data import PromptDataset, PromptLoader, make_rows
-from flowrl.engines.rollout import INSTALL, missing_package
-from flowrl.errors import FlowrlError
 from flowrl.models import load_tokenizer
 from flowrl.nodespec import GREEDY
-from flowrl.runtime import checkpoint, faults, make_executor
+from flowrl.runtime import checkpoint, faults, guards, make_executor, rng, step_log
 from flowrl.runtime.inputs import Recording
 from flowrl.runtime.loggers import Loggers
 from flowrl.runtime.refill import refilled_step
@@ -42,7 +33,7 @@ from flowrl.runtime.trace import Trace
 def run(plan, backend: str | None = None, resume: str | None = None) -> Path:
     """Train with a compiled plan (`flowrl.compile`); returns the run directory."""
     backend = backend or plan.spec.run.backend
-    run_dir = Path(resume) if resume else _new_run_dir(plan.spec)
+    run_dir = Path(resume) if resume else guards.new_run_dir(plan.spec)
     trainer = Trainer(plan, run_dir, backend)
     try:
         trainer.fit(resume=resume is not None)
@@ -53,11 +44,11 @@ def run(plan, backend: str | None = None, resume: str | None = None) -> Path:
 
 class Trainer:
     def __init__(self, plan, run_dir: Path, backend: str):
-        _check_devices(plan)
-        _check_packages(plan)
+        guards.check_devices(plan)
+        guards.check_packages(plan)
         spec = plan.spec
         self.spec, self.plan, self.run_dir = spec, plan, run_dir
-        _seed_everything(spec.run.seed)
+        rng.seed_everything(spec.run.seed)
         policy = _rollout_model(spec)
         self.tokenizer = load_tokenizer(spec.models[policy].path)  # also fills the model cache
         data = spec.data
@@ -85,7 +76,7 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
     def fit(self, resume: bool = False) -> None:
-        _writable(self.run_dir)
+        guards.writable(self.run_dir)
         start_step = 0
         if resume:
             start_step = self._resume()
@@ -97,7 +88,7 @@ class Trainer:
         with (
             contextlib.closing(Loggers(self.spec.run.loggers, self.run_dir, self.spec)) as loggers,
             open(self.run_dir / "samples.jsonl", "a") as samples_file,
-            _stopped_by_signals(self.spec.file, self.run_dir),
+            guards.stopped_by_signals(self.spec.file, self.run_dir),
         ):
             if resume:
                 loggers.log({"event": "resume", "step": start_step})
@@ -123,7 +114,7 @@ class Trainer:
             ):
                 metrics.update(self.validate(step))
             loggers.log(metrics)  # metrics.jsonl, and TensorBoard / W&B when chosen
-            _log_samples(samples_file, step, batch, run.log_samples)
+            step_log.log_samples(samples_file, step, batch, run.log_samples)
             faults.point("logged", step)
             skipped = sorted(
                 k.rpartition("/")[0]
@@ -139,7 +130,7 @@ class Trainer:
                     "finite; the optimizer step was skipped (weights unchanged)"
                 )
             if nonfinite >= run.max_nonfinite_steps:
-                raise NonFiniteStop(
+                raise guards.NonFiniteStop(
                     f"{nonfinite} steps in a row (up to step {step}) had a non-finite loss or "
                     f"gradient norm in {', '.join(skipped)}; stopping. Lower the learning rate "
                     "or check the rewards, then resume: flowrl run "
@@ -148,7 +139,7 @@ class Trainer:
                 )
             if last or (run.save_every and step % run.save_every == 0):
                 self.save(step)
-            bar.set_postfix(_postfix(metrics))
+            bar.set_postfix(step_log.postfix(metrics))
 
     def step(self, step: int) -> tuple[dict, object]:
         start = time.time()
@@ -167,8 +158,8 @@ class Trainer:
             batch, metrics, slices = self.executor.run_step(batch, only=only, record=record)
         seconds = time.time() - start
         self.trace.add(slices, step)
-        out = {"step": step, "time_s": seconds, **_batch_metrics(batch), **metrics}
-        for name, value in _timings(slices).items():
+        out = {"step": step, "time_s": seconds, **step_log.batch_metrics(batch), **metrics}
+        for name, value in step_log.timings(slices).items():
             out[f"timing_s/{name}"] = value
         tokens = (
             float(batch["prompt_mask"].sum() + batch["response_mask"].sum())
@@ -176,7 +167,7 @@ class Trainer:
             else 0.0
         )
         out["tokens_per_s"] = tokens / seconds
-        out.update(_process_metrics())
+        out.update(step_log.process_metrics())
         return out, batch
 
     def _prompts(self, step: int, round_: int = 0):
@@ -217,7 +208,7 @@ class Trainer:
             "step": step,
             "loader": self.loader.state_dict(),
             "node_state": self.executor.node_state,
-            "rng": _rng_state(),
+            "rng": rng.state(),
         }
         try:
             with checkpoint.writing(self.run_dir, step, self.spec.run.keep_checkpoints) as out:
@@ -225,7 +216,7 @@ class Trainer:
                 (out / "controller.json").write_text(_state_json(state))
         except OSError as e:  # a full disk or a folder made read-only during the run
             previous = checkpoint.latest(self.run_dir)
-            raise RunDirError(
+            raise guards.RunDirError(
                 f"the checkpoint of step {step} could not be written under {self.run_dir} "
                 f"({e.strerror or e}); "
                 + (f"{previous} is intact" if previous else "no earlier checkpoint exists")
@@ -245,9 +236,9 @@ class Trainer:
         self.executor.sync_rollout_pools()  # a separate rollout copy gets the loaded weights
         self.loader.load_state_dict(state["loader"])
         self.executor.node_state.update(state["node_state"])
-        _set_rng_state(state["rng"])
+        rng.set_state(state["rng"])
         for name in ("metrics.jsonl", "samples.jsonl"):  # drop steps the resumed run redoes
-            _truncate_log(self.run_dir / name, state["step"])
+            step_log.truncate_log(self.run_dir / name, state["step"])
         print(f"resumed from {directory} (step {state['step']})")
         return state["step"]
 
@@ -255,118 +246,11 @@ class Trainer:
 # -- helpers ---------------------------------------------------------------------------------
 
 
-class NonFiniteStop(FlowrlError, RuntimeError):
-    """Too many steps in a row had a non-finite loss or gradient norm."""
-
-
-class Stopped(FlowrlError, RuntimeError):
-    """SIGINT or SIGTERM stopped the run between or during steps."""
-
-
-@contextlib.contextmanager
-def _stopped_by_signals(file: str, run_dir: Path):
-    """Turn SIGINT and SIGTERM into `Stopped`, so the run unwinds: a checkpoint being
-    written is discarded (checkpoint.writing), the executor shuts its workers down (run's
-    `finally`), and the message says how to resume."""
-
-    def stop(signum, frame):
-        raise Stopped(
-            f"stopped by {signal.Signals(signum).name}; the last checkpoint is intact. "
-            f"Resume with: flowrl run {file} --resume {run_dir}"
-        )
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-class DeviceError(FlowrlError, RuntimeError):
-    """A pool asks for a device this machine does not have."""
-
-
-def _check_devices(plan) -> None:
-    """A CUDA pool on a machine without CUDA fails here, by name, before any model loads (on a
-    Ray cluster, RAY_ADDRESS set, the cluster's GPUs count instead: Ray places the pool)."""
-    if os.environ.get("RAY_ADDRESS") or torch.cuda.is_available():
-        return
-    for name, pool in plan.pools.items():
-        if pool.device == "cuda":
-            raise DeviceError(
-                f'{plan.file}: [pools.{name}] device = "cuda", but this machine has no CUDA '
-                'device: set device = "cpu" (e.g. pools.'
-                f'{name}.device="cpu" on the command line), or run where GPUs are'
-            )
-
-
-class MissingPackage(FlowrlError, RuntimeError):
-    """A graph picks a rollout backend whose package is not installed."""
-
-
-def _check_packages(plan) -> None:
-    """A rollout backend whose package is not installed (sglang) fails here, by name, before
-    any model loads (on a Ray cluster, RAY_ADDRESS set, the workers' packages count: skipped)."""
-    if os.environ.get("RAY_ADDRESS"):
-        return
-    for name in sorted({d.model for d in plan.spec.nodes.values() if d.mode == "rollout"}):
-        backend = plan.spec.models[name].rollout
-        if package := missing_package(backend):
-            raise MissingPackage(
-                f'{plan.file}: [models.{name}] rollout = "{backend}" needs the {package} '
-                f"package, which is not installed: {INSTALL[backend]}"
-            )
-
-
-def _writable(run_dir: Path) -> None:
-    """Create the run directory and check it takes files, before any model loads."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise RunDirError(
-            f"run directory {run_dir} is not writable ({e.strerror}): set run.out_dir to a "
-            "folder you can write, or free space"
-        ) from e
-
-
-class RunDirError(FlowrlError, RuntimeError):
-    """The run directory cannot be written."""
-
-
-def _new_run_dir(spec) -> Path:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = Path(spec.run.out_dir) / f"{Path(spec.file).stem}-{stamp}"
-    path, k = base, 1
-    while path.exists():
-        path, k = Path(f"{base}-{k}"), k + 1
-    return path
-
-
 def _rollout_model(spec) -> str:
     for decl in spec.nodes.values():
         if decl.mode == "rollout":
             return decl.model
     return next(iter(spec.models))
-
-
-def _batch_metrics(batch) -> dict:
-    out = {"rows": len(batch)}
-    if len(batch) == 0:  # a filter kept nothing: no update this step
-        return out
-    if "scores" in batch:
-        out["score/mean"] = float(batch["scores"].float().mean())
-    if "response_mask" in batch:
-        lengths = batch["response_mask"].sum(-1).float()
-        out["response_length/mean"] = float(lengths.mean())
-        out["response_length/max"] = float(lengths.max())
-    return out
 
 
 def _state_json(state: dict) -> str:
@@ -377,93 +261,3 @@ def _state_json(state: dict) -> str:
             f"a stateful node keeps a value a checkpoint cannot store ({e}): keep numbers, "
             "strings, lists and dicts in its state"
         ) from e
-
-
-def _process_metrics() -> dict:
-    """The controller process's resident memory and open file descriptors (Linux), to see
-    leaks in long runs; empty elsewhere."""
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-        fds = len(os.listdir("/proc/self/fd"))
-    except (OSError, ValueError, IndexError):
-        return {}
-    return {"process/rss_mb": pages * os.sysconf("SC_PAGE_SIZE") / 2**20, "process/open_fds": fds}
-
-
-def _timings(slices) -> dict:
-    """Seconds per plan item: summed over the item's runs on a track (a refilling step runs
-    some items once per prompt batch), then the longest rank's (they run in parallel)."""
-    per_track: dict[tuple, float] = {}
-    for s in slices:
-        per_track[s.name, s.track] = per_track.get((s.name, s.track), 0.0) + s.end - s.start
-    out: dict[str, float] = {}
-    for (name, _), seconds in per_track.items():
-        out[name] = max(out.get(name, 0.0), seconds)
-    return out
-
-
-def _postfix(metrics: dict) -> dict:
-    keys = {"score/mean": "score", "val/score": "val", "time_s": "s/step", "tokens_per_s": "tok/s"}
-    return {short: f"{metrics[k]:.3g}" for k, short in keys.items() if k in metrics}
-
-
-def _truncate_log(path: Path, step: int) -> None:
-    """Keep the rows of `path` (JSON lines) up to `step`, and events; a torn last line (the
-    writer was killed mid-write) goes too. Replaced atomically, so a kill here loses nothing."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if "event" in row or row.get("step", 0) <= step:
-            kept.append(line + "\n")
-    temp = path.with_name(path.name + ".tmp")
-    temp.write_text("".join(kept))
-    temp.replace(path)
-
-
-def _log_samples(file, step: int, batch, count: int) -> None:
-    for i in range(min(count, len(batch))):
-        row = {"step": step}
-        for key in ("prompt_text", "response_text", "ground_truth"):
-            if key in batch:
-                row[key] = str(batch[key][i])
-        if "scores" in batch:
-            row["score"] = float(batch["scores"][i])
-        if "rollout_info" in batch:  # a multi-turn row: the conversation, trained spans in [[ ]]
-            info = batch["rollout_info"][i]
-            row["termination"] = info["termination"]
-            row["conversation"] = info["messages"]
-            row["response_marked"] = "".join(
-                f"[[{text}]]" if trained else text for text, trained in info["trained_spans"]
-            )
-        file.write(json.dumps(row) + "\n")
-    file.flush()
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _rng_state() -> dict:
-    """Python's, NumPy's and torch's generator states as JSON values."""
-    version, internal, gauss = random.getstate()
-    name, keys, position, has_gauss, cached = np.random.get_state()
-    return {
-        "python": [version, list(internal), gauss],
-        "numpy": [name, keys.tolist(), position, has_gauss, cached],
-        "torch": torch.get_rng_state().tolist(),
-    }
-
-
-def _set_rng_state(state: dict) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, position, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), position, has_gauss, cached))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))

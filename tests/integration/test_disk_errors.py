@@ -5,7 +5,8 @@ import errno
 
 import pytest
 
-from flowrl.runtime.controller import RunDirError, Trainer
+from flowrl.runtime.controller import Trainer
+from flowrl.runtime.guards import RunDirError
 
 
 def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tiny_plan, tmp_path):

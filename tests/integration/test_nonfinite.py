@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.runtime.controller import NonFiniteStop, Trainer
+from flowrl.runtime.controller import Trainer
+from flowrl.runtime.guards import NonFiniteStop
 
 NAN_UPDATE = Path(__file__).with_name("nan_update.py")
 

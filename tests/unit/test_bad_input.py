@@ -465,9 +465,9 @@ def test_missing_or_unknown_data_file_is_named(tmp_path):
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_pool_without_cuda_is_named_before_anything_loads(monkeypatch):
     from flowrl import compile
-    from flowrl.runtime.controller import DeviceError, _check_devices
+    from flowrl.runtime.guards import DeviceError, check_devices
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     plan = compile(ROOT / "graphs" / "grpo.toml", ['pools.main.device="cuda"'])
     with pytest.raises(DeviceError, match=r'\[pools.main\] device = "cuda".*device = "cpu"'):
-        _check_devices(plan)
+        check_devices(plan)

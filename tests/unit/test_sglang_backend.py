@@ -248,7 +248,7 @@ def sglang_trainer(tmp_path, monkeypatch):
     "cuda" in the plan (as the check requires) but built on the CPU, the engine a FakeEngine.
     Returns make(graph, offload) -> (trainer, the fake engines built)."""
     from flowrl.cli import load_plan
-    from flowrl.runtime import controller, pool_worker
+    from flowrl.runtime import controller, guards, pool_worker
 
     engines = []
 
@@ -258,8 +258,8 @@ def sglang_trainer(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sglang_backend, "sglang_engine", factory)
     monkeypatch.setattr(pool_worker, "_device", lambda kind, rank: "cpu")
-    monkeypatch.setattr(controller, "_check_devices", lambda plan: None)
-    monkeypatch.setattr(controller, "_check_packages", lambda plan: None)
+    monkeypatch.setattr(guards, "check_devices", lambda plan: None)
+    monkeypatch.setattr(guards, "check_packages", lambda plan: None)
     trainers = []
 
     def make(graph: str, offload: str):
@@ -378,18 +378,18 @@ def test_check_warns_with_the_install_command_when_the_package_is_missing(monkey
 def test_run_stops_before_loading_a_model_when_the_package_is_missing(monkeypatch):
     from flowrl.cli import load_plan
     from flowrl.engines import rollout
-    from flowrl.runtime.controller import MissingPackage, _check_packages
+    from flowrl.runtime.guards import MissingPackage, check_packages
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     _, _, plan = load_plan(str(ROOT / "graphs/grpo_sglang.toml"))
     monkeypatch.setitem(rollout.PACKAGE, "sglang", "no_such_package_here")
     with pytest.raises(MissingPackage) as info:
-        _check_packages(plan)
+        check_packages(plan)
     message = str(info.value)
     assert message.startswith(f'{plan.file}: [models.policy] rollout = "sglang" needs')
     assert 'pip install -e ".[sglang]"' in message
     monkeypatch.setitem(rollout.PACKAGE, "sglang", "json")
-    _check_packages(plan)  # installed: nothing to say
+    check_packages(plan)  # installed: nothing to say
 
 
 BLOCKED = (

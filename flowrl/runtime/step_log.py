@@ -1,0 +1,85 @@
+"""What the controller logs each step besides the nodes' own metrics: batch and process
+metrics, item timings, the progress bar's numbers, samples.jsonl rows, and the cut of a log
+back to a resumed step."""
+
+import json
+import os
+from pathlib import Path
+
+
+def batch_metrics(batch) -> dict:
+    out = {"rows": len(batch)}
+    if len(batch) == 0:  # a filter kept nothing: no update this step
+        return out
+    if "scores" in batch:
+        out["score/mean"] = float(batch["scores"].float().mean())
+    if "response_mask" in batch:
+        lengths = batch["response_mask"].sum(-1).float()
+        out["response_length/mean"] = float(lengths.mean())
+        out["response_length/max"] = float(lengths.max())
+    return out
+
+
+def process_metrics() -> dict:
+    """The controller process's resident memory and open file descriptors (Linux), to see
+    leaks in long runs; empty elsewhere."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        fds = len(os.listdir("/proc/self/fd"))
+    except (OSError, ValueError, IndexError):
+        return {}
+    return {"process/rss_mb": pages * os.sysconf("SC_PAGE_SIZE") / 2**20, "process/open_fds": fds}
+
+
+def timings(slices) -> dict:
+    """Seconds per plan item: summed over the item's runs on a track (a refilling step runs
+    some items once per prompt batch), then the longest rank's (they run in parallel)."""
+    per_track: dict[tuple, float] = {}
+    for s in slices:
+        per_track[s.name, s.track] = per_track.get((s.name, s.track), 0.0) + s.end - s.start
+    out: dict[str, float] = {}
+    for (name, _), seconds in per_track.items():
+        out[name] = max(out.get(name, 0.0), seconds)
+    return out
+
+
+def postfix(metrics: dict) -> dict:
+    keys = {"score/mean": "score", "val/score": "val", "time_s": "s/step", "tokens_per_s": "tok/s"}
+    return {short: f"{metrics[k]:.3g}" for k, short in keys.items() if k in metrics}
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Keep the rows of `path` (JSON lines) up to `step`, and events; a torn last line (the
+    writer was killed mid-write) goes too. Replaced atomically, so a kill here loses nothing."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if "event" in row or row.get("step", 0) <= step:
+            kept.append(line + "\n")
+    temp = path.with_name(path.name + ".tmp")
+    temp.write_text("".join(kept))
+    temp.replace(path)
+
+
+def log_samples(file, step: int, batch, count: int) -> None:
+    for i in range(min(count, len(batch))):
+        row = {"step": step}
+        for key in ("prompt_text", "response_text", "ground_truth"):
+            if key in batch:
+                row[key] = str(batch[key][i])
+        if "scores" in batch:
+            row["score"] = float(batch["scores"][i])
+        if "rollout_info" in batch:  # a multi-turn row: the conversation, trained spans in [[ ]]
+            info = batch["rollout_info"][i]
+            row["termination"] = info["termination"]
+            row["conversation"] = info["messages"]
+            row["response_marked"] = "".join(
+                f"[[{text}]]" if trained else text for text, trained in info["trained_spans"]
+            )
+        file.write(json.dumps(row) + "\n")
+    file.flush()
