@@ -16,6 +16,7 @@ docs/algorithms.md between the MEASURED markers.
 """
 
 import argparse
+import concurrent.futures
 import json
 import platform
 import statistics
@@ -45,7 +46,9 @@ ALGORITHMS = (
 )
 
 
-def run_one(graph: str, seed: int, steps: int, overrides: list[str], out: Path, backend: str):
+def run_one(
+    graph: str, seed: int, steps: int, overrides: list[str], out: Path, backend: str, quiet=False
+):
     """Train one graph at one seed in its own process; returns its measurements."""
     file = Path(graph) if graph.endswith(".toml") else ROOT / "graphs" / f"{graph}.toml"
     graph = file.stem  # a path (e.g. examples/grpo_lora.toml) or a name in graphs/
@@ -64,8 +67,13 @@ def run_one(graph: str, seed: int, steps: int, overrides: list[str], out: Path, 
         *overrides,
     ]
     start = time.time()
-    subprocess.run(command, check=True, cwd=ROOT)
-    runs = sorted(out_dir.iterdir())
+    if quiet:  # runs side by side: each one's output to its own file
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with open(out_dir / "output.log", "w") as log:
+            subprocess.run(command, check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    else:
+        subprocess.run(command, check=True, cwd=ROOT)
+    runs = sorted(p for p in out_dir.iterdir() if p.is_dir())
     lines = [json.loads(x) for x in (runs[-1] / "metrics.jsonl").read_text().splitlines()]
     scores = {row["step"]: row["val/score"] for row in lines if "val/score" in row}
     middle = steps // 2
@@ -143,15 +151,28 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=str(ROOT / "runs" / "algorithms"), help="run directories")
     p.add_argument("--write", action="store_true", help=f"write the table and {RESULTS.name}")
     p.add_argument("--json", help="also write the raw results to this file")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs side by side (give each its share of the cores, e.g. "
+        "pools.main.cpus_per_worker=1 for 2 jobs on 2 cores)",
+    )
     args = p.parse_args(argv)
     graphs = [g for g in args.graphs.split(",") if g]
     seeds = [int(s) for s in args.seeds.split(",") if s]
-    results = []
-    for graph in graphs:
-        for seed in seeds:
-            out = Path(args.out)
-            results.append(run_one(graph, seed, args.steps, args.overrides, out, args.backend))
-            print(json.dumps(results[-1]), flush=True)
+    jobs = [(graph, seed) for graph in graphs for seed in seeds]
+    quiet = args.jobs > 1
+
+    def one(job):
+        graph, seed = job
+        out = Path(args.out)
+        result = run_one(graph, seed, args.steps, args.overrides, out, args.backend, quiet)
+        print(json.dumps(result), flush=True)
+        return result
+
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(one, jobs))
     command = " ".join(["python bench/algorithms.py", *(argv or sys.argv[1:])])
     text = table(results, command, args.backend)
     print(text)

@@ -88,6 +88,22 @@ def load_weights(module, state: dict) -> None:
     module.load_state_dict(state, strict=False)
 
 
+def merged_state(module) -> dict:
+    """The state dict of the plain model: every LoRA layer's update folded into its base weight
+    (W + scale * B @ A) and the adapter's own tensors dropped, with the base model's key names,
+    so `flowrl export` writes a model that loads without peft. Merges `module` in place."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for layer in module.modules():
+        if isinstance(layer, BaseTunerLayer):
+            layer.merge()
+    return {
+        k.replace(".base_layer.", "."): v
+        for k, v in module.state_dict().items()
+        if "lora_" not in k
+    }
+
+
 @contextmanager
 def adapters_off(module):
     """Run `module` as its base model: every LoRA layer bypassed inside the block."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import toml
 import torch
 
-from flowrl import schema
+from flowrl import lora, schema
 from flowrl.runtime import checkpoint
 
 
@@ -29,19 +29,22 @@ def export(run_dir, out, step: int | None = None, model: str | None = None) -> P
     if config.head != "lm":
         raise SystemExit(f"flowrl export: model {name} has a value head; export writes causal LMs")
     directory = _checkpoint(run_dir, step)
-    module, tokenizer = load_model(
-        _model_path(run_dir, config.path),
-        head=config.head,
-        dtype=config.dtype,
-        seed=raw.get("run", {}).get("seed", 0),
-    )
+    seed = raw.get("run", {}).get("seed", 0)
+    path = _model_path(run_dir, config.path)
+    module, tokenizer = load_model(path, head=config.head, dtype=config.dtype, seed=seed)
     pool = config.pool or next(iter(raw.get("pools", {})), "main")
     sharded, single = directory / f"pool-{pool}", directory / f"pool-{pool}.pt"
     if sharded.is_dir():
         sharded_checkpoint.load_weights(module, sharded, name)
     elif single.exists():
         state = torch.load(single, map_location="cpu", weights_only=True)  # runs no code
-        module.load_state_dict(state[name]["module"])
+        if config.lora:  # the checkpoint holds the adapter: fold it into the base weights
+            lora.load_weights(lora.add_adapter(module, config.lora), state[name]["module"])
+            merged = lora.merged_state(module)
+            module, _ = load_model(path, head=config.head, dtype=config.dtype, seed=seed)
+            module.load_state_dict(merged)  # strict: exactly the plain model's keys
+        else:
+            module.load_state_dict(state[name]["module"])
     else:
         raise SystemExit(f"flowrl export: {directory} holds no state of pool {pool}")
     out.mkdir(parents=True, exist_ok=True)

@@ -45,3 +45,24 @@ def test_rollout_pool_receives_the_adapter(tmp_path):
     for key, value in trained.items():
         assert torch.equal(value, served[key]), key  # the gen pool's copy is the trained one
     assert any(not torch.equal(served_before[k], served[k]) for k in served if "lora_" in k)
+
+
+def test_export_folds_the_adapter_into_the_base_weights(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from flowrl.runtime.export import export
+
+    plan = tiny_plan(ROOT / "examples/grpo_lora.toml", tmp_path)  # rank 16, alpha 32
+    weights = lambda t: t.executor.rank0("main", "parameters", "policy")  # noqa: E731
+    _, trained = run(plan, tmp_path / "run", weights)
+    state = AutoModelForCausalLM.from_pretrained(export(tmp_path / "run", tmp_path / "hf"))
+    state = state.state_dict()
+    assert not [k for k in state if "lora" in k or "base_layer" in k]
+    layers = {k.rsplit(".lora_A.", 1)[0] for k in trained if ".lora_A." in k}
+    assert len(layers) == 2 * 7
+    for layer in layers:
+        a = trained[f"{layer}.lora_A.default.weight"]
+        b = trained[f"{layer}.lora_B.default.weight"]
+        assert b.abs().sum() > 0, layer  # trained away from its zero start
+        expected = trained[f"{layer}.base_layer.weight"] + (32 / 16) * b @ a
+        torch.testing.assert_close(state[f"{layer}.weight"], expected)
