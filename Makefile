@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 GRAPH ?= graphs/ppo.toml
-STEPS ?= 20
+STEPS ?= 10
 SEEDS ?= 0,1
 
 .PHONY: setup run test test-fast bench soak algorithms lint format
@@ -34,8 +34,9 @@ bench: setup  # flowrl against TRL's GRPOTrainer, side by side (~13 min on 2 cor
 soak: setup  # 300 tiny-model steps, a flaky scorer, SIGKILL + resume every 50 (not in CI)
 	$(PYTHON) bench/soak/run.py
 
-algorithms: setup  # every algorithm graph on the embedded model -> docs/algorithms.md (~2 h)
-	$(PYTHON) bench/algorithms.py --steps $(STEPS) --seeds $(SEEDS) --write
+algorithms: setup  # every algorithm graph on the embedded model -> docs/algorithms.md (~1 h)
+	$(PYTHON) bench/algorithms.py --steps $(STEPS) --seeds $(SEEDS) --jobs 2 --write \
+		pools.main.cpus_per_worker=1
 
 lint:
 	ruff check flowrl nodes tests bench
