@@ -137,7 +137,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
     engine, chat = HFRollout(model, tokenizer), ChatTokens(tokenizer)
-    results = {"prompts": args.prompts, "examples": args.examples, "limits": str(LIMITS)}
+    results = {
+        "prompts": args.prompts,
+        "examples": args.examples,
+        "repeats": args.repeats,
+        "limits": str(LIMITS),
+    }
     wave_s, wave = timed(lambda: run(engine, chat, tokenizer, args, "wave"), args.repeats)
     again_s, again = timed(lambda: run(engine, chat, tokenizer, args, "reprefill"), args.repeats)
     results["wave"], results["reprefill"] = summary(wave_s, wave), summary(again_s, again)
@@ -192,8 +197,9 @@ def markdown(r: dict) -> str:
     single = r["single_turn"]
     return (
         f"# Multi-turn rollout: cache extension vs re-prefill\n\n"
-        f"`python bench/multi_turn.py --prompts {r['prompts']} --examples {r['examples']}` "
-        f"(SmolLM2-135M, greedy, {r['limits']})\n\n" + "\n".join(rows) + "\n\n"
+        f"`python bench/multi_turn.py --prompts {r['prompts']} --examples {r['examples']} "
+        f"--repeats {r.get('repeats', 1)}` (SmolLM2-135M, greedy, {r['limits']}; wall seconds: "
+        "the median of the repeats)\n\n" + "\n".join(rows) + "\n\n"
         f"Re-prefill / wave wall time: **{r['speedup']}x**; "
         f"identical rows: {r['same_rows']:.0%}.\n\n"
         f"Single turn, same prompts, 24 tokens: generate {single['generate_s']} s, agent engine "
