@@ -1,5 +1,5 @@
-"""Group advantage estimators as pure functions: pass@k (arXiv 2508.10751), OPO (arXiv
-2505.23585) and GPG's corrected group advantage (arXiv 2504.02546).
+"""Group advantage estimators as pure functions: GRPO's (arXiv 2402.03300), pass@k (arXiv
+2508.10751), OPO (arXiv 2505.23585) and GPG's corrected group advantage (arXiv 2504.02546).
 
 Each maps per-row scores (b,) and group ids `uid` (b,) (rows sampled from the same prompt share
 one) to per-row advantages (b,); a node broadcasts them over the response tokens as
@@ -12,6 +12,20 @@ from __future__ import annotations
 
 from flowrl import ops
 from flowrl.lazy import torch
+
+
+def group_advantages(scores, uid, scale_by_std: bool = True, eps: float = 1e-6):
+    """scores (b,), uid (b,) -> (b,): score minus its group's mean [/ (group std + eps)].
+
+    Groups of one sample get 0 (no baseline to compare with).
+    """
+    scores = scores.float()
+    total, count = ops.group_sum_count(scores, uid)
+    centered = scores - total / count
+    if scale_by_std:
+        squares, _ = ops.group_sum_count(centered**2, uid)
+        centered = centered / ((squares / (count - 1).clamp(min=1)).sqrt() + eps)
+    return torch.where(count > 1, centered, torch.zeros_like(centered))
 
 
 def _comb_ratio(top, bottom, k: int):
@@ -110,14 +124,10 @@ def gpg_advantages(scores, uid, scale_by_std: bool = False, eps: float = 1e-6):
         (b,) float advantages.
     """
     scores = scores.float()
-    total, count = ops.group_sum_count(scores, uid)
-    centred = scores - total / count
-    squares, _ = ops.group_sum_count(centred**2, uid)
+    centred = group_advantages(scores, uid, scale_by_std, eps)
     index, groups = ops.group_ids(uid)
     highest = torch.full((groups,), -torch.inf).scatter_reduce(0, index, scores, "amax")
     lowest = torch.full((groups,), torch.inf).scatter_reduce(0, index, scores, "amin")
     valid = (highest != lowest)[index]  # rows of groups whose rewards differ
     alpha = len(scores) / max(int(valid.sum()), 1)
-    if scale_by_std:
-        centred = centred / ((squares / (count - 1).clamp(min=1)).sqrt() + eps)
     return torch.where(valid, alpha * centred, torch.zeros_like(centred))

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl import ops
-from flowrl.lazy import torch
+from flowrl.estimators import group_advantages
 from flowrl.nodespec import NodeSpec
 from flowrl.validators import checked, positive
 
@@ -17,20 +16,6 @@ from flowrl.validators import checked, positive
 class Params:
     scale_by_std: bool = True  # False gives Dr. GRPO
     eps: float = checked(1e-6, positive())  # added to the group's std
-
-
-def group_advantages(scores, uid, scale_by_std: bool = True, eps: float = 1e-6):
-    """scores (b,), uid (b,) -> (b,): score minus its group's mean [/ (group std + eps)].
-
-    Groups of one sample get 0 (no baseline to compare with).
-    """
-    scores = scores.float()
-    total, count = ops.group_sum_count(scores, uid)
-    centered = scores - total / count
-    if scale_by_std:
-        squares, _ = ops.group_sum_count(centered**2, uid)
-        centered = centered / ((squares / (count - 1).clamp(min=1)).sqrt() + eps)
-    return torch.where(count > 1, centered, torch.zeros_like(centered))
 
 
 def run(batch, params):
