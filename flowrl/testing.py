@@ -30,6 +30,7 @@ __all__ = [
     "tiny_overrides",
     "tiny_plan",
     "tiny_tokenizer",
+    "update_batch",
 ]
 
 
@@ -56,6 +57,28 @@ def run_tiny(graph: str | Path, out_dir: str | Path, backend: str = "local", **e
     run_dir = run(tiny_plan(graph, out_dir, **extra), backend=backend)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return TinyRun(run_dir, [json.loads(line) for line in lines])
+
+
+def update_batch(b: int = 4, p: int = 5, t: int = 4, seed: int = 0):
+    """A random DataProto an `update.policy` worker takes: b rows of p prompt tokens and
+    responses of 1 to t tokens (right-padded), with advantages and old log-probs; ids in
+    [3, 100), so they fit the tiny tokenizer's vocabulary."""
+    import torch
+
+    from flowrl.protocol import DataProto
+
+    g = torch.Generator().manual_seed(seed)
+    response_mask = torch.arange(t)[None] < torch.randint(1, t + 1, (b,), generator=g)[:, None]
+    return DataProto.from_dict(
+        {
+            "prompts": torch.randint(3, 100, (b, p), generator=g),
+            "prompt_mask": torch.ones(b, p, dtype=torch.long),
+            "responses": torch.randint(3, 100, (b, t), generator=g) * response_mask,
+            "response_mask": response_mask.long(),
+            "advantages": torch.randn(b, 1, generator=g) * response_mask,
+            "old_logprobs": torch.randn(b, t, generator=g) * 0.1 - 3.0,
+        }
+    )
 
 
 class ScriptedTurns:

@@ -13,26 +13,14 @@ from flowrl import compiler, dsl, lora
 from flowrl.engines import TrainEngine
 from flowrl.errors import GraphErrors
 from flowrl.models.value_head import ValueModel
-from flowrl.protocol import DataProto
-from flowrl.testing import tiny_model, tiny_tokenizer
+from flowrl.testing import tiny_model, tiny_tokenizer, update_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples/grpo_lora.toml"
 
 
-def rows(b=4, p=5, t=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    response_mask = torch.arange(t)[None] < torch.randint(1, t + 1, (b,), generator=g)[:, None]
-    return DataProto.from_dict(
-        {
-            "prompts": torch.randint(3, 100, (b, p), generator=g),
-            "prompt_mask": torch.ones(b, p, dtype=torch.long),
-            "responses": torch.randint(3, 100, (b, t), generator=g) * response_mask,
-            "response_mask": response_mask.long(),
-            "advantages": torch.randn(b, 1, generator=g) * response_mask,
-            "old_logprobs": torch.randn(b, t, generator=g) * 0.1 - 3.0,
-        }
-    )
+def rows(seed=0):
+    return update_batch(b=4, seed=seed)
 
 
 def engine_with_adapter(seed=0, **settings):

@@ -13,27 +13,15 @@ from torch.distributed.tensor import DTensor
 from flowrl.cli import load_plan
 from flowrl.engines import TrainEngine
 from flowrl.engines.scoring import decoder_layers
-from flowrl.protocol import DataProto
 from flowrl.runtime.local_executor import LocalExecutor
 from flowrl.runtime.node_call import NodeFailure
-from flowrl.testing import tiny_model, tiny_tokenizer
+from flowrl.testing import tiny_model, tiny_tokenizer, update_batch
 
 torch.set_num_threads(1)
 
 
-def batch(b=6, p=5, t=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    response_mask = torch.arange(t)[None] < torch.randint(1, t + 1, (b,), generator=g)[:, None]
-    return DataProto.from_dict(
-        {
-            "prompts": torch.randint(3, 100, (b, p), generator=g),
-            "prompt_mask": torch.ones(b, p, dtype=torch.long),
-            "responses": torch.randint(3, 100, (b, t), generator=g) * response_mask,
-            "response_mask": response_mask.long(),
-            "advantages": torch.randn(b, 1, generator=g) * response_mask,
-            "old_logprobs": torch.randn(b, t, generator=g) * 0.1 - 3.0,
-        }
-    )
+def batch(seed=0):
+    return update_batch(b=6, seed=seed)
 
 
 @pytest.fixture(scope="module")
