@@ -4,7 +4,9 @@
 Every model's path becomes "tiny" (flowrl/models/tiny.py: a character-level tokenizer and a
 2-layer Llama, built in milliseconds, no download); a step has 2 prompts and responses of at
 most 6 tokens; 2 steps; validation on 4 prompts, at the start and the end; reward nodes score
-by length (flowrl/rewards/varied.py), so the updates see nonzero advantages. Trainable models
+by length (flowrl/rewards/varied.py), so the updates see nonzero advantages; a node's
+`mini_batch_size` shrinks with the prompt batch, so an update keeps its number of optimizer
+steps (at least the rows allow). Trainable models
 get lr 0.01, so a test can see their parameters move; GPU pools and GPU-only rollout backends
 fall back to CPU and flowrl's own decode loop. No torch or ray here.
 """
@@ -41,9 +43,12 @@ def tiny_overrides(graph, out_dir=None, scorer: str | None = VARIED_SCORER, **ex
     out = [f'models.{name}.path="tiny"' for name in spec.models]
     out += [f"models.{name}.lr=0.01" for name, m in spec.models.items() if m.trainable]
     out += [f"{key}={value}" for key, value in TINY_RUN.items()]
+    minis = tiny_mini_batches(spec)
     for node_id, decl in spec.nodes.items():
         fields = attrs.fields_dict(type(decl.params))
         out += [f"nodes.{node_id}.{p}={v}" for p, v in NODE_PARAMS.items() if p in fields]
+        if node_id in minis:
+            out.append(f"nodes.{node_id}.mini_batch_size={minis[node_id]}")
         if scorer is not None and "scorer" in fields:
             out.append(f'nodes.{node_id}.scorer="{scorer}"')
     if out_dir is not None:
@@ -54,6 +59,27 @@ def tiny_overrides(graph, out_dir=None, scorer: str | None = VARIED_SCORER, **ex
     if spec.run.critic_warmup:  # of the 2 steps, the first warms the critic up
         out.append("run.critic_warmup=1")
     out += [f"{key}={value}" for key, value in extra.items()]
+    return out
+
+
+def tiny_mini_batches(spec) -> dict[str, int]:
+    """node id -> its `mini_batch_size` scaled to the rows the node gets in the tiny run
+    (rounded up). Rows are prompts x samples and only the prompts shrink, except after a
+    refilling filter, where they are the filter's target groups x samples and stay."""
+    from flowrl.compiler import compile_graph
+    from flowrl.graph import build
+
+    minis = {n: getattr(d.params, "mini_batch_size", 0) for n, d in spec.nodes.items()}
+    minis = {n: m for n, m in minis.items() if isinstance(m, int) and m > 0}
+    if not minis:
+        return {}
+    plan = compile_graph(build(spec))
+    kept = plan.refill.after if plan.refill and plan.refill.groups else ()
+    out = {}
+    for node, mini in minis.items():
+        rows = plan.batch.rows_per_node[node]
+        tiny = rows if node in kept else rows * TINY_RUN["data.batch_size"] // plan.batch.prompts
+        out[node] = max(1, -(-mini * tiny // rows))
     return out
 
 

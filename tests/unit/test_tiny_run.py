@@ -56,3 +56,22 @@ def test_run_tiny_flag_applies_them_and_the_command_line_wins(monkeypatch):
     assert {m.path for m in spec.models.values()} == {"tiny"}
     assert spec.run.steps == 5  # tiny says 2; the command line comes after it
     assert seen["backend"] == "local"
+
+
+@pytest.mark.parametrize("graph", ["ppo.toml", "dapo.toml"])
+def test_tiny_mini_batches_shrink_with_the_prompt_batch(graph, tmp_path):
+    """ppo: 48 rows in mini-batches of 16 are 3 optimizer steps, and the tiny run's 8 rows keep
+    3; dapo: after its refilling filter the rows are the target groups x samples, which the
+    tiny run does not shrink, so the mini-batch stays."""
+    from flowrl.nodespec import MINI_BATCHES
+
+    def steps(plan):
+        return {
+            node: MINI_BATCHES.updates(decl.params, plan.batch.rows)
+            for node, decl in plan.spec.nodes.items()
+            if getattr(decl.params, "mini_batch_size", 0)
+        }
+
+    full = compiler.compile_file(ROOT / "graphs" / graph)
+    tiny = compiler.compile_file(ROOT / "graphs" / graph, tiny_overrides(ROOT / "graphs" / graph))
+    assert steps(tiny) == steps(full) and min(steps(full).values()) > 1
