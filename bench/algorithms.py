@@ -1,8 +1,9 @@
 """The learning table of docs/algorithms.md: every algorithm graph on the embedded model, the
 same step budget for all, a few seeds.
 
-    python bench/algorithms.py --steps 20 --seeds 0,1 --write     # make algorithms
+    make algorithms       # --steps 10 --seeds 0,1 --jobs 2 --write pools.main.cpus_per_worker=1
     python bench/algorithms.py --graphs dapo --steps 2 run.val_size=8    # a quick try
+    python bench/algorithms.py --graphs ppo --steps 10 --write --merge ...  # one row again
 
 Each (graph, seed) runs `flowrl run graphs/<graph>.toml` in a fresh process (the local
 executor unless --backend ray) with run.steps = --steps, run.seed = seed, validation at step
@@ -12,7 +13,9 @@ metrics.jsonl it takes the greedy validation score (`val/score`: the share of va
 prompts answered right, for the arithmetic task's 0/1 scorer) at those three steps and the
 median step time (`time_s`: generation to optimizer step, validation excluded). It prints the
 table; with --write also the raw results to bench/results/algorithms.json and the table into
-docs/algorithms.md between the MEASURED markers.
+docs/algorithms.md between the MEASURED markers. With --merge the graphs and seeds run replace
+theirs among the stored results and the others stay (after a graph's defaults change), and the
+table says which rows were measured again, with what.
 """
 
 import argparse
@@ -107,14 +110,20 @@ def _cell(values: list) -> str:
 
 
 def table(results: list[dict], command: str, backend: str) -> str:
-    """The measured table, one row per graph, in ALGORITHMS order."""
+    """The measured table, one row per graph, in ALGORITHMS order. A result carries the command
+    and date that measured it (`command` and today for one that does not); the header names the
+    most common, and a line under the table names the graphs re-measured by another (--merge)."""
+    today = time.strftime("%Y-%m-%d")
+    made = {r["graph"]: (r.get("command", command), r.get("date", today)) for r in results}
+    # the command behind the most graphs; on a tie the earliest, which the others re-measured
+    main = max(sorted(set(made.values()), key=lambda m: m[1]), key=list(made.values()).count)
     graphs = sorted({r["graph"] for r in results}, key=_order)
     seeds = sorted({r["seed"] for r in results})
     steps = results[0]["steps"]
     middle = results[0]["middle_step"]
     lines = [
-        f"Measured with `{command}` ({backend} executor, {platform.machine()}, "
-        f"{time.strftime('%Y-%m-%d')}): {steps} steps, seeds {', '.join(map(str, seeds))}; "
+        f"Measured with `{main[0]}` ({backend} executor, {platform.machine()}, "
+        f"{main[1]}): {steps} steps, seeds {', '.join(map(str, seeds))}; "
         "each cell is the mean over seeds, then each seed's value.",
         "",
         f"| graph | val step 0 | val step {middle} | val step {steps} | median step (s) |",
@@ -125,7 +134,28 @@ def table(results: list[dict], command: str, backend: str) -> str:
         cells = [_cell([r[key] for r in rows]) for key in ("val_start", "val_middle", "val_end")]
         step = statistics.mean(r["median_step_s"] for r in rows)
         lines.append(f"| {graph} | {' | '.join(cells)} | {step:.1f} |")
+    for graph in graphs:
+        if made[graph] != main:
+            lines += [
+                "",
+                f"The {graph} row was measured again with `{made[graph][0]}` ({made[graph][1]}).",
+            ]
     return "\n".join(lines)
+
+
+def merged(old: list[dict], new: list[dict]) -> list[dict]:
+    """The stored results with each (graph, seed) measured again replaced by its new result;
+    the step budget must be the one the table was measured with."""
+    budgets = {r["steps"] for r in old} | {r["steps"] for r in new}
+    if len(budgets) > 1:
+        raise SystemExit(
+            f"--merge: {RESULTS} holds runs of {sorted({r['steps'] for r in old})} steps and "
+            f"these have {new[0]['steps']}; fix: give --steps {old[0]['steps']}, "
+            "or measure the whole table again without --merge"
+        )
+    again = {(r["graph"], r["seed"]) for r in new}
+    kept = [r for r in old if (r["graph"], r["seed"]) not in again]
+    return sorted(kept + new, key=lambda r: (_order(r["graph"]), r["graph"], r["seed"]))
 
 
 def _order(graph: str) -> int:
@@ -150,6 +180,11 @@ def main(argv=None) -> None:
     p.add_argument("--backend", default="local", choices=["local", "ray"])
     p.add_argument("--out", default=str(ROOT / "runs" / "algorithms"), help="run directories")
     p.add_argument("--write", action="store_true", help=f"write the table and {RESULTS.name}")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help=f"with --write: keep {RESULTS.name}'s other graphs and seeds, replace those run",
+    )
     p.add_argument("--json", help="also write the raw results to this file")
     p.add_argument(
         "--jobs",
@@ -163,21 +198,25 @@ def main(argv=None) -> None:
     seeds = [int(s) for s in args.seeds.split(",") if s]
     jobs = [(graph, seed) for graph in graphs for seed in seeds]
     quiet = args.jobs > 1
+    command = " ".join(["python bench/algorithms.py", *(argv or sys.argv[1:])])
+    date = time.strftime("%Y-%m-%d")
 
     def one(job):
         graph, seed = job
         out = Path(args.out)
         result = run_one(graph, seed, args.steps, args.overrides, out, args.backend, quiet)
+        result.update(command=command, date=date)
         print(json.dumps(result), flush=True)
         return result
 
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         results = list(pool.map(one, jobs))
-    command = " ".join(["python bench/algorithms.py", *(argv or sys.argv[1:])])
-    text = table(results, command, args.backend)
-    print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    if args.merge:
+        results = merged(json.loads(RESULTS.read_text()), results)
+    text = table(results, command, args.backend)
+    print(text)
     if args.write:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(results, indent=2) + "\n")

@@ -4,6 +4,8 @@ each seed's value, written between the doc's markers and nowhere else."""
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("algorithms", ROOT / "bench" / "algorithms.py")
 algorithms = importlib.util.module_from_spec(spec)
@@ -57,3 +59,35 @@ def test_the_doc_has_the_markers_and_a_row_per_shipped_graph():
     for path in (ROOT / "graphs").glob("*.toml"):
         assert f"| `{path.name}` |" in text, path.name
     assert set(algorithms.ALGORITHMS) <= {p.stem for p in (ROOT / "graphs").glob("*.toml")}
+
+
+def test_merge_replaces_the_graphs_run_again_and_the_table_says_with_what():
+    old = [
+        {**result("ppo", 0, 0.25, 0.0, 0.25, 30.0), "command": "make algorithms", "date": "d1"},
+        {**result("ppo", 1, 0.25, 0.5, 0.5, 30.0), "command": "make algorithms", "date": "d1"},
+        {**result("grpo", 0, 0.25, 0.5, 0.75, 10.0), "command": "make algorithms", "date": "d1"},
+        {**result("grpo", 1, 0.25, 0.5, 0.75, 10.0), "command": "make algorithms", "date": "d1"},
+    ]
+    new = [
+        {**result("ppo", 0, 0.25, 0.5, 0.75, 40.0), "command": "again --merge", "date": "d2"},
+        {**result("ppo", 1, 0.5, 0.5, 0.75, 40.0), "command": "again --merge", "date": "d2"},
+    ]
+    results = algorithms.merged(old, new)
+    assert [(r["graph"], r["seed"], r["date"]) for r in results] == [
+        ("ppo", 0, "d2"),
+        ("ppo", 1, "d2"),
+        ("grpo", 0, "d1"),
+        ("grpo", 1, "d1"),
+    ]
+    text = algorithms.table(results, "unused", "local")
+    assert text.startswith("Measured with `make algorithms` (local executor")
+    assert "| ppo | 0.375 (0.250, 0.500) | 0.500 (0.500, 0.500) |" in text
+    assert "The ppo row was measured again with `again --merge` (d2)." in text
+    assert "grpo row was measured again" not in text
+
+
+def test_merge_refuses_another_step_budget():
+    old = [result("grpo", 0, 0.25, 0.5, 0.75, 10.0)]
+    new = [{**result("ppo", 0, 0.25, 0.5, 0.75, 40.0), "steps": 10}]
+    with pytest.raises(SystemExit, match="give --steps 20"):
+        algorithms.merged(old, new)
