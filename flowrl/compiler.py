@@ -1,7 +1,8 @@
 """Graph -> ExecutionPlan. A pure function: no torch, no ray, nothing loaded.
 
 Passes, in order:
-1. batch arithmetic: rows per node (prompts x samples), groups, mini-batches vs ranks;
+1. batch arithmetic (flowrl/batching.py): rows per node (prompts x samples), groups,
+   mini-batches vs ranks, the refill and the critic warm-up;
 2. placement: a model node runs on its model's pool; other nodes on the controller;
 3. residency: per pool, which (model, part) must be on the device for each call, and the
    reload / offload / sync transitions the pool's offload policy implies;
@@ -13,11 +14,11 @@ from pathlib import Path
 
 import networkx as nx
 
-from flowrl import dsl, memory, schema
-from flowrl.errors import Collector, did_you_mean, one_of
+from flowrl import batching, dsl, memory, schema
+from flowrl.errors import Collector
 from flowrl.graph import DATASET, Graph, build
-from flowrl.nodespec import CheckContext, RolloutParams
-from flowrl.plan import BatchPlan, ExecutionPlan, Item, PoolPlan, RefillPlan, ValidationPlan
+from flowrl.nodespec import RolloutParams
+from flowrl.plan import BatchPlan, ExecutionPlan, Item, PoolPlan, ValidationPlan
 
 # What a call must find on the device, by mode.
 NEEDS = {
@@ -38,10 +39,10 @@ def compile_file(file: str | Path, overrides=()) -> ExecutionPlan:
 def compile_graph(built: Graph) -> ExecutionPlan:
     """The execution plan of one training step; raises GraphErrors on bad batch arithmetic."""
     errors = Collector(built.spec.file)
-    refill = _refill(built, errors)
-    batch, warnings = _batch(built, refill, errors)
-    _check_save_inputs(built, errors)
-    held = _held(built, refill, errors)
+    refill = batching.refill_plan(built, errors)
+    batch, warnings = batching.batch_plan(built, refill, errors)
+    batching.check_save_inputs(built, errors)
+    held = batching.held_nodes(built, refill, errors)
     errors.raise_if_any()
     pools = _pools(built, batch, warnings)
     items = _Builder(built, pools).build()
@@ -57,119 +58,6 @@ def compile_graph(built: Graph) -> ExecutionPlan:
         refill,
         held,
     )
-
-
-def _held(graph: Graph, refill, errors: Collector) -> tuple[str, ...]:
-    """The train nodes that wait out run.critic_warmup: those of models without a value head."""
-    spec = graph.spec
-    if not spec.run.critic_warmup:
-        return ()
-    train = [n for n in graph.order if spec.nodes[n].mode == "train"]
-    critics = [n for n in train if spec.models[spec.nodes[n].model].head == "value"]
-    where = f"[run] critic_warmup = {spec.run.critic_warmup}"
-    if not critics:
-        errors.add(
-            "[run]",
-            f"critic_warmup = {spec.run.critic_warmup}, but no train node updates a value-head "
-            "model, so there is no critic to warm up",
-            'add a critic (a model with head = "value" and an update.critic node) or set '
-            "critic_warmup = 0",
-        )
-    elif spec.run.critic_warmup >= spec.run.steps:
-        errors.add(
-            "[run]",
-            f"{where} leaves none of the run's {spec.run.steps} steps to "
-            f"{', '.join(n for n in train if n not in critics)}",
-            "set critic_warmup below run.steps",
-        )
-    elif refill is not None:
-        errors.add(
-            "[run]",
-            f"{where} cannot be combined with the refilling filter [nodes.{refill.node}]",
-            "set critic_warmup = 0, or min_groups = 0 on the filter",
-        )
-    return tuple(n for n in train if n not in critics)
-
-
-def _check_save_inputs(graph: Graph, errors: Collector) -> None:
-    """run.save_inputs names nodes of the graph (one the graph skips is allowed: it never runs)."""
-    known = set(graph.spec.nodes) | set(graph.pruned)
-    for node in graph.spec.run.save_inputs:
-        if node not in known:
-            errors.add(
-                "[run]",
-                f'save_inputs names "{node}", which is not a node{did_you_mean(node, known)}',
-                f"name nodes of this graph: {one_of(sorted(known))}",
-            )
-
-
-# -- 1. batch arithmetic -------------------------------------------------------------------
-
-
-def _batch(graph: Graph, refill, errors: Collector) -> tuple[BatchPlan, list[str]]:
-    spec, warnings = graph.spec, []
-    prompts = spec.data.batch_size
-    rows = {}  # node id -> rows it receives
-    samples = {}  # node id -> samples per prompt upstream of and including it
-    expanders = [n for n, d in spec.nodes.items() if d.spec.rows == "repeat" and d.params.n > 1]
-    kept = set(refill.after) if refill and refill.groups else set()
-    for node in graph.order:  # row edges order every node against each expander
-        ancestors = nx.ancestors(graph.dag, node)
-        n = 1
-        for expander in expanders:
-            if expander in ancestors:
-                n *= spec.nodes[expander].params.n
-        # after a refilling filter, at most its target groups remain
-        rows[node] = (refill.groups if node in kept else prompts) * n
-        samples[node] = n
-    for node, decl in spec.nodes.items():
-        where = f"[nodes.{node}]"
-        if decl.spec.groups and samples[node] < 2:
-            errors.add(
-                where,
-                f"{decl.uses} compares the samples of each prompt, but each prompt "
-                "has 1 sample here",
-                "set n >= 2 on the generate node before it",
-            )
-        workers = spec.pools[spec.pool_of(node)].workers if decl.model else 1
-        model_path = spec.models[decl.model].path if decl.model in spec.models else ""
-        context = CheckContext(
-            node, rows[node], samples[node], prompts, workers, str(spec.base_dir), model_path
-        )
-        for finding in decl.spec.findings(decl.params, context):
-            if finding.warning:
-                warnings.append(finding.message)
-            else:
-                errors.add(where, finding.message, finding.fix)
-        if decl.model and rows[node] < workers:
-            warnings.append(
-                f"{where} gives {rows[node]} rows to {workers} ranks: some ranks "
-                "idle (raise data.batch_size or lower the pool's workers)"
-            )
-    total = max(rows.values(), default=prompts)
-    return BatchPlan(prompts, max(samples.values(), default=1), total, rows), warnings
-
-
-def _refill(graph: Graph, errors: Collector) -> RefillPlan | None:
-    """The plan of the filter node that refills its step (a `refill` hook), if any: the nodes
-    each prompt batch runs (its ancestors and itself) and those that run once after it."""
-    spec = graph.spec
-    filters = [n for n in graph.order if spec.nodes[n].spec.refill is not None]
-    for extra in filters[1:]:
-        errors.add(
-            f"[nodes.{extra}]",
-            f"a step refills through one filter node, and [nodes.{filters[0]}] already does",
-            "keep one filter with a refill (min_groups), or chain the conditions in one node",
-        )
-    if not filters:
-        return None
-    node = filters[0]
-    decl = spec.nodes[node]
-    groups, rounds = decl.spec.refill.of(decl.params)
-    ancestors = nx.ancestors(graph.dag, node)
-    before = tuple(n for n in graph.order if n in ancestors or n == node)
-    after = tuple(n for n in graph.order if n not in before)
-    return RefillPlan(node, groups, max(rounds, 1), before, after)
 
 
 # -- 2. placement and 3. the residency policy ----------------------------------------------
