@@ -99,7 +99,7 @@ def held_nodes(graph: Graph, refill, errors: Collector) -> tuple[str, ...]:
         return ()
     train = [n for n in graph.order if spec.nodes[n].mode == "train"]
     critics = [n for n in train if spec.models[spec.nodes[n].model].head == "value"]
-    where = f"[run] critic_warmup = {spec.run.critic_warmup}"
+    where = f"critic_warmup = {spec.run.critic_warmup}"
     if not critics:
         errors.add(
             "[run]",
