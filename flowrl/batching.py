@@ -34,13 +34,11 @@ def refill_plan(graph: Graph, errors: Collector) -> RefillPlan | None:
     return RefillPlan(node, groups, max(rounds, 1), before, after)
 
 
-def batch_plan(graph: Graph, refill, errors: Collector) -> tuple[BatchPlan, list[str]]:
-    """Rows, groups and samples per node; every node's own checks (mini-batches vs rows, ...)
-    against them. Returns the batch plan and the warnings; errors go to `errors`."""
-    spec, warnings = graph.spec, []
-    prompts = spec.data.batch_size
-    rows = {}  # node id -> rows it receives
-    samples = {}  # node id -> samples per prompt upstream of and including it
+def node_rows(graph: Graph, refill, prompts: int) -> tuple[dict[str, int], dict[str, int]]:
+    """node id -> the rows it receives from a batch of `prompts` prompts, and node id -> the
+    samples per prompt upstream of and including it."""
+    spec = graph.spec
+    rows, samples = {}, {}
     expanders = [n for n, d in spec.nodes.items() if d.spec.rows == "repeat" and d.params.n > 1]
     kept = set(refill.after) if refill and refill.groups else set()
     for node in graph.order:  # row edges order every node against each expander
@@ -52,6 +50,15 @@ def batch_plan(graph: Graph, refill, errors: Collector) -> tuple[BatchPlan, list
         # after a refilling filter, at most its target groups remain
         rows[node] = (refill.groups if node in kept else prompts) * n
         samples[node] = n
+    return rows, samples
+
+
+def batch_plan(graph: Graph, refill, errors: Collector) -> tuple[BatchPlan, list[str]]:
+    """Rows, groups and samples per node; every node's own checks (mini-batches vs rows, ...)
+    against them. Returns the batch plan and the warnings; errors go to `errors`."""
+    spec, warnings = graph.spec, []
+    prompts = spec.data.batch_size
+    rows, samples = node_rows(graph, refill, prompts)
     for node, decl in spec.nodes.items():
         where = f"[nodes.{node}]"
         if decl.spec.groups and samples[node] < 2:

@@ -64,23 +64,22 @@ def tiny_overrides(graph, out_dir=None, scorer: str | None = VARIED_SCORER, **ex
 
 def tiny_mini_batches(spec) -> dict[str, int]:
     """node id -> its `mini_batch_size` scaled to the rows the node gets in the tiny run
-    (rounded up). Rows are prompts x samples and only the prompts shrink, except after a
-    refilling filter, where they are the filter's target groups x samples and stay."""
-    from flowrl.compiler import compile_graph
+    (rounded up), by the compiler's row arithmetic (flowrl/batching.py) at the graph's prompt
+    batch and at the tiny one: after a refilling filter the rows are its target groups x
+    samples, so they stay."""
+    from flowrl import batching
+    from flowrl.errors import Collector
     from flowrl.graph import build
 
     minis = {n: getattr(d.params, "mini_batch_size", 0) for n, d in spec.nodes.items()}
-    minis = {n: m for n, m in minis.items() if isinstance(m, int) and m > 0}
+    minis = {n: m for n, m in minis.items() if m}
     if not minis:
         return {}
-    plan = compile_graph(build(spec))
-    kept = plan.refill.after if plan.refill and plan.refill.groups else ()
-    out = {}
-    for node, mini in minis.items():
-        rows = plan.batch.rows_per_node[node]
-        tiny = rows if node in kept else rows * TINY_RUN["data.batch_size"] // plan.batch.prompts
-        out[node] = max(1, -(-mini * tiny // rows))
-    return out
+    graph, errors = build(spec), Collector(spec.file)
+    refill = batching.refill_plan(graph, errors)
+    full, _ = batching.node_rows(graph, refill, spec.data.batch_size)
+    tiny, _ = batching.node_rows(graph, refill, TINY_RUN["data.batch_size"])
+    return {node: max(1, -(-mini * tiny[node] // full[node])) for node, mini in minis.items()}
 
 
 def cpu_fallback(spec) -> list[str]:

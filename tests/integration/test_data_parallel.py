@@ -3,27 +3,21 @@
 import pytest
 import torch
 
-from flowrl.protocol import DataProto
 from flowrl.runtime.local_executor import LocalExecutor
 from flowrl.runtime.node_call import NodeFailure
+from flowrl.testing import update_batch
 
 ray = pytest.importorskip("ray")
 
 
 def fixed_batch(rows=7, p=6, t=5):
-    g = torch.Generator().manual_seed(0)
-    response_mask = torch.arange(t)[None] < torch.randint(1, t + 1, (rows,), generator=g)[:, None]
-    return DataProto.from_dict(
-        {
-            "prompts": torch.randint(3, 100, (rows, p), generator=g),
-            "prompt_mask": torch.ones(rows, p, dtype=torch.long),
-            "responses": torch.randint(3, 100, (rows, t), generator=g) * response_mask,
-            "response_mask": response_mask.long(),
-            "advantages": torch.randn(rows, 1, generator=g) * response_mask,
-            "ref_logprobs": torch.full((rows, t), -4.0),
-        },
-        meta={"step": 1, "seed": 0},
-    )
+    """A GRPO update's batch: the random policy-update rows, with reference log-probs in place
+    of old ones (grpo.toml's update is on-policy, with a KL loss)."""
+    batch = update_batch(b=rows, p=p, t=t)
+    batch = batch.select([k for k in batch.keys() if k != "old_logprobs"])
+    batch["ref_logprobs"] = torch.full((rows, t), -4.0)
+    batch.meta.update(step=1, seed=0)
+    return batch
 
 
 def test_two_ranks_match_one_rank(tiny_plan):

@@ -59,7 +59,7 @@ def test_run_tiny_flag_applies_them_and_the_command_line_wins(monkeypatch):
 
 
 @pytest.mark.parametrize("graph", ["ppo.toml", "dapo.toml"])
-def test_tiny_mini_batches_shrink_with_the_prompt_batch(graph, tmp_path):
+def test_tiny_mini_batches_shrink_with_the_prompt_batch(graph):
     """ppo: 48 rows in mini-batches of 16 are 3 optimizer steps, and the tiny run's 8 rows keep
     3; dapo: after its refilling filter the rows are the target groups x samples, which the
     tiny run does not shrink, so the mini-batch stays."""
