@@ -15,6 +15,6 @@ def compile(file, overrides=()):  # noqa: A001 (the verb users expect: flowrl.co
         file: path of a graph TOML file.
         overrides: dotted `table.key=value` strings, as on the command line.
     """
-    from flowrl.compiler import compile_file
+    from flowrl.front.compiler import compile_file
 
     return compile_file(file, overrides)

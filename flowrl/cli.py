@@ -15,9 +15,10 @@ from pathlib import Path
 
 import attrs
 
-from flowrl import compiler, registry, render, report, schema, tiny_run
+from flowrl import report
 from flowrl.errors import FlowrlError, GraphErrors, Problem, did_you_mean, one_of
-from flowrl.overrides import TOP_LEVEL
+from flowrl.front import compiler, registry, render, schema, tiny_run
+from flowrl.front.overrides import TOP_LEVEL
 
 
 def graph_path(file: str) -> str:
@@ -61,7 +62,7 @@ def say_which(file: str, path: str) -> None:
 
 def load_plan(file: str, overrides=()):
     """(GraphSpec, Graph, ExecutionPlan) of a graph file; raises GraphErrors. The spec is the
-    one that runs: without the nodes the graph skips (see flowrl/graph.py)."""
+    one that runs: without the nodes the graph skips (see flowrl/front/graph.py)."""
     plan = compiler.compile_file(graph_path(file), overrides)
     return plan.spec, plan.graph, plan
 

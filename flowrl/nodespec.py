@@ -42,7 +42,7 @@ from typing import Any
 
 import attrs
 
-from flowrl.validators import MAX_SAMPLES, MAX_TOKENS, checked, count, interval, positive
+from flowrl.front.validators import MAX_SAMPLES, MAX_TOKENS, checked, count, interval, positive
 
 MODES = ("rollout", "inference", "train")
 DISPATCHES = ("split", "broadcast", "rank0")

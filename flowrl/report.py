@@ -16,9 +16,9 @@ from pathlib import Path
 
 import attrs
 
-from flowrl import dsl, render
 from flowrl.errors import FlowrlError, GraphErrors
-from flowrl.graph import build
+from flowrl.front import dsl, render
+from flowrl.front.graph import build
 
 INSTALL = "pip install matplotlib  (or pip install 'flowrl[report]')"
 # (file stem, title, metric names, metric suffixes)

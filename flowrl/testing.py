@@ -7,7 +7,7 @@
         assert run.metrics[-1]["update_policy/grad_norm"] > 0
 
 The tokenizer and model behind `path = "tiny"` live in flowrl/models/tiny.py, since library code
-loads them too; the overrides in flowrl/tiny_run.py. Library code must not import this module
+loads them too; the overrides in flowrl/front/tiny_run.py. Library code must not import this module
 (tests/unit/test_layout.py).
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import attrs
 
+from flowrl.front.tiny_run import VARIED_SCORER, tiny_overrides
 from flowrl.models.tiny import CHAT_TEMPLATE, SPECIAL, tiny_model, tiny_tokenizer
-from flowrl.tiny_run import VARIED_SCORER, tiny_overrides
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -37,7 +37,7 @@ __all__ = [
 def tiny_plan(graph: str | Path, out_dir: str | Path, **extra):
     """The ExecutionPlan of `graph` on the tiny model (`tiny_overrides`), run dirs under
     `out_dir`; `extra` overrides as in `tiny_overrides`. Raises GraphErrors like `flowrl check`."""
-    from flowrl.compiler import compile_file
+    from flowrl.front.compiler import compile_file
 
     return compile_file(graph, tiny_overrides(graph, out_dir, **extra))
 

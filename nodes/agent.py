@@ -19,8 +19,8 @@ import time
 
 import attrs
 
+from flowrl.front.validators import MAX_TOKENS, Rule, checked, count, one_of, positive
 from flowrl.nodespec import PHASES, CheckContext, Finding, NodeSpec, RolloutParams
-from flowrl.validators import MAX_TOKENS, Rule, checked, count, one_of, positive
 
 
 def _names() -> Rule:

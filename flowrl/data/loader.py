@@ -8,8 +8,8 @@ import torch
 from flowrl.data.arithmetic import arithmetic_rows
 from flowrl.data.calculator import calculator_rows
 from flowrl.data.verl_format import DataError, load_rows
+from flowrl.front.schema import DATASET_KEYS
 from flowrl.protocol import DataProto
-from flowrl.schema import DATASET_KEYS
 
 
 def make_rows(source: str, split: str, size: int, seed: int, base_dir=".") -> list[dict]:

@@ -16,9 +16,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from flowrl import lora, ops
 from flowrl.engines import sharding
 from flowrl.engines.scoring import Scorer, checkpoint_layers, decoder_layers
+from flowrl.math import ops
+from flowrl.models import lora
 from flowrl.protocol import DataProto
 
 HOST = "cpu"

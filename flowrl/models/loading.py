@@ -1,6 +1,6 @@
 """Load a model and tokenizer by path: an alias, a local HF directory, a hub name found in the
-local Hugging Face cache (flowrl/hub.py), or "tiny" (a small random model built in-process, for
-tests). Nothing is downloaded."""
+local Hugging Face cache (flowrl/models/hub.py), or "tiny" (a small random model built
+in-process, for tests). Nothing is downloaded."""
 
 import json
 from pathlib import Path
@@ -8,8 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from flowrl import hub
-from flowrl.models import embedded
+from flowrl.models import embedded, hub
 from flowrl.models.value_head import ValueModel
 from flowrl.nodespec import HEADS
 
@@ -18,7 +17,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def resolve_path(path: str) -> str:
     """The local directory behind a model path: the embedded model's cache, the directory
-    itself, or a hub name's snapshot in the local Hugging Face cache (flowrl/hub.py); raises
+    itself, or a hub name's snapshot in the local Hugging Face cache (flowrl/models/hub.py); raises
     ModelNotFound, saying how to download it, when it is none of these."""
     if path == embedded.ALIAS:
         return str(embedded.ensure_cached())

@@ -1,7 +1,7 @@
 """The runtime: controller loop, executors (local, Ray), pool workers, checkpoints, trace.
 
 Imports torch; `flowrl check/plan/render` never load this package's modules. An executor is
-one module plus one entry in `EXECUTORS` (and its name in `flowrl.schema.BACKENDS`, which the
+one module plus one entry in `EXECUTORS` (and its name in `flowrl.front.schema.BACKENDS`, which the
 graph file's `run.backend` and the CLI's `--backend` accept).
 """
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import toml
 import torch
 
-from flowrl import lora, schema
+from flowrl.front import schema
+from flowrl.models import lora
 from flowrl.runtime import checkpoint
 
 

@@ -6,7 +6,7 @@ Every logger gets the same rows under the same names (`score/mean`, `update_poli
 to RUN_DIR/tensorboard (`tensorboard --logdir runs`); W&B a run under RUN_DIR/wandb, online or
 offline as WANDB_MODE says, in the project WANDB_PROJECT (default "flowrl"). Their packages are
 optional extras, imported only when chosen; `flowrl check` names a missing one
-(flowrl/dsl.py).
+(flowrl/front/dsl.py).
 """
 
 import json

@@ -14,7 +14,8 @@ from pathlib import Path
 import attrs
 import torch
 
-from flowrl import lora, memory, registry, schema
+from flowrl.front import memory, registry, schema
+from flowrl.models import lora
 from flowrl.protocol import DataProto
 from flowrl.runtime.node_call import call_node
 
@@ -65,7 +66,7 @@ class PoolWorker:
             module, tokenizer = load_model(
                 config.path, head=config.head, dtype=config.dtype, seed=setup.seed
             )
-            if config.lora:  # only the adapter trains; flowrl/lora.py
+            if config.lora:  # only the adapter trains; flowrl/models/lora.py
                 lora.add_adapter(module, config.lora)
             module.to(device)
             self.tokenizers[name] = tokenizer

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from flowrl import ops
+from flowrl.math import ops
 from flowrl.protocol import DataProto
 
 # 2-D columns padded on the left (the loader left-pads prompts); every other one is response-
@@ -28,7 +28,7 @@ LEFT_PADDED = ("prompts", "prompt_mask")
 def refilled_step(
     executor, refill, first: DataProto, more: Callable[[int], DataProto], record=None
 ):
-    """One training step under `refill` (a `flowrl.plan.RefillPlan`).
+    """One training step under `refill` (a `flowrl.front.plan.RefillPlan`).
 
     Args:
         executor: runs partial walks of the plan.

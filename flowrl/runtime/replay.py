@@ -46,9 +46,9 @@ class ReplayCall:
 def load_plan(run_dir, overrides=()):
     """The plan of a run directory's graph.toml (overrides applied), with relative paths
     resolving from the original graph file's folder, recorded in run.json."""
-    from flowrl import dsl
-    from flowrl.compiler import compile_graph
-    from flowrl.graph import build
+    from flowrl.front import dsl
+    from flowrl.front.compiler import compile_graph
+    from flowrl.front.graph import build
 
     run_dir = Path(run_dir)
     graph = run_dir / "graph.toml"

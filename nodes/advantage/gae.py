@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl import ops
+from flowrl.front.validators import checked, interval
 from flowrl.lazy import torch
+from flowrl.math import ops
 from flowrl.nodespec import NodeSpec
-from flowrl.validators import checked, interval
 
 
 @attrs.frozen

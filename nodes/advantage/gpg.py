@@ -4,16 +4,16 @@ alpha = B / (B - M) so that the M rows of all-equal groups do not dilute the gra
 
 reads: scores, uid, response_mask -> writes: advantages
 Pair it with update.policy's `loss = "gpg"` (the plain policy gradient). The math is
-`flowrl.estimators.gpg_advantages`.
+`flowrl.math.estimators.gpg_advantages`.
 """
 
 from __future__ import annotations
 
 import attrs
 
-from flowrl import estimators
+from flowrl.front.validators import checked, positive
+from flowrl.math import estimators
 from flowrl.nodespec import NodeSpec
-from flowrl.validators import checked, positive
 
 
 @attrs.frozen

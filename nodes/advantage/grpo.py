@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl.estimators import group_advantages
+from flowrl.front.validators import checked, positive
+from flowrl.math.estimators import group_advantages
 from flowrl.nodespec import NodeSpec
-from flowrl.validators import checked, positive
 
 
 @attrs.frozen

@@ -4,14 +4,14 @@ the baseline is the group's mean score weighted by response length.
 reads: scores, uid, response_mask -> writes: advantages
 A_i = r_i - sum_j |y_j| r_j / sum_j |y_j| over the prompt's samples; meant for exactly
 on-policy training (on_policy = true, one update per batch). The math is
-`flowrl.estimators.opo_advantages`.
+`flowrl.math.estimators.opo_advantages`.
 """
 
 from __future__ import annotations
 
 import attrs
 
-from flowrl import estimators
+from flowrl.math import estimators
 from flowrl.nodespec import NodeSpec
 
 

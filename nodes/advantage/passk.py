@@ -3,16 +3,16 @@ for what it adds to the chance that one of k samples is right, in closed form.
 
 reads: scores, uid, response_mask -> writes: advantages
 Binary scores only (0 or 1); every prompt needs at least k samples. k = 1 is GRPO with the
-population std. The math is `flowrl.estimators.passk_advantages`.
+population std. The math is `flowrl.math.estimators.passk_advantages`.
 """
 
 from __future__ import annotations
 
 import attrs
 
-from flowrl import estimators
+from flowrl.front.validators import MAX_SAMPLES, checked, count
+from flowrl.math import estimators
 from flowrl.nodespec import Finding, NodeSpec
-from flowrl.validators import MAX_SAMPLES, checked, count
 
 
 @attrs.frozen

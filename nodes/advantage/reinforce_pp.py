@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl import ops
+from flowrl.front.validators import checked, interval, one_of
 from flowrl.lazy import torch
+from flowrl.math import ops
 from flowrl.nodespec import Finding, NodeSpec
-from flowrl.validators import checked, interval, one_of
 
 BASELINES = ("none", "group")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl import ops
 from flowrl.lazy import torch
+from flowrl.math import ops
 from flowrl.nodespec import NodeSpec
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl import ops
+from flowrl.math import ops
 from flowrl.nodespec import NodeSpec
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import attrs
 
+from flowrl.front.validators import checked, count, positive
 from flowrl.lazy import torch
 from flowrl.nodespec import Finding, NodeSpec
 from flowrl.rewards import ScorerError, resolve_scorer, score_value
-from flowrl.validators import checked, count, positive
 
 VERL_KEYS = ("num_turns", "tool_rewards", "turn_scores", "rollout_reward_scores")
 

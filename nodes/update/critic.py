@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl import ops
+from flowrl.front.validators import MAX_EPOCHS, MAX_ROWS, at_least, checked, count, one_of
 from flowrl.lazy import torch
+from flowrl.math import ops
 from flowrl.nodespec import MINI_BATCHES, NodeSpec
-from flowrl.validators import MAX_EPOCHS, MAX_ROWS, at_least, checked, count, one_of
 
 
 @attrs.frozen

@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl import cov_losses, ops, policy_losses
-from flowrl.lazy import torch
-from flowrl.nodespec import MINI_BATCHES, Finding, NodeSpec
-from flowrl.validators import (
+from flowrl.front.validators import (
     MAX_EPOCHS,
     MAX_ROWS,
     MAX_TOKENS,
@@ -29,6 +26,9 @@ from flowrl.validators import (
     positive,
     zero_or,
 )
+from flowrl.lazy import torch
+from flowrl.math import cov_losses, ops, policy_losses
+from flowrl.nodespec import MINI_BATCHES, Finding, NodeSpec
 
 # the per-token rates each loss reports (averaged over the computed tokens of a mini-batch)
 RATES = {
@@ -87,7 +87,8 @@ def ppo_policy_loss(
     dual-clip c, min(that, -A c) where A < 0. Metrics: clip_frac (tokens where the clip
     binds), clip_frac_lower (tokens where the dual-clip bound -A c binds; verl's
     pg_clipfrac_lower), approx_kl (mean old - logp). `token_weights` (b, t), e.g. truncated
-    importance-sampling weights (`flowrl.policy_losses.tis_weights`), multiply each token's loss;
+    importance-sampling weights (`flowrl.math.policy_losses.tis_weights`), multiply each
+    token's loss;
     `norm_length` is the divisor of seq-mean-token-sum-norm (see `ops.agg_loss`).
     """
     ratio = ops.ratio_from_log(logprobs - old_logprobs)
@@ -112,8 +113,8 @@ def ppo_policy_loss(
 def policy_loss(logprobs, old_logprobs, advantages, response_mask, params: Params, **counts):
     """The policy loss `params.loss` names, on (b, t) tensors -> (loss, rates).
 
-    ppo: `ppo_policy_loss`; gspo, cispo, gpg, gmpo, sapo: `flowrl.policy_losses`; clip_cov,
-    kl_cov: `flowrl.cov_losses`. clip_low / clip_high are each loss's clip range: set the
+    ppo: `ppo_policy_loss`; gspo, cispo, gpg, gmpo, sapo: `flowrl.math.policy_losses`; clip_cov,
+    kl_cov: `flowrl.math.cov_losses`. clip_low / clip_high are each loss's clip range: set the
     papers' values in the graph file (gspo: 3e-4 / 4e-4 with agg = "seq-mean-token-mean";
     gmpo: 0.4 / 0.4, in log space, and a mean over sequences whatever `agg`; cispo: the
     weight's bounds). `counts`: num_tokens, num_seqs, norm_length, token_weights (see

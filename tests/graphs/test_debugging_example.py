@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl import compiler, dsl, graph, registry
+from flowrl.front import compiler, dsl, graph, registry
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "docs" / "debugging"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from flowrl import compiler, dsl, graph, registry, schema
 from flowrl.cli import main
 from flowrl.errors import GraphErrors
+from flowrl.front import compiler, dsl, graph, registry, schema
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAPHS = sorted((ROOT / "graphs").glob("*.toml"))
@@ -198,17 +198,17 @@ def test_shipped_graph_found_by_name_from_anywhere(tmp_path, monkeypatch):
 
 
 def test_graph_file_reference_is_current():
-    from flowrl import reference
+    from flowrl.front import reference
 
     text = reference.DOC.read_text()
-    assert reference.refreshed(text) == text, "run: python -m flowrl.reference --write"
+    assert reference.refreshed(text) == text, "run: python -m flowrl.front.reference --write"
 
 
 def test_graph_file_reference_lists_every_rule_and_choice():
     import attrs
 
-    from flowrl import reference
-    from flowrl.validators import describe
+    from flowrl.front import reference
+    from flowrl.front.validators import describe
 
     lines = reference.DOC.read_text().splitlines()
     tables = [schema.RunConfig, schema.DataConfig, schema.ModelConfig, schema.PoolConfig]

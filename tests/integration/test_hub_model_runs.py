@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flowrl import hub
+from flowrl.models import hub
 from flowrl.runtime.controller import Trainer
 from flowrl.testing import tiny_model, tiny_tokenizer
 

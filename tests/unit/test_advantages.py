@@ -12,7 +12,7 @@ from flowrl.nodes.reward.kl_penalty import Params as KLParams
 from flowrl.nodes.reward.kl_penalty import kl_token_rewards, next_kl_coef
 from flowrl.nodes.reward.model import last_token_scores
 
-from flowrl import ops
+from flowrl.math import ops
 
 
 def ragged(seed, b=6, t=5):

@@ -447,8 +447,8 @@ def test_unwritable_render_output_is_a_message(tmp_path, capsys):
 
 
 def test_missing_or_unknown_data_file_is_named(tmp_path):
-    from flowrl import dsl
     from flowrl.errors import GraphErrors
+    from flowrl.front import dsl
 
     graph = ROOT / "graphs" / "grpo.toml"
     for value, words in (

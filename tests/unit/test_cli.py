@@ -4,11 +4,13 @@ import attrs
 import pytest
 from flowrl.nodes.update import critic, policy
 
-from flowrl import cli, nodespec, ops, schema
+from flowrl import cli, nodespec
 from flowrl.data import DataError
 from flowrl.errors import FlowrlError, GraphErrors
+from flowrl.front import schema
+from flowrl.front.registry import UnknownNode
+from flowrl.math import ops
 from flowrl.models import ModelNotFound
-from flowrl.registry import UnknownNode
 from flowrl.rewards import ScorerError
 
 

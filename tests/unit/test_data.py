@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from flowrl.data import DataError, PromptDataset, PromptLoader, arithmetic_rows, load_rows
-from flowrl.schema import DATASET_KEYS
+from flowrl.front.schema import DATASET_KEYS
 from flowrl.testing import tiny_tokenizer
 
 

@@ -1,4 +1,4 @@
-"""Group estimators of flowrl.estimators (pass@k, OPO, GPG): hand-derived examples, and parity
+"""Group estimators of flowrl.math.estimators (pass@k, OPO, GPG): hand-derived examples, and parity
 with plain loops: pass@k against an enumeration of every k-subset of each group."""
 
 import itertools
@@ -7,7 +7,7 @@ import statistics
 import pytest
 import torch
 
-from flowrl.estimators import gpg_advantages, opo_advantages, passk_advantages
+from flowrl.math.estimators import gpg_advantages, opo_advantages, passk_advantages
 
 # -- pass@k ------------------------------------------------------------------------------------
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from test_update_workers import assert_same, batch
 
-from flowrl import compiler, registry
 from flowrl.engines import TrainEngine
+from flowrl.front import compiler, registry
 from flowrl.protocol import DataProto
 from flowrl.testing import tiny_model, tiny_tokenizer
 

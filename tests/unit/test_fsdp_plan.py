@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from flowrl import memory, schema
 from flowrl.cli import load_plan, main
 from flowrl.errors import GraphErrors
+from flowrl.front import memory, schema
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
 GB = 1024**3

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from flowrl import compiler, dsl, graph
 from flowrl.errors import GraphErrors
+from flowrl.front import compiler, dsl, graph
 
 TOY = Path(__file__).parent / "toy"
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl import compiler, hub
-from flowrl.models import ModelNotFound, load_model, load_tokenizer
+from flowrl.front import compiler
+from flowrl.models import ModelNotFound, hub, load_model, load_tokenizer
 from flowrl.testing import tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

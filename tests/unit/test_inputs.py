@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_graph_checks import GOOD, TOY, compile_text, problems, write
 
-from flowrl import dsl
+from flowrl.front import dsl
 from flowrl.nodespec import NodeSpec
 from flowrl.protocol import DataProto
 from flowrl.runtime import inputs, replay

@@ -106,7 +106,7 @@ def test_the_circle_check_sees_a_deferred_import(tmp_path):
 
 
 def test_every_executor_name_is_a_backend_and_back():
-    from flowrl import schema
+    from flowrl.front import schema
     from flowrl.runtime import EXECUTORS
 
     assert set(EXECUTORS) == set(schema.BACKENDS)

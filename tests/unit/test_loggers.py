@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from flowrl import dsl
 from flowrl.errors import GraphErrors
+from flowrl.front import dsl
 from flowrl.runtime import loggers
 
 ROOT = Path(__file__).resolve().parents[2]

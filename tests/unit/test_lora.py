@@ -9,9 +9,10 @@ import torch
 from flowrl.nodes import logprob
 from flowrl.nodes.update import policy
 
-from flowrl import compiler, dsl, lora
 from flowrl.engines import TrainEngine
 from flowrl.errors import GraphErrors
+from flowrl.front import compiler, dsl
+from flowrl.models import lora
 from flowrl.models.value_head import ValueModel
 from flowrl.testing import tiny_model, tiny_tokenizer, update_batch
 

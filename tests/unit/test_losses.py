@@ -7,7 +7,7 @@ import torch
 from flowrl.nodes.update.critic import clipped_value_loss
 from flowrl.nodes.update.policy import ppo_policy_loss
 
-from flowrl import ops
+from flowrl.math import ops
 
 
 def ragged(seed, b=6, t=5):

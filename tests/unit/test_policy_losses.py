@@ -8,9 +8,9 @@ import pytest
 import torch
 from flowrl.nodes.update.policy import ppo_policy_loss
 
-from flowrl import ops
-from flowrl.cov_losses import clip_cov_policy_loss, kl_cov_policy_loss, token_covariance
-from flowrl.policy_losses import (
+from flowrl.math import ops
+from flowrl.math.cov_losses import clip_cov_policy_loss, kl_cov_policy_loss, token_covariance
+from flowrl.math.policy_losses import (
     cispo_policy_loss,
     gmpo_policy_loss,
     gpg_policy_loss,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from flowrl import compiler, render
 from flowrl.cli import main
+from flowrl.front import compiler, render
 
 ROOT = Path(__file__).resolve().parents[2]
 PPO = str(ROOT / "graphs/ppo.toml")

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import toml
 
-from flowrl import dsl, report
+from flowrl import report
 from flowrl.cli import main
+from flowrl.front import dsl
 from flowrl.testing import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from flowrl import dsl, schema
 from flowrl.engines import HFRollout, RolloutEngine, make_rollout
 from flowrl.engines.rollout import ROLLOUT_BACKENDS, RolloutBackend, rollout_class
 from flowrl.errors import GraphErrors
+from flowrl.front import dsl, schema
 from flowrl.runtime.pool_worker import PoolSetup, PoolWorker
 from flowrl.testing import tiny_model, tiny_tokenizer
 
@@ -85,7 +85,7 @@ def test_contract_and_schema_import_no_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "from flowrl.engines.rollout import ROLLOUT_BACKENDS\n"
-        "from flowrl.schema import ModelConfig\n"
+        "from flowrl.front.schema import ModelConfig\n"
         "assert ModelConfig().rollout == 'hf' and 'hf' in ROLLOUT_BACKENDS\n"
         "loaded = [m.split('.')[0] for m in sys.modules if sys.modules[m] is not None]\n"
         "assert 'torch' not in loaded and 'transformers' not in loaded, sorted(loaded)\n"

@@ -263,7 +263,7 @@ def sglang_trainer(tmp_path, monkeypatch):
     trainers = []
 
     def make(graph: str, offload: str):
-        from flowrl import dsl
+        from flowrl.front import dsl
 
         spec = dsl.load(ROOT / "graphs" / graph)
         overrides = [f'models.{m}.path="tiny"' for m in spec.models]
@@ -338,8 +338,8 @@ def test_a_separate_rollout_pool_pushes_the_weights_it_receives(sglang_trainer):
 
 
 def test_check_refuses_sglang_on_a_pool_that_is_not_cuda():
-    from flowrl import dsl
     from flowrl.errors import GraphErrors
+    from flowrl.front import dsl
 
     graph = ROOT / "graphs/grpo_sglang.toml"
     with pytest.raises(GraphErrors) as info:

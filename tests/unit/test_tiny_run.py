@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from flowrl import cli, compiler
+from flowrl import cli
+from flowrl.front import compiler
 from flowrl.testing import VARIED_SCORER, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]

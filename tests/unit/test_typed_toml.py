@@ -6,7 +6,7 @@ import attrs
 import pytest
 
 from flowrl.errors import Collector
-from flowrl.typed_toml import build_attrs, convert, toml_value, type_name
+from flowrl.front.typed_toml import build_attrs, convert, toml_value, type_name
 
 
 def _positive(instance, attribute, value):

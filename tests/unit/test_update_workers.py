@@ -231,7 +231,7 @@ def test_covariance_losses_compute_every_row():
 
 
 def test_loss_param_passes_its_params_to_the_pure_functions():
-    from flowrl import cov_losses, policy_losses
+    from flowrl.math import cov_losses, policy_losses
 
     g = torch.Generator().manual_seed(0)
     mask = torch.ones(4, 6, dtype=torch.long)

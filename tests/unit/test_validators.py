@@ -6,8 +6,8 @@ import attrs
 import pytest
 
 from flowrl.errors import Collector
-from flowrl.typed_toml import build_attrs
-from flowrl.validators import (
+from flowrl.front.typed_toml import build_attrs
+from flowrl.front.validators import (
     above,
     at_least,
     checked,

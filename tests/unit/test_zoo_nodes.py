@@ -11,8 +11,8 @@ from flowrl.nodes.reward import kl_penalty, overlong, token_rewards
 from flowrl.nodes.update import policy
 from test_update_workers import assert_same, batch, updated
 
-from flowrl import estimators, ops
 from flowrl.engines import TrainEngine
+from flowrl.math import estimators, ops
 from flowrl.nodespec import CheckContext
 from flowrl.protocol import DataProto
 from flowrl.testing import tiny_model, tiny_tokenizer

@@ -12,8 +12,8 @@ Every exp of a log-ratio goes through `ops.ratio_from_log` (clamped to [-20, 20]
 
 from __future__ import annotations
 
-from flowrl import ops
 from flowrl.lazy import torch
+from flowrl.math import ops
 
 
 def _weighted(token_loss, token_weights):
@@ -121,7 +121,7 @@ def gpg_policy_loss(
 
     Loss = -sum_i,t A_i,t log pi(y_i,t) / sum_i |y_i| (token-mean). GPG's correction of the
     advantages (alpha = B / (B - M) for the M rows of zero-variance groups) is in
-    `flowrl.estimators.gpg_advantages`. Strictly on-policy: every step samples afresh.
+    `flowrl.math.estimators.gpg_advantages`. Strictly on-policy: every step samples afresh.
     """
     mask = response_mask.to(logprobs.dtype)
     loss = _weighted(-advantages * logprobs, token_weights)

@@ -12,7 +12,7 @@ import json
 import math
 from pathlib import Path
 
-from flowrl import schema
+from flowrl.front import schema
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_MEMORY_GB = {"cuda": 80.0, "cpu": 0.0}
@@ -100,7 +100,7 @@ def architecture(config: schema.ModelConfig, base_dir: Path) -> dict:
 
 
 def _from_cache(name: str) -> dict:
-    from flowrl import hub
+    from flowrl.models import hub
 
     try:
         cached = hub.cached_config(name)

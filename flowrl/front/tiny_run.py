@@ -15,9 +15,9 @@ from pathlib import Path
 
 import attrs
 
-from flowrl import dsl
+from flowrl.front import dsl
 
-VARIED_SCORER = f"{Path(__file__).parent / 'rewards' / 'varied.py'}:compute_score"
+VARIED_SCORER = f"{Path(__file__).parents[1] / 'rewards' / 'varied.py'}:compute_score"
 TINY_RUN = {
     "run.steps": 2,
     "run.val_size": 4,
@@ -32,7 +32,7 @@ def tiny_overrides(graph, out_dir=None, scorer: str | None = VARIED_SCORER, **ex
     """Command-line overrides (`table.key=value`) that run `graph` on the tiny model.
 
     Args:
-        graph: a graph file, or its parsed GraphSpec (`flowrl.dsl.load`).
+        graph: a graph file, or its parsed GraphSpec (`flowrl.front.dsl.load`).
         out_dir: where run directories go (run.out_dir); None keeps the graph's.
         scorer: the scorer of every node with a `scorer` param (reward.rule); None keeps the
             graph's.
@@ -64,12 +64,12 @@ def tiny_overrides(graph, out_dir=None, scorer: str | None = VARIED_SCORER, **ex
 
 def tiny_mini_batches(spec) -> dict[str, int]:
     """node id -> its `mini_batch_size` scaled to the rows the node gets in the tiny run
-    (rounded up), by the compiler's row arithmetic (flowrl/batching.py) at the graph's prompt
+    (rounded up), by the compiler's row arithmetic (flowrl/front/batching.py) at the graph's prompt
     batch and at the tiny one: after a refilling filter the rows are its target groups x
     samples, so they stay."""
-    from flowrl import batching
     from flowrl.errors import Collector
-    from flowrl.graph import build
+    from flowrl.front import batching
+    from flowrl.front.graph import build
 
     minis = {n: getattr(d.params, "mini_batch_size", 0) for n, d in spec.nodes.items()}
     minis = {n: m for n, m in minis.items() if m}

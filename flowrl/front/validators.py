@@ -2,7 +2,7 @@
 
 Each is an attrs validator, so a class checks itself when built; each also carries its rule as
 text ("> 0", "from 1 to 65_536", 'one of "k1", "k2"'), so a bad value's message and the TOML
-reference (docs/graph-file.md) say what is allowed. flowrl/typed_toml.py runs them one field
+reference (docs/graph-file.md) say what is allowed. flowrl/front/typed_toml.py runs them one field
 at a time, so every bad value of a table is reported, not only the first. Non-finite floats
 (nan, inf) are refused for every float field before these run. No torch or ray here.
 

@@ -1,6 +1,6 @@
 """The TOML reference tables, generated from the attrs classes that own the defaults.
 
-`python -m flowrl.reference --write` refreshes the generated part of docs/graph-file.md
+`python -m flowrl.front.reference --write` refreshes the generated part of docs/graph-file.md
 (between the BEGIN/END markers); a test fails when the file is stale. No torch or ray here.
 """
 
@@ -11,13 +11,13 @@ from pathlib import Path
 
 import attrs
 
-from flowrl import registry, schema
-from flowrl.typed_toml import toml_value
-from flowrl.validators import describe
+from flowrl.front import registry, schema
+from flowrl.front.typed_toml import toml_value
+from flowrl.front.validators import describe
 
-BEGIN = "<!-- BEGIN GENERATED: python -m flowrl.reference --write -->"
+BEGIN = "<!-- BEGIN GENERATED: python -m flowrl.front.reference --write -->"
 END = "<!-- END GENERATED -->"
-DOC = Path(__file__).resolve().parents[1] / "docs" / "graph-file.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "graph-file.md"
 
 
 def field_comments(cls) -> dict[str, str]:

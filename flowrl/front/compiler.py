@@ -1,7 +1,7 @@
 """Graph -> ExecutionPlan. A pure function: no torch, no ray, nothing loaded.
 
 Passes, in order:
-1. batch arithmetic (flowrl/batching.py): rows per node (prompts x samples), groups,
+1. batch arithmetic (flowrl/front/batching.py): rows per node (prompts x samples), groups,
    mini-batches vs ranks, the refill and the critic warm-up;
 2. placement: a model node runs on its model's pool; other nodes on the controller;
 3. residency: per pool, which (model, part) must be on the device for each call, and the
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import networkx as nx
 
-from flowrl import batching, dsl, memory, schema
 from flowrl.errors import Collector
-from flowrl.graph import DATASET, Graph, build
+from flowrl.front import batching, dsl, memory, schema
+from flowrl.front.graph import DATASET, Graph, build
+from flowrl.front.plan import BatchPlan, ExecutionPlan, Item, PoolPlan, ValidationPlan
 from flowrl.nodespec import RolloutParams
-from flowrl.plan import BatchPlan, ExecutionPlan, Item, PoolPlan, ValidationPlan
 
 # What a call must find on the device, by mode.
 NEEDS = {

@@ -4,14 +4,14 @@ Learning for Reasoning Language Models", arXiv 2505.22617).
 
 The paper shows the entropy change of a policy-gradient step is driven by the covariance of a
 token's log-prob and its advantage; a small set of high-covariance tokens drives the collapse.
-Shapes and conventions as in `flowrl.policy_losses`: (b, t) inputs, (loss, metrics) out. The
+Shapes and conventions as in `flowrl.math.policy_losses`: (b, t) inputs, (loss, metrics) out. The
 covariance is taken over this chunk's tokens (a micro-batch, as in the paper's verl code).
 """
 
 from __future__ import annotations
 
-from flowrl import ops
 from flowrl.lazy import torch
+from flowrl.math import ops
 
 
 def token_covariance(logprobs, advantages, response_mask):

@@ -3,7 +3,7 @@
 Each key is checked against the class's fields (unknown keys get a did-you-mean), each value
 against the field's type (TOML has no implicit conversions: `n = "4"` is an error, `lr = 1`
 becomes 1.0), against finiteness (nan and inf are refused in every float field) and against
-the field's own validator (flowrl/validators.py states the rule); then the class is built, so
+the field's own validator (flowrl/front/validators.py states the rule); then the class is built, so
 checks across fields run too. Every problem goes to a `Collector`, named by table and key, with
 the rule and the default as the fix. `read_toml` reads the file itself with the standard
 library's parser, turning every way a file can be unreadable into a problem with a line and
@@ -21,9 +21,9 @@ from typing import Any
 
 import attrs
 
-from flowrl import overrides
 from flowrl.errors import Collector, did_you_mean, one_of
-from flowrl.validators import describe, finite
+from flowrl.front import overrides
+from flowrl.front.validators import describe, finite
 
 
 def read_toml(path: Path, errors: Collector) -> dict:

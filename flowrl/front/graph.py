@@ -18,10 +18,10 @@ No torch or ray here.
 import attrs
 import networkx as nx
 
-from flowrl import registry
 from flowrl.engines.rollout import INSTALL, missing_package
 from flowrl.errors import Collector, did_you_mean
-from flowrl.schema import DATASET_KEYS, GraphSpec
+from flowrl.front import registry
+from flowrl.front.schema import DATASET_KEYS, GraphSpec
 
 DATASET = "dataset"
 CONTROLLER_READS = ("scores",)  # what the controller itself reads: validation, metrics

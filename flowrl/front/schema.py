@@ -2,7 +2,7 @@
 
 `[run]`, `[data]`, `[models.<name>]` and `[pools.<name>]` map onto the classes here; a node's
 own parameters live in its module's `Params` class. docs/graph-file.md documents every field.
-`GraphSpec` is a whole parsed file (flowrl/dsl.py builds it), `NodeDecl` one of its nodes.
+`GraphSpec` is a whole parsed file (flowrl/front/dsl.py builds it), `NodeDecl` one of its nodes.
 No torch or ray here.
 """
 
@@ -11,10 +11,8 @@ from typing import Any
 
 import attrs
 
-from flowrl import lora
 from flowrl.engines.rollout import ROLLOUT_BACKENDS  # torch-free: the table, no backend
-from flowrl.nodespec import HEADS, NodeSpec
-from flowrl.validators import (
+from flowrl.front.validators import (
     MAX_DATASET,
     MAX_MEMORY_GB,
     MAX_PARAMS,
@@ -34,6 +32,8 @@ from flowrl.validators import (
     pair,
     positive,
 )
+from flowrl.models import lora
+from flowrl.nodespec import HEADS, NodeSpec
 
 BACKENDS = ("ray", "local")
 SCHEDULES = ("constant", "cosine")

@@ -3,15 +3,15 @@
 
 Each maps per-row scores (b,) and group ids `uid` (b,) (rows sampled from the same prompt share
 one) to per-row advantages (b,); a node broadcasts them over the response tokens as
-`adv[:, None] * response_mask`. They live here, beside `flowrl.ops`, rather than as node
+`adv[:, None] * response_mask`. They live here, beside `flowrl.math.ops`, rather than as node
 modules under nodes/advantage/, so that the node that exposes one to graph files (its params,
 its reads and writes, its docs entries) can be written and reviewed on its own.
 """
 
 from __future__ import annotations
 
-from flowrl import ops
 from flowrl.lazy import torch
+from flowrl.math import ops
 
 
 def group_advantages(scores, uid, scale_by_std: bool = True, eps: float = 1e-6):

@@ -1,4 +1,4 @@
-"""Pass 1 of the compiler (flowrl/compiler.py): the batch arithmetic of one step. How many
+"""Pass 1 of the compiler (flowrl/front/compiler.py): the batch arithmetic of one step. How many
 rows each node receives (prompts x the samples of the rollout nodes above it, or a refilling
 filter's target groups after it), each node's checks against those rows, which filter refills
 the step, and which train nodes wait out the critic warm-up. No torch, no ray.
@@ -7,9 +7,9 @@ the step, and which train nodes wait out the critic warm-up. No torch, no ray.
 import networkx as nx
 
 from flowrl.errors import Collector, did_you_mean, one_of
-from flowrl.graph import Graph
+from flowrl.front.graph import Graph
+from flowrl.front.plan import BatchPlan, RefillPlan
 from flowrl.nodespec import CheckContext
-from flowrl.plan import BatchPlan, RefillPlan
 
 
 def refill_plan(graph: Graph, errors: Collector) -> RefillPlan | None:

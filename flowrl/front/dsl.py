@@ -4,8 +4,8 @@
 
 A node table holds `uses` (which node module), `model` (for nodes that run a model), `rename`
 (declared key -> key in this graph) and the node's params. Command-line overrides
-(`run.steps=50`, `nodes.advantage.lam=0.9`, flowrl/overrides.py) are applied to the parsed file
-and validated like it.
+(`run.steps=50`, `nodes.advantage.lam=0.9`, flowrl/front/overrides.py) are applied to the
+parsed file and validated like it.
 No torch or ray here.
 """
 
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import attrs
 
-from flowrl import registry, schema
 from flowrl.engines.rollout import DEVICE
 from flowrl.errors import Collector, did_you_mean, one_of
+from flowrl.front import registry, schema
+from flowrl.front.overrides import TOP_LEVEL, addressable, apply_overrides, said
+from flowrl.front.schema import DEFAULT_POOL, GraphSpec, NodeDecl
+from flowrl.front.typed_toml import build_attrs, read_toml
 from flowrl.nodespec import NodeSpec
-from flowrl.overrides import TOP_LEVEL, addressable, apply_overrides, said
-from flowrl.schema import DEFAULT_POOL, GraphSpec, NodeDecl
-from flowrl.typed_toml import build_attrs, read_toml
 
 NODE_KEYS = ("uses", "model", "rename")
 

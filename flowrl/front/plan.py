@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 import networkx as nx
 
-from flowrl.render import dot_escape, levels, rank_lines
+from flowrl.front.render import dot_escape, levels, rank_lines
 
 TRANSITIONS = ("reload", "offload", "sync")
 
