@@ -9,6 +9,7 @@ graph ("grpo").
 
 import argparse
 import os
+import shlex
 import sys
 from importlib.resources import files
 from pathlib import Path
@@ -172,19 +173,42 @@ def cmd_nodes(args) -> int:
 
 
 def cmd_run(args) -> int:
-    say_which(args.file, graph_path(args.file))
-    if args.tiny:  # the tiny model first, so the command line's own overrides win
-        args.overrides = [*tiny_run.tiny_overrides(graph_path(args.file)), *args.overrides]
-    _, _, plan = load_plan(args.file, args.overrides)
-    from flowrl.runtime.controller import run  # torch and ray load from here on
+    from flowrl.runtime.stop import Stopped, stopped_by_signals  # torch-free
 
+    command = _run_command(args)
     try:
-        run(plan, backend=args.backend, resume=args.resume)
-    except Exception as e:
-        if args.pdb:
-            _debug(e)
-        raise
+        with stopped_by_signals():  # from the start: set-up can take minutes
+            say_which(args.file, graph_path(args.file))
+            if args.tiny:  # the tiny model first, so the command line's own overrides win
+                args.overrides = [*tiny_run.tiny_overrides(graph_path(args.file)), *args.overrides]
+            _, _, plan = load_plan(args.file, args.overrides)
+            from flowrl.runtime.controller import run  # torch and ray load from here on
+
+            try:
+                run(
+                    plan,
+                    backend=args.backend,
+                    resume=args.resume,
+                    allow_graph_change=args.allow_graph_change,
+                    command=command,
+                )
+            except Exception as e:
+                if args.pdb:
+                    _debug(e)
+                raise
+    except Stopped as e:
+        if str(e) == f"stopped by {e.signal_name}":  # before the run began
+            e.explain("the run had not begun; nothing was created")
+        print(f"flowrl: {e}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _run_command(args) -> str:
+    """The command line that starts this run again (without --resume), for messages."""
+    words = ["flowrl", "run", args.file]
+    words += ["--tiny"] * args.tiny + (["--backend", args.backend] if args.backend else [])
+    return shlex.join([*words, *args.overrides])
 
 
 def _debug(error: Exception) -> None:
@@ -243,7 +267,16 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("file")
     r.add_argument("overrides", nargs="*", help=over)
     r.add_argument("--backend", choices=schema.BACKENDS, help="default: run.backend")
-    r.add_argument("--resume", metavar="RUN_DIR", help="continue from RUN_DIR's last checkpoint")
+    r.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue from RUN_DIR's last checkpoint (or from RUN_DIR/checkpoints/step_N)",
+    )
+    r.add_argument(
+        "--allow-graph-change",
+        action="store_true",
+        help="with --resume: accept a graph that differs from the run's (docs/reliability.md)",
+    )
     r.add_argument("--pdb", action="store_true", help="post-mortem debugger where a node failed")
     r.add_argument("--tiny", action="store_true", help="try the graph on a tiny random model")
     r.set_defaults(func=cmd_run)

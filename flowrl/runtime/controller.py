@@ -23,31 +23,67 @@ from tqdm import tqdm
 from flowrl.data import PromptDataset, PromptLoader, make_rows
 from flowrl.models import load_tokenizer
 from flowrl.nodespec import GREEDY
-from flowrl.runtime import checkpoint, faults, guards, make_executor, rng, step_log
+from flowrl.runtime import checkpoint, faults, guards, make_executor, outcome, rng, step_log, stop
+from flowrl.runtime import resume as resuming
+from flowrl.runtime import run_dir as run_dirs
 from flowrl.runtime.inputs import Recording
 from flowrl.runtime.loggers import Loggers
 from flowrl.runtime.refill import refilled_step
 from flowrl.runtime.trace import Trace
 
 
-def run(plan, backend: str | None = None, resume: str | None = None) -> Path:
-    """Train with a compiled plan (`flowrl.compile`); returns the run directory."""
-    backend = backend or plan.spec.run.backend
-    run_dir = Path(resume) if resume else guards.new_run_dir(plan.spec)
-    trainer = Trainer(plan, run_dir, backend)
-    try:
-        trainer.fit(resume=resume is not None)
-    finally:
-        trainer.close()
+def run(
+    plan,
+    backend: str | None = None,
+    resume: str | None = None,
+    allow_graph_change: bool = False,
+    command: str | None = None,
+) -> Path:
+    """Train with a compiled plan (`flowrl.compile`); returns the run directory.
+
+    Args:
+        resume: a run directory, or one of its checkpoints, to continue.
+        allow_graph_change: resume even where the graph differs from the run's in a way a
+            resume cannot honour (flowrl/runtime/resume.py).
+        command: the command line that started this run, for messages (how to resume).
+    """
+    spec = plan.spec
+    command = command or f"flowrl run {spec.file}"
+    with stop.stopped_by_signals():
+        made = None
+        if resume:
+            run_dir, asked = run_dirs.resume_target(resume)
+        else:  # before any model loads: a name of its own, even for same-second starts
+            (run_dir, made), asked = run_dirs.create(spec.run.out_dir, Path(spec.file).stem), None
+        lock, trainer = run_dirs.Lock(run_dir), None
+        try:
+            lock.acquire()
+            if lock.stale:
+                print(f"{run_dir}: its lock was left by {lock.stale}, no longer running; taken")
+            if resume:
+                asked = resuming.prepare(run_dir, asked, spec, allow_graph_change, command)
+            trainer = Trainer(plan, run_dir, backend or spec.run.backend, command=command)
+            try:
+                trainer.fit(resume=asked if resume else False)
+            finally:
+                trainer.close()
+        except stop.Stopped as e:
+            raise e.explain(outcome.after_stop(run_dir, trainer, command)) from None
+        finally:
+            lock.release()
+            if made is not None and (trainer is None or not trainer.started):
+                run_dirs.remove(run_dir, made)  # refused or stopped before it began: no trace
     return run_dir
 
 
 class Trainer:
-    def __init__(self, plan, run_dir: Path, backend: str):
+    def __init__(self, plan, run_dir: Path, backend: str, command: str | None = None):
         guards.check_devices(plan)
         guards.check_packages(plan)
         spec = plan.spec
         self.spec, self.plan, self.run_dir = spec, plan, run_dir
+        self.command = command or f"flowrl run {spec.file}"
+        self.started, self.steps_done = False, 0  # for the message of a stopped run
         rng.seed_everything(spec.run.seed)
         policy = _rollout_model(spec)
         self.tokenizer = load_tokenizer(spec.models[policy].path)  # also fills the model cache
@@ -75,27 +111,54 @@ class Trainer:
         close_all()  # scorer processes
 
     # -- the loop ----------------------------------------------------------------------------
-    def fit(self, resume: bool = False) -> None:
+    def fit(self, resume: bool | Path = False) -> None:
+        """Train from step 0, or with `resume` (True: the newest checkpoint, or a checkpoint
+        directory) from a checkpoint, to run.steps."""
         guards.writable(self.run_dir)
-        start_step = 0
+        self.started, start_step = True, 0
         if resume:
-            start_step = self._resume()
+            start_step = self._resume(None if resume is True else Path(resume))
         else:
-            (self.run_dir / "graph.toml").write_text(toml.dumps(self.spec.raw))
-            source = {"graph": str(Path(self.spec.file).resolve())}
-            source["base_dir"] = str(Path(self.spec.base_dir).resolve())
-            (self.run_dir / "run.json").write_text(json.dumps(source, indent=2) + "\n")
-        with (
-            contextlib.closing(Loggers(self.spec.run.loggers, self.run_dir, self.spec)) as loggers,
-            open(self.run_dir / "samples.jsonl", "a") as samples_file,
-            guards.stopped_by_signals(self.spec.file, self.run_dir),
-        ):
+            with self._writing("graph.toml and run.json"):
+                self._write_run_files()
+        self.steps_done = start_step
+        with contextlib.ExitStack() as stack:
+            with self._writing("metrics.jsonl"):
+                loggers = Loggers(self.spec.run.loggers, self.run_dir, self.spec)
+                stack.callback(loggers.close)
+                samples_file = open(self.run_dir / "samples.jsonl", "a")
+                stack.callback(_close_quietly, samples_file)
+            stack.callback(self._write_trace)  # also when stopped: what the steps did
             if resume:
-                loggers.log({"event": "resume", "step": start_step})
+                with self._writing("metrics.jsonl"):
+                    loggers.log({"event": "resume", "step": start_step})
             elif self.val_batch is not None:
-                loggers.log({"step": 0, **self.validate(0)})
+                scores = self.validate(0)
+                with self._writing("metrics.jsonl"):
+                    loggers.log({"step": 0, **scores})
             self._loop(start_step, loggers, samples_file)
-        self.trace.write(self.run_dir / "trace.json")
+
+    def _write_run_files(self) -> None:
+        (self.run_dir / "graph.toml").write_text(toml.dumps(self.spec.raw))
+        source = {"graph": str(Path(self.spec.file).resolve())}
+        source["base_dir"] = str(Path(self.spec.base_dir).resolve())
+        source["command"] = self.command
+        (self.run_dir / "run.json").write_text(json.dumps(source, indent=2) + "\n")
+
+    def _write_trace(self) -> None:
+        with contextlib.suppress(OSError):  # a full disk was reported where it happened
+            self.trace.write(self.run_dir / "trace.json")
+
+    @contextlib.contextmanager
+    def _writing(self, what: str, step: int | None = None):
+        """Turn a failed write (a full disk, a file or folder made read-only) into a RunDirError
+        naming what, where and the last intact checkpoint."""
+        try:
+            yield
+        except Exception as e:
+            if step is None and not isinstance(e, OSError):
+                raise
+            raise guards.RunDirError(outcome.failed_write(self, what, e)) from e
 
     def _loop(self, start_step: int, loggers: Loggers, samples_file) -> None:
         run, nonfinite = self.spec.run, 0
@@ -113,8 +176,10 @@ class Trainer:
                 last or (run.val_every and step % run.val_every == 0)
             ):
                 metrics.update(self.validate(step))
-            loggers.log(metrics)  # metrics.jsonl, and TensorBoard / W&B when chosen
-            step_log.log_samples(samples_file, step, batch, run.log_samples)
+            with self._writing("metrics.jsonl and samples.jsonl"):
+                loggers.log(metrics)  # metrics.jsonl, and TensorBoard / W&B when chosen
+                step_log.log_samples(samples_file, step, batch, run.log_samples)
+            self.steps_done = step
             faults.point("logged", step)
             skipped = sorted(
                 k.rpartition("/")[0]
@@ -133,8 +198,8 @@ class Trainer:
                 raise guards.NonFiniteStop(
                     f"{nonfinite} steps in a row (up to step {step}) had a non-finite loss or "
                     f"gradient norm in {', '.join(skipped)}; stopping. Lower the learning rate "
-                    "or check the rewards, then resume: flowrl run "
-                    f"{self.spec.file} --resume {self.run_dir} (run.max_nonfinite_steps "
+                    f"or check the rewards, then resume: {self.command} --resume "
+                    f"{self.run_dir} (run.max_nonfinite_steps "
                     "sets how many are tolerated)"
                 )
             if last or (run.save_every and step % run.save_every == 0):
@@ -210,35 +275,29 @@ class Trainer:
             "node_state": self.executor.node_state,
             "rng": rng.state(),
         }
-        try:
-            with checkpoint.writing(self.run_dir, step, self.spec.run.keep_checkpoints) as out:
+        keep, graph = self.spec.run.keep_checkpoints, self.spec.raw
+        with self._writing(f"the checkpoint of step {step}", step=step):
+            with checkpoint.writing(self.run_dir, step, keep, graph) as out:
                 self.executor.broadcast("save", str(out))
                 (out / "controller.json").write_text(_state_json(state))
-        except OSError as e:  # a full disk or a folder made read-only during the run
-            previous = checkpoint.latest(self.run_dir)
-            raise guards.RunDirError(
-                f"the checkpoint of step {step} could not be written under {self.run_dir} "
-                f"({e.strerror or e}); "
-                + (f"{previous} is intact" if previous else "no earlier checkpoint exists")
-                + f". Free space, then resume: flowrl run {self.spec.file} --resume {self.run_dir}"
-            ) from e
 
-    def _resume(self) -> int:
+    def _resume(self, directory: Path | None) -> int:
+        """Load a checkpoint (None: the newest, verified) and cut the logs back to its step."""
+        if directory is None:
+            directory = resuming.choose(self.run_dir, None, self.command)
         for temp in checkpoint.remove_temps(self.run_dir):
             print(f"removed {temp}: a checkpoint write that did not finish")
-        directory = checkpoint.latest(self.run_dir)
-        if directory is None:
-            raise SystemExit(
-                f"--resume {self.run_dir}: no checkpoint in {self.run_dir}/checkpoints"
-            )
+        for newer in checkpoint.set_aside_newer(directory):
+            print(f"set {newer.name} aside as {newer}: it is newer than the checkpoint resumed")
         state = json.loads((directory / "controller.json").read_text())
         self.executor.broadcast("load", str(directory))
         self.executor.sync_rollout_pools()  # a separate rollout copy gets the loaded weights
         self.loader.load_state_dict(state["loader"])
         self.executor.node_state.update(state["node_state"])
         rng.set_state(state["rng"])
-        for name in ("metrics.jsonl", "samples.jsonl"):  # drop steps the resumed run redoes
-            step_log.truncate_log(self.run_dir / name, state["step"])
+        with self._writing("metrics.jsonl and samples.jsonl"):
+            for name in ("metrics.jsonl", "samples.jsonl"):  # drop steps the resumed run redoes
+                step_log.truncate_log(self.run_dir / name, state["step"])
         print(f"resumed from {directory} (step {state['step']})")
         return state["step"]
 
@@ -251,6 +310,11 @@ def _rollout_model(spec) -> str:
         if decl.mode == "rollout":
             return decl.model
     return next(iter(spec.models))
+
+
+def _close_quietly(file) -> None:
+    with contextlib.suppress(OSError):  # a full disk was reported where it happened
+        file.close()
 
 
 def _state_json(state: dict) -> str:

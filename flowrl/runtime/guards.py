@@ -1,48 +1,20 @@
 """What stops a run by name: checks before any model loads (devices, packages, a writable run
-directory) and the errors that end a run cleanly (signals, non-finite steps)."""
+directory) and the errors that end a run cleanly (non-finite steps; signals: runtime/stop.py;
+run directories: runtime/run_dir.py)."""
 
-import contextlib
 import os
-import signal
-import threading
-from datetime import datetime
 from pathlib import Path
 
 import torch
 
 from flowrl.engines.rollout import INSTALL, missing_package
 from flowrl.errors import FlowrlError
+from flowrl.runtime.run_dir import RunDirError  # noqa: F401 (its home was here)
+from flowrl.runtime.stop import Stopped  # noqa: F401
 
 
 class NonFiniteStop(FlowrlError, RuntimeError):
     """Too many steps in a row had a non-finite loss or gradient norm."""
-
-
-class Stopped(FlowrlError, RuntimeError):
-    """SIGINT or SIGTERM stopped the run between or during steps."""
-
-
-@contextlib.contextmanager
-def stopped_by_signals(file: str, run_dir: Path):
-    """Turn SIGINT and SIGTERM into `Stopped`, so the run unwinds: a checkpoint being
-    written is discarded (checkpoint.writing), the executor shuts its workers down (run's
-    `finally`), and the message says how to resume."""
-
-    def stop(signum, frame):
-        raise Stopped(
-            f"stopped by {signal.Signals(signum).name}; the last checkpoint is intact. "
-            f"Resume with: flowrl run {file} --resume {run_dir}"
-        )
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 class DeviceError(FlowrlError, RuntimeError):
@@ -93,16 +65,3 @@ def writable(run_dir: Path) -> None:
             f"run directory {run_dir} is not writable ({e.strerror}): set run.out_dir to a "
             "folder you can write, or free space"
         ) from e
-
-
-class RunDirError(FlowrlError, RuntimeError):
-    """The run directory cannot be written."""
-
-
-def new_run_dir(spec) -> Path:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    base = Path(spec.run.out_dir) / f"{Path(spec.file).stem}-{stamp}"
-    path, k = base, 1
-    while path.exists():
-        path, k = Path(f"{base}-{k}"), k + 1
-    return path
