@@ -186,9 +186,8 @@ class Episode:
             text = f"error: at most {limits.max_calls_per_turn} calls per turn; not run"
             results.append(ToolResult(call.name or "", text, "invalid"))
         for result in results:
-            self.calls.append(
-                {"name": result.name, "status": result.status, "seconds": result.seconds}
-            )
+            call = {"name": result.name, "status": result.status, "seconds": result.seconds}
+            self.calls.append({**call, "error": result.error} if result.error else call)
             if result.reward is not None:
                 self.tool_rewards.append(result.reward)
             self.invalid_streak = self.invalid_streak + 1 if result.status == "invalid" else 0

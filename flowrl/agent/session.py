@@ -16,6 +16,7 @@ import typing
 import attrs
 
 from flowrl.agent.parsers import ToolCall
+from flowrl.rewards import BadValue, finite
 
 JSON_TYPES = {
     "string": (str,),
@@ -31,9 +32,11 @@ JSON_TYPES = {
 class ToolResult:
     name: str  # the tool called ("" for a call too malformed to name one)
     text: str  # what the model sees
-    status: str  # "ok", "invalid" (bad call), "error" (the tool raised), "timeout"
+    status: str  # "ok", "invalid" (bad call), "error" (the tool raised), "timeout",
+    # "bad_value" (it ran, but its reward was no finite number: dropped, counted by reward.tools)
     seconds: float = 0.0
     reward: float | None = None  # a step reward the tool returned
+    error: str = ""  # for "bad_value": what it returned (flowrl.rewards.finite's message)
 
 
 class Session:
@@ -78,6 +81,10 @@ class Session:
             text = f"error: {type(e).__name__}: {e}"
             return ToolResult(name, text, "error", time.monotonic() - start)
         text, reward = tool_output(out)
+        try:
+            reward = None if reward is None else finite(reward, f"tool {name}")
+        except BadValue as e:
+            return ToolResult(name, text, "bad_value", time.monotonic() - start, error=str(e))
         return ToolResult(name, text, "ok", time.monotonic() - start, reward)
 
     async def _invoke(self, function, arguments: dict):
@@ -116,12 +123,12 @@ def bind_arguments(function, arguments) -> tuple[dict, str | None]:
     return arguments, None
 
 
-def tool_output(out) -> tuple[str, float | None]:
+def tool_output(out) -> tuple[str, object]:
     """A tool's return value as (text, step reward): str, (text, reward[, metrics]), an
     object with `.text` (verl's ToolResponse), or anything else as its str."""
     reward = None
     if isinstance(out, tuple) and len(out) >= 2:
-        out, reward = out[0], (None if out[1] is None else float(out[1]))
+        out, reward = out[0], out[1]  # checked by the caller (flowrl.rewards.finite)
     if hasattr(out, "text") and not isinstance(out, str):
         out = out.text or ""
     return (out if isinstance(out, str) else str(out)), reward

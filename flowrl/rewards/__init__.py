@@ -3,6 +3,8 @@ extra_info)`, returning a float or a dict with "score". Plain Python, no torch."
 
 import importlib.util
 import inspect
+import math
+import numbers
 from pathlib import Path
 
 from flowrl.errors import FlowrlError
@@ -20,6 +22,28 @@ SIGNATURE = "compute_score(data_source, solution_str, ground_truth, extra_info)"
 
 class ScorerError(FlowrlError, ValueError):
     """A scorer that cannot be found, loaded or used."""
+
+
+class BadValue(ScorerError):
+    """A scorer or tool returned something that is not a finite number."""
+
+
+def finite(value, who: str) -> float:
+    """`value` (a score or reward user code returned) as a finite float; raises BadValue
+    naming `who` ("scorer my.py:score") and the value. Every number type counts (bool, numpy,
+    a one-element tensor); None, text, NaN and infinity do not."""
+    if not isinstance(value, numbers.Real) and _one_element(value):
+        value = value.item()  # a numpy array or torch tensor of one number
+    if isinstance(value, numbers.Real):
+        number = float(value)
+        if math.isfinite(number):
+            return number
+        raise BadValue(f"{who} returned {number} (not a finite number)")
+    if value is None:
+        raise BadValue(f"{who} returned None (does every path of it return a number?)")
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    raise BadValue(f"{who} returned {type(value).__name__} {shown}, not a number")
 
 
 def resolve_scorer(spec: str, base_dir: str | Path = "."):
@@ -58,15 +82,25 @@ def auto_score(data_source, solution_str, ground_truth, extra_info=None):
     return BY_NAME[name](data_source, solution_str, ground_truth, extra_info)
 
 
-def score_value(result) -> tuple[float, dict]:
-    """A scorer's result as (score, extra metrics)."""
+def _one_element(value) -> bool:
+    if not hasattr(value, "item"):
+        return False
+    count = value.numel() if hasattr(value, "numel") else getattr(value, "size", 0)
+    return count == 1
+
+
+def score_value(result, who: str = "the scorer") -> tuple[float, dict]:
+    """A scorer's result (a number, or a dict with "score" and more numbers) as (score, extra
+    metrics); raises BadValue naming `who` and the value when the score is not a finite
+    number. Extra values that are not finite numbers are left out."""
     if isinstance(result, dict):
         if "score" not in result:
-            raise ScorerError(f'a scorer returned a dict without "score": {result}')
+            shown = repr(result) if len(repr(result)) <= 80 else repr(result)[:77] + "..."
+            raise BadValue(f'{who} returned a dict without "score": {shown}')
         extra = {
             k: float(v)
             for k, v in result.items()
-            if k != "score" and isinstance(v, int | float | bool)
+            if k != "score" and isinstance(v, numbers.Real) and math.isfinite(float(v))
         }
-        return float(result["score"]), extra
-    return float(result), {}
+        return finite(result["score"], f'{who} ("score")'), extra
+    return finite(result, who), {}

@@ -10,18 +10,21 @@ its name, so nothing but plain row data crosses the pipe.
 
 import atexit
 import multiprocessing
+import signal
 import sys
 import time
 import traceback
 from multiprocessing.connection import wait
 
-from flowrl.rewards import resolve_scorer, score_value
+from flowrl.rewards import BadValue, resolve_scorer, score_value
 
 STARTUP_S = 300.0  # the most a scorer process may take to start and import its scorer
 
 
 def _serve(connection, scorer: str, base_dir: str) -> None:
-    """Child process: say it is ready, then score rows until the pipe closes."""
+    """Child process: say it is ready, then score rows until the pipe closes. Ctrl-C reaches
+    the whole process group: the parent stops us, so the child ignores it (no traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     function = resolve_scorer(scorer, base_dir)
     connection.send("ready")
     while True:
@@ -29,11 +32,23 @@ def _serve(connection, scorer: str, base_dir: str) -> None:
             index, row = connection.recv()
         except EOFError:
             return
-        try:
-            score, extra = score_value(function(*row))
-            connection.send((index, "ok", score, extra))
-        except Exception:
-            connection.send((index, "error", traceback.format_exc(), {}))
+        connection.send((index, *score_row(function, scorer, row)))
+
+
+def score_row(function, scorer: str, row: tuple) -> tuple[str, object, dict]:
+    """(status, score or message, extra) of one row: "ok", "bad value" (the scorer returned
+    no finite number: the message names the scorer and the value) or "error" (it raised: its
+    traceback, from the scorer's own frames on)."""
+    try:
+        result = function(*row)
+    except Exception as e:
+        frames = traceback.format_exception(type(e), e, e.__traceback__.tb_next)
+        return "error", "".join(frames), {}
+    try:
+        score, extra = score_value(result, f"scorer {scorer}")
+    except BadValue as e:
+        return "bad value", str(e), {}
+    return "ok", score, extra
 
 
 class _Child:
@@ -69,7 +84,7 @@ class ScorerPool:
         self.scorer, self.base_dir, self.timeout_s = scorer, base_dir, timeout_s
         self.context = multiprocessing.get_context("spawn")
         self.children = [self._start() for _ in range(max(workers, 1))]
-        self.reported = False
+        self.reported = set()  # the kinds of failure already printed
 
     def _start(self) -> _Child:
         return _Child(self.context, self.scorer, self.base_dir)
@@ -117,7 +132,7 @@ class ScorerPool:
         if status == "ok":
             results[index] = (value, extra)
         else:
-            self._fail(rows, index, "error", value)
+            self._fail(rows, index, status, value)
             counts["errors"] += 1
 
     def _replace(self, k: int) -> None:
@@ -125,21 +140,30 @@ class ScorerPool:
         self.children[k] = self._start()
 
     def _fail(self, rows, index: int, kind: str, detail: str) -> None:
-        if self.reported:
+        if kind in self.reported:
             return
-        self.reported = True  # the first failure in full; the rest are counted in metrics
-        source, text = rows[index][0], str(rows[index][1])[:80]
-        print(
-            f"flowrl: scorer {self.scorer} failed ({kind}) on row {index} "
-            f"(data_source {source!r}, response {text!r}); that row gets the fallback score, "
-            f"and further failures are counted in reward/errors and reward/timeouts:\n{detail}",
-            file=sys.stderr,
-        )
+        self.reported.add(kind)  # the first failure of a kind in full; all are counted
+        print(failure_message(self.scorer, rows, index, kind, detail), file=sys.stderr)
 
     def close(self) -> None:
         for child in self.children:
             child.kill()
         self.children = []
+
+
+def failure_message(scorer: str, rows, index: int, kind: str, detail: str) -> str:
+    source, text = rows[index][0], str(rows[index][1])[:80]
+    where = f"row {index} of the batch (data_source {source!r}, response {text!r})"
+    if kind == "bad value":
+        return (
+            f"flowrl: {detail} on {where}; that row gets the fallback score, counted in the "
+            "reward node's errors metric (val/... in validation), as are further ones"
+        )
+    return (
+        f"flowrl: scorer {scorer} failed ({kind}) on {where}; that row gets the fallback score, "
+        "and failures are counted in the reward node's errors and timeouts metrics (val/... "
+        f"in validation):\n{detail}"
+    )
 
 
 _POOLS: dict[tuple, ScorerPool] = {}

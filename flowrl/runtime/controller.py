@@ -259,10 +259,13 @@ class Trainer:
         batch = self.val_batch.index(slice(0, len(self.val_batch)))
         batch.meta.update(step=0, seed=self.spec.run.seed)
         record = self._record(step, step, validation=True)
-        out, _, _ = self.executor.run_step(
+        out, metrics, _ = self.executor.run_step(
             batch, only=set(validation.nodes), overrides=greedy, record=record
         )
         result = {"val/score": float(out["scores"].float().mean())}
+        for key, value in metrics.items():  # failed scorer calls count in validation too
+            if key.endswith(("/errors", "/timeouts")):
+                result[f"val/{key}"] = value
         if "response_mask" in out:
             result["val/response_length"] = float(out["response_mask"].sum(-1).float().mean())
         return result

@@ -240,8 +240,8 @@ def test_reward_tools_adds_step_and_final_rewards_and_a_call_bonus():
         {"calls": [], "tool_rewards": [], "rollout_reward_scores": {}},
     ]
     # 1 - 0.05 + 0.1 bonus; 0 + 0.5 * 1 (no bonus: the call did not run); 1 unchanged
-    shaped = tool_scores([1.0, 0.0, 1.0], infos, coef=1.0, final_coef=0.5, call_bonus=0.1)
-    assert shaped == pytest.approx([1.05, 0.5, 1.0])
+    shaped, bad = tool_scores([1.0, 0.0, 1.0], infos, coef=1.0, final_coef=0.5, call_bonus=0.1)
+    assert shaped == pytest.approx([1.05, 0.5, 1.0]) and bad == []
 
 
 def test_reward_tools_wires_after_a_renamed_rule_reward(tools_dir):
