@@ -182,6 +182,8 @@ def cmd_run(args) -> int:
             if args.tiny:  # the tiny model first, so the command line's own overrides win
                 args.overrides = [*tiny_run.tiny_overrides(graph_path(args.file)), *args.overrides]
             _, _, plan = load_plan(args.file, args.overrides)
+            for warning in plan.warnings:  # as `flowrl check` shows them
+                print(f"flowrl: warning: {warning}", file=sys.stderr)
             from flowrl.runtime.controller import run  # torch and ray load from here on
 
             try:

@@ -45,6 +45,7 @@ def compile_graph(built: Graph) -> ExecutionPlan:
     held = batching.held_nodes(built, refill, errors)
     errors.raise_if_any()
     pools = _pools(built, batch, warnings)
+    warnings += _lr_warnings(built.spec)
     items = _Builder(built, pools).build()
     return ExecutionPlan(
         built.spec.file,
@@ -138,6 +139,22 @@ def _cache_tokens(spec, model: str, rows: int) -> int:
         default=0,
     )
     return rows * (spec.data.max_prompt_len + new_tokens)
+
+
+LR_RANGE = (1e-9, 0.1)  # AdamW learning rates outside this never train a transformer well
+
+
+def _lr_warnings(spec) -> list[str]:
+    """A trainable model's lr far outside any sane range: accepted (it is a number), but
+    such a run dies quietly (gradient norm 0 after a step or two), so `check` says so."""
+    low, high = LR_RANGE
+    return [
+        f"[models.{name}] lr = {m.lr:g} is far outside the usual range for AdamW on a language "
+        f"model (about 1e-7 to 1e-4; anything below {low:g} or above {high:g} does not train): "
+        "lower it, e.g. 1e-6"
+        for name, m in spec.models.items()
+        if m.trainable and not low <= m.lr <= high
+    ]
 
 
 def _dtype_warnings(name: str, pool, configs: dict, sharded: tuple) -> list[str]:

@@ -76,6 +76,9 @@ def run(
     return run_dir
 
 
+STUCK_STEPS = 3  # steps of gradient norm 0 before a warning
+
+
 class Trainer:
     def __init__(self, plan, run_dir: Path, backend: str, command: str | None = None):
         guards.check_devices(plan)
@@ -84,6 +87,7 @@ class Trainer:
         self.spec, self.plan, self.run_dir = spec, plan, run_dir
         self.command = command or f"flowrl run {spec.file}"
         self.started, self.steps_done = False, 0  # for the message of a stopped run
+        self.zero_steps: dict[str, int] = {}  # node -> steps in a row of gradient norm 0
         rng.seed_everything(spec.run.seed)
         policy = _rollout_model(spec)
         self.tokenizer = load_tokenizer(spec.models[policy].path)  # also fills the model cache
@@ -202,9 +206,32 @@ class Trainer:
                     f"{self.run_dir} (run.max_nonfinite_steps "
                     "sets how many are tolerated)"
                 )
+            self._warn_if_stuck(step, metrics, loggers)
             if last or (run.save_every and step % run.save_every == 0):
                 self.save(step)
             bar.set_postfix(step_log.postfix(metrics))
+
+    def _warn_if_stuck(self, step: int, metrics: dict, loggers: Loggers) -> None:
+        """A model whose gradient norm stayed exactly 0 for STUCK_STEPS steps in a row does not
+        learn: said once per model (a learning rate that destroyed it, or rewards that never
+        differ within a group, so every advantage is 0)."""
+        for key, value in metrics.items():
+            node = key.rpartition("/")[0]
+            count = self.zero_steps.get(node, 0)
+            if not key.endswith("/grad_norm") or count < 0:  # count -1: said already
+                continue
+            self.zero_steps[node] = count + 1 if value == 0.0 else 0
+            if self.zero_steps[node] == STUCK_STEPS:
+                self.zero_steps[node] = -1  # said once
+                message = (
+                    f"step {step}: the gradient norm of {node} has been 0 for {STUCK_STEPS} "
+                    "steps in a row: nothing is learned. Either the learning rate is far too "
+                    "large (check [models] lr) or every reward within a group is the same (the "
+                    "advantages are 0: check the scorer, score/mean and its spread)"
+                )
+                tqdm.write(f"warning: {message}")
+                with self._writing("metrics.jsonl"):
+                    loggers.log({"event": "warning", "step": step, "message": message})
 
     def step(self, step: int) -> tuple[dict, object]:
         start = time.time()

@@ -15,12 +15,14 @@ them work unchanged.
 
 from __future__ import annotations
 
+import sys
+
 import attrs
 
 from flowrl.front.validators import checked, count, positive
 from flowrl.lazy import torch
 from flowrl.nodespec import Finding, NodeSpec
-from flowrl.rewards import ScorerError, resolve_scorer, score_value
+from flowrl.rewards import BadValue, ScorerError, resolve_scorer, score_value
 
 VERL_KEYS = ("num_turns", "tool_rewards", "turn_scores", "rollout_reward_scores")
 
@@ -57,8 +59,21 @@ def rule_scores(results, fallback: float) -> tuple[list[float], dict]:
 
 
 def _in_process(rows, params, base_dir: str):
+    """workers = 0: a scorer's exception propagates (for a debugger); a bad value it returns
+    gets the fallback score and is counted, as in the scoring processes."""
+    from flowrl.rewards.pool import failure_message
+
     function = resolve_scorer(params.scorer, base_dir)
-    return [score_value(function(*row)) for row in rows], {"errors": 0, "timeouts": 0}
+    results, errors = [], 0
+    for index, row in enumerate(rows):
+        try:
+            results.append(score_value(function(*row), f"scorer {params.scorer}"))
+        except BadValue as e:
+            if not errors:
+                print(failure_message(params.scorer, rows, index, "bad value", str(e)), file=sys.stderr)
+            results.append(None)
+            errors += 1
+    return results, {"errors": errors, "timeouts": 0}
 
 
 def run(batch, params):
