@@ -24,22 +24,45 @@ def make_rows(source: str, split: str, size: int, seed: int, base_dir=".") -> li
 
 
 class PromptDataset:
-    """Tokenized prompts; rows longer than max_prompt_len tokens are dropped (`filtered`)."""
+    """Tokenized prompts; rows longer than max_prompt_len tokens are dropped (counted in
+    `filtered`), rows equal to an earlier one in prompt and ground truth are counted in
+    `duplicates` (kept: a data set may repeat a prompt on purpose)."""
 
-    def __init__(self, rows: list[dict], tokenizer, max_prompt_len: int):
-        self.tokenizer = tokenizer
+    def __init__(self, rows: list[dict], tokenizer, max_prompt_len: int, source: str = "data"):
+        self.tokenizer, self.source, self.max_prompt_len = tokenizer, source, max_prompt_len
         self.pad = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
-        self.items = []
+        self.items, self.longest, seen = [], 0, set()
         for index, row in enumerate(rows):
-            text = tokenizer.apply_chat_template(
-                row["prompt"], add_generation_prompt=True, tokenize=False
-            )
+            try:
+                text = tokenizer.apply_chat_template(
+                    row["prompt"], add_generation_prompt=True, tokenize=False
+                )
+            except Exception as e:  # the template rejects the messages (roles, order)
+                raise DataError(
+                    f"{source}, row {index}: the tokenizer's chat template rejects its prompt "
+                    f"({type(e).__name__}: {e}); fix the messages' roles or order"
+                ) from None
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            self.longest = max(self.longest, len(ids))
             if len(ids) <= max_prompt_len:
                 self.items.append((index, text, ids, row))
-        self.filtered = len(rows) - len(self.items)
+            seen.add((text, str(row["reward_model"]["ground_truth"])))
+        self.rows, self.filtered = len(rows), len(rows) - len(self.items)
+        self.duplicates = len(rows) - len(seen)
+
+    def summary(self) -> str:
+        """One line for the run's first output: what was kept, dropped and repeated."""
+        text = f"{self.source}: {len(self)} of {self.rows} prompts kept"
+        if self.filtered:
+            text += (
+                f"; {self.filtered} dropped as longer than data.max_prompt_len = "
+                f"{self.max_prompt_len} tokens (the longest has {self.longest})"
+            )
+        if self.duplicates:
+            text += f"; {self.duplicates} rows repeat an earlier one (prompt and ground truth)"
+        return text
 
     def __len__(self) -> int:
         return len(self.items)
@@ -76,10 +99,18 @@ class PromptLoader:
 
     def __init__(self, dataset: PromptDataset, batch_size: int, seed: int, shuffle: bool = True):
         if batch_size > len(dataset):
+            if len(dataset) == 0 and dataset.rows:
+                raise DataError(
+                    f"{dataset.source}: all {dataset.rows} prompts are longer than "
+                    f"data.max_prompt_len = {dataset.max_prompt_len} tokens (the longest has "
+                    f"{dataset.longest}): raise data.max_prompt_len"
+                )
             raise DataError(
-                f"data.batch_size = {batch_size} but only {len(dataset)} prompts "
-                f"remain ({dataset.filtered} longer than max_prompt_len were dropped)"
-                ": lower batch_size or raise data.max_prompt_len"
+                f"{dataset.source}: data.batch_size = {batch_size}, but only {len(dataset)} "
+                f"prompts remain ({dataset.filtered} of {dataset.rows} dropped as longer than "
+                f"data.max_prompt_len = {dataset.max_prompt_len}): lower data.batch_size to "
+                f"{max(len(dataset), 1)} or less, or add rows"
+                + (", or raise data.max_prompt_len" if dataset.filtered else "")
             )
         self.dataset, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
         self.epoch, self.position = 0, 0

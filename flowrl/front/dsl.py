@@ -62,6 +62,8 @@ def _build(file, raw, errors: Collector, overridden: dict[str, str], root="") ->
     }
     # a model whose table is wrong stays, as None: its nodes are not told it is unknown
     models = {name: m and _place(name, m, pools, errors, overridden) for name, m in models.items()}
+    folder = Path(root) if root else Path(file).parent
+    models = {name: m and _model_path(m, folder) for name, m in models.items()}
     for name, pool in pools.items():
         if pool:
             _check_pool(name, pool, errors)
@@ -90,6 +92,20 @@ def _build(file, raw, errors: Collector, overridden: dict[str, str], root="") ->
     if errors.problems:
         return None
     return GraphSpec(file, run, data, models, pools, nodes, raw, root)
+
+
+def _model_path(model: schema.ModelConfig, folder: Path) -> schema.ModelConfig:
+    """The one rule for a model path (docs/graph-file.md): "tiny" and the embedded alias are
+    themselves; an absolute path is that directory; a relative path is a directory relative
+    to the graph file's folder when one exists there (or when it starts with ./ or ../),
+    else a Hugging Face hub name. Resolved here, so loading and sizing read the same path."""
+    path = model.path
+    if path == "tiny" or path in schema.KNOWN_SIZES or Path(path).is_absolute():
+        return model
+    candidate = folder / path
+    if candidate.exists() or path.startswith(("./", "../")):
+        return attrs.evolve(model, path=str(candidate.resolve()))
+    return model
 
 
 def _check_data(data: schema.DataConfig, base_dir: Path, errors: Collector, overridden) -> None:

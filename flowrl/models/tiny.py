@@ -6,6 +6,7 @@ import string
 from functools import cache
 
 SPECIAL = ["<pad>", "<|im_start|>", "<|im_end|>"]
+CONTEXT = 1024  # max_position_embeddings
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -57,7 +58,7 @@ def tiny_model(
         num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=1024,
+        max_position_embeddings=CONTEXT,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -14,13 +14,14 @@ inputs of a failed node call (failures/) and of the nodes in run.save_inputs (in
 import contextlib
 import functools
 import json
+import sys
 import time
 from pathlib import Path
 
 import toml
 from tqdm import tqdm
 
-from flowrl.data import PromptDataset, PromptLoader, make_rows
+from flowrl.data import DataError, PromptDataset, PromptLoader, make_rows
 from flowrl.models import load_tokenizer
 from flowrl.nodespec import GREEDY
 from flowrl.runtime import checkpoint, faults, guards, make_executor, outcome, rng, step_log, stop
@@ -91,22 +92,38 @@ class Trainer:
         rng.seed_everything(spec.run.seed)
         policy = _rollout_model(spec)
         self.tokenizer = load_tokenizer(spec.models[policy].path)  # also fills the model cache
-        data = spec.data
+        guards.check_models(spec, policy, self.tokenizer)
+        self.train_set, self.val_batch = self._data()
+        self.loader = PromptLoader(
+            self.train_set, spec.data.batch_size, spec.run.seed, spec.data.shuffle
+        )
+        self.executor = make_executor(backend, plan, num_cpus=spec.run.num_cpus or None)
+        self.trace = Trace()
+
+    def _data(self):
+        """(the training prompts, the validation batch or None), each file checked, what was
+        dropped or repeated said once here and logged at the start (fit)."""
+        spec, data = self.spec, self.spec.data
         rows = make_rows(data.source, "train", data.train_size, spec.run.seed, spec.base_dir)
-        self.train_set = PromptDataset(rows, self.tokenizer, data.max_prompt_len)
-        self.loader = PromptLoader(self.train_set, data.batch_size, spec.run.seed, data.shuffle)
-        self.val_batch = None
+        train = PromptDataset(rows, self.tokenizer, data.max_prompt_len, data.source)
+        self.data_notes = [train.summary()]
+        val_batch = None
         if spec.run.val_size:
             source = data.val_source or data.source
             val_rows = make_rows(
                 source, "validation", spec.run.val_size, spec.run.seed, spec.base_dir
             )
             val_set = PromptDataset(
-                val_rows[: spec.run.val_size], self.tokenizer, data.max_prompt_len
+                val_rows[: spec.run.val_size], self.tokenizer, data.max_prompt_len, source
             )
-            self.val_batch = val_set.collate(list(range(len(val_set))))
-        self.executor = make_executor(backend, plan, num_cpus=spec.run.num_cpus or None)
-        self.trace = Trace()
+            if not len(val_set):
+                raise DataError(f"validation: {val_set.summary()}: raise data.max_prompt_len")
+            val_batch = val_set.collate(list(range(len(val_set))))
+            self.data_notes.append(f"validation {val_set.summary()}")
+        for note in self.data_notes:
+            repeated = "repeat an earlier one" in note
+            print(f"flowrl: {'warning: ' if repeated else ''}data: {note}", file=sys.stderr)
+        return train, val_batch
 
     def close(self) -> None:
         from flowrl.rewards.pool import close_all
@@ -133,6 +150,8 @@ class Trainer:
                 samples_file = open(self.run_dir / "samples.jsonl", "a")
                 stack.callback(_close_quietly, samples_file)
             stack.callback(self._write_trace)  # also when stopped: what the steps did
+            with self._writing("metrics.jsonl"):
+                loggers.log({"event": "data", "step": start_step, "notes": self.data_notes})
             if resume:
                 with self._writing("metrics.jsonl"):
                     loggers.log({"event": "resume", "step": start_step})
@@ -251,6 +270,7 @@ class Trainer:
         seconds = time.time() - start
         self.trace.add(slices, step)
         out = {"step": step, "time_s": seconds, **step_log.batch_metrics(batch), **metrics}
+        out["data/dropped_too_long"] = self.train_set.filtered  # prompts never trained on
         for name, value in step_log.timings(slices).items():
             out[f"timing_s/{name}"] = value
         tokens = (

@@ -65,3 +65,37 @@ def writable(run_dir: Path) -> None:
             f"run directory {run_dir} is not writable ({e.strerror}): set run.out_dir to a "
             "folder you can write, or free space"
         ) from e
+
+
+class ModelMismatch(FlowrlError, ValueError):
+    """Models that cannot work together, or with the data: found before any loads on a pool."""
+
+
+def check_models(spec, policy: str, tokenizer) -> None:
+    """Before any model loads on a pool: a prompt plus its response must fit the policy's
+    context, and every other model, fed the policy's token ids, must share its tokenizer
+    (flowrl.models.loading.tokenizer_differences; a node that retokenizes for its own model
+    can use that function for its own check)."""
+    from flowrl.models.loading import context_length, load_tokenizer, tokenizer_differences
+
+    config = spec.models[policy]
+    context = context_length(config.path)
+    longest = max((getattr(d.params, "max_new_tokens", 0) for d in spec.nodes.values()), default=0)
+    if context and spec.data.max_prompt_len + longest > context:
+        raise ModelMismatch(
+            f"{spec.file}: data.max_prompt_len = {spec.data.max_prompt_len} plus max_new_tokens "
+            f"= {longest} exceeds the context of [models.{policy}] ({context} tokens, its "
+            f"max_position_embeddings): set data.max_prompt_len to at most {context - longest} "
+            "(longer prompts are dropped and counted) or lower max_new_tokens"
+        )
+    for name, other in spec.models.items():
+        if name == policy or other.path == config.path:
+            continue
+        differences = tokenizer_differences(tokenizer, load_tokenizer(other.path))
+        if differences:
+            raise ModelMismatch(
+                f'{spec.file}: [models.{name}] path = "{other.path}" has another tokenizer '
+                f'than the policy [models.{policy}] ("{config.path}"): '
+                f"{'; '.join(differences)}. It reads the policy's token ids, so it must share "
+                f"its tokenizer: use a model of the same family (e.g. the policy's own path)"
+            )

@@ -53,8 +53,10 @@ def test_failures_get_none_and_are_counted(scorer_file, capsys):
     finally:
         pool.close()
     err = capsys.readouterr().err
-    assert err.count("flowrl: scorer") == 1  # the first failure is printed once
+    for kind in ("error", "timeout", "crash"):  # the first failure of each kind, once
+        assert err.count(f"failed ({kind})") == 1
     assert "row 1" in err and "flaky.py" in err and "line 6" in err  # file and line of raise
+    assert "pool.py" not in err  # the traceback starts at the scorer's own frames
 
 
 def test_rule_node_gives_the_fallback_and_reports_counts(scorer_file):
