@@ -9,6 +9,7 @@ parsed file and validated like it.
 No torch or ray here.
 """
 
+import errno
 import importlib.util
 import re
 from pathlib import Path
@@ -126,9 +127,25 @@ def _check_data(data: schema.DataConfig, base_dir: Path, errors: Collector, over
         elif not path.is_file():
             errors.add(
                 f"[data] {key}",
-                f"{origin}no data file {path}",
-                "data paths are relative to the graph file's folder; check the path",
+                f"{origin}{path}: {_not_a_file(path)}",
+                "data paths are relative to the graph file's folder; name one .parquet or "
+                ".jsonl file",
             )
+
+
+def _not_a_file(path: Path) -> str:
+    """Why an existing-looking data path is no file (the loader says the same at run)."""
+    try:
+        if path.is_dir():
+            return "a directory, not a data file"
+        path.stat()
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a loop of symbolic links"
+        if path.is_symlink():
+            return "a symbolic link to a file that does not exist"
+        return "no such data file" if isinstance(e, FileNotFoundError) else str(e.strerror)
+    return "not a regular file"
 
 
 def _check_id(head: str, name: str, errors: Collector) -> None:

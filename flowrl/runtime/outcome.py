@@ -15,7 +15,7 @@ def after_stop(run_dir: Path, trainer, command: str) -> str:
     good = checkpoint.newest_complete(run_dir)
     if good is None:
         return (
-            f"{kept}No checkpoint was written yet, so there is nothing to resume: start again "
+            f"{kept}no checkpoint was written yet, so there is nothing to resume: start again "
             f"with: {command}"
         )
     return (

@@ -452,7 +452,7 @@ def test_missing_or_unknown_data_file_is_named(tmp_path):
 
     graph = ROOT / "graphs" / "grpo.toml"
     for value, words in (
-        ('"nowhere/train.parquet"', "no data file"),
+        ('"nowhere/train.parquet"', "no such data file"),
         ('"train.csv"', "neither a built-in source nor a data file"),
     ):
         with pytest.raises(GraphErrors) as info:
