@@ -232,6 +232,8 @@ def _pretrained(cls, path: str, **kwargs):
         )
     except Exception as e:  # transformers' or safetensors' own error: the file is in there
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "mismatched_sizes" in first:  # transformers printed its table of tensors above
+            first = "its weight files hold tensors of other shapes than its config.json gives"
         raise embedded.ModelNotFound(
             f"cannot load {'the tokenizer' if not loads_weights else 'the model'} in {path}: "
             f"{first}. Use a directory written by save_pretrained, a hub name in the local "

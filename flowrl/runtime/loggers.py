@@ -25,7 +25,10 @@ class JsonlLogger:
         self.file.flush()
 
     def close(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError:  # a failed write (full disk) was reported where it happened
+            pass
 
 
 class TensorBoardLogger:

@@ -1,5 +1,6 @@
 """What a run that ends early says: what was kept, and the command that goes on."""
 
+import os
 import shutil
 from pathlib import Path
 
@@ -28,9 +29,10 @@ def failed_write(trainer, what: str, error: Exception) -> str:
     cause = error
     while cause.__cause__ is not None and not isinstance(cause, OSError):
         cause = cause.__cause__
-    reason = (
-        cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
-    ).splitlines()[0]
+    if isinstance(cause, OSError) and cause.strerror:
+        reason = cause.strerror
+    else:  # torch's writer names no errno ("unexpected pos ..."): a probe write finds it
+        reason = probe(trainer.run_dir) or str(cause).strip().splitlines()[0]
     try:
         free = shutil.disk_usage(trainer.run_dir).free
         if free < 64 * 2**20:
@@ -46,3 +48,19 @@ def failed_write(trainer, what: str, error: Exception) -> str:
         f"{what} could not be written under {trainer.run_dir} ({reason}); {intact}. Free space "
         f"(or make the folder writable), then {fix}"
     )
+
+
+def probe(folder: Path) -> str:
+    """Why a write of 1 MiB into `folder` fails ('' when it succeeds)."""
+    path = Path(folder) / ".flowrl-write-probe"
+    try:
+        with open(path, "wb") as f:
+            for _ in range(16):
+                f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
+        return ""
+    except OSError as e:
+        return e.strerror or str(e)
+    finally:
+        path.unlink(missing_ok=True)

@@ -141,6 +141,8 @@ class _Handle:
 
 def _reason(error: Exception) -> str:
     if isinstance(error, ray.exceptions.RayActorError):
+        if getattr(error, "actor_init_failed", False):  # its __init__ raised: the last line
+            return str(error).strip().splitlines()[-1]  # is "<Error>: <its message>"
         return "the rank's process died (killed, or out of memory)"
     cause = getattr(error, "cause", None)
     return f"{type(cause).__name__}: {cause}" if cause else str(error)
