@@ -59,6 +59,7 @@ def run(
         lock, trainer = run_dirs.Lock(run_dir), None
         try:
             lock.acquire()
+            faults.point("locked", 0)
             if lock.stale:
                 print(f"{run_dir}: its lock was left by {lock.stale}, no longer running; taken")
             if resume:

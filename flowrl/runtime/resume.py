@@ -44,6 +44,7 @@ HARMLESS = (
     "nodes.*.timeout_s",  # a scorer's time limit and process count change no state
     "nodes.*.workers",
 )
+ABSENT = "(absent)"
 WRITTEN = ("metrics.jsonl", "samples.jsonl", "trace.json", "graph.toml", "run.json")
 
 
@@ -108,17 +109,14 @@ def compare_graph(run_dir: Path, spec, allow: bool, command: str) -> list[str]:
     """The differences between the run's graph.toml and `spec`, as lines; raises when one
     cannot resume correctly and `allow` is False."""
     old = _old_spec(run_dir)
-    before, after = flat(old), flat(spec)
     changes, unsafe = [], []
-    for key in sorted(set(before) | set(after)):
-        if before.get(key, "(absent)") == after.get(key, "(absent)"):
-            continue
-        line = f"{key}: {_show(before.get(key, '(absent)'))} -> {_show(after.get(key, '(absent)'))}"
+    for key, line in differences(flat(old), flat(spec)):
         changes.append(line)
         if not any(fnmatch.fnmatchcase(key, p) for p in HARMLESS):
             unsafe.append(line)
     if unsafe and not allow:
-        listed = "\n".join(f"  {line}" for line in unsafe)
+        shown = unsafe if len(unsafe) <= 25 else [*unsafe[:24], f"... and {len(unsafe) - 24} more"]
+        listed = "\n".join(f"  {line}" for line in shown)
         raise RunDirError(
             f"--resume {run_dir}: the graph given differs from the run's "
             f"({run_dir / 'graph.toml'}) where a resume cannot continue correctly (models, "
@@ -127,6 +125,34 @@ def compare_graph(run_dir: Path, spec, allow: bool, command: str) -> list[str]:
             " or add --allow-graph-change to continue with the changed graph knowingly"
         )
     return changes
+
+
+def differences(before: dict, after: dict) -> list[tuple[str, str]]:
+    """(key, "key: old -> new") for each value that differs; a model, pool or node only one
+    side has is one line ("nodes.values: added (uses values)"), not one per param."""
+
+    def entity(key: str) -> str | None:
+        parts = key.split(".")
+        return ".".join(parts[:2]) if parts[0] in ("models", "pools", "nodes") else None
+
+    out, said = [], set()
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key, ABSENT), after.get(key, ABSENT)
+        if old == new:
+            continue
+        whole = entity(key)
+        one_side = whole and not all(
+            any(k.startswith(whole + ".") for k in side) for side in (before, after)
+        )
+        if one_side:
+            if whole not in said:
+                said.add(whole)
+                uses = after.get(f"{whole}.uses") or before.get(f"{whole}.uses")
+                how = f" (uses {uses})" if uses else ""
+                out.append((whole, f"{whole}: {'added' if old is ABSENT else 'removed'}{how}"))
+            continue
+        out.append((key, f"{key}: {_show(old)} -> {_show(new)}"))
+    return out
 
 
 def accept(run_dir: Path, spec) -> None:
