@@ -8,7 +8,12 @@ with the same seed and the same failures is the reference. Checked at the end:
 - every step is in metrics.jsonl exactly once;
 - the controller's memory (RSS) and open file descriptors are flat: the last 50 steps' median
   within 10% / equal to that of steps 51-100 (after warm-up);
-- the final weights equal the uninterrupted run's, bit for bit.
+- the final weights equal the uninterrupted run's, bit for bit;
+- the uninterrupted run, started twice at once, gets two directories, each complete (the same
+  weights);
+- the last resume, raced by a second resume of the same directory, holds it: the second is
+  refused naming the first's pid (the first pauses after its lock, FLOWRL_KILL_AT=locked:0:STOP,
+  so the race does not depend on timing).
 
 Writes bench/results/soak.json and prints a summary; exits non-zero if a condition fails.
 """
@@ -16,6 +21,7 @@ Writes bench/results/soak.json and prints a summary; exits non-zero if a conditi
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -59,6 +65,21 @@ def steps_of(run_dir: Path) -> list[dict]:
     return [r for r in rows if "event" not in r and r.get("step", 0) > 0]
 
 
+def launch(args: list[str], env: dict | None = None) -> subprocess.Popen:
+    command = [sys.executable, "-m", "flowrl.cli", "run", str(ROOT / "graphs/grpo.toml"), *args]
+    env = {**os.environ, **(env or {})}
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+
+
+def steps_once(run_dir: Path, steps: int) -> bool:
+    counts: dict = {}
+    for row in steps_of(run_dir):
+        counts[row["step"]] = counts.get(row["step"], 0) + 1
+    return sorted(counts) == list(range(1, steps + 1)) and set(counts.values()) == {1}
+
+
 def final_weights(run_dir: Path, steps: int) -> dict:
     import torch
 
@@ -82,9 +103,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         straight_dir, soak_dir = tmp / "straight", tmp / "soak"
-        done = flowrl(["--backend", "local", *overrides(straight_dir, args.steps)])
-        assert done.returncode == 0, done.stderr[-3000:]
-        (straight,) = straight_dir.glob("grpo-*")
+        twins = [  # the reference run, started twice at once: a directory each
+            launch(["--backend", "local", *overrides(straight_dir, args.steps)]) for _ in "ab"
+        ]
+        for twin in twins:
+            _, err = twin.communicate()
+            assert twin.returncode == 0, err[-3000:]
+        straight, twin_dir = sorted(straight_dir.glob("grpo-*"))
 
         base = ["--backend", "local", *overrides(soak_dir, args.steps)]
         kills, run_dir = [], None
@@ -95,8 +120,16 @@ def main() -> int:
             assert killed.returncode == -9, f"not killed at {point}: {killed.stderr[-3000:]}"
             (run_dir,) = soak_dir.glob("grpo-*")
             kills.append(point)
-        finished = flowrl(["--resume", str(run_dir), *base])
-        assert finished.returncode == 0, finished.stderr[-3000:]
+        # the last resume races a second one: paused right after taking the lock, it holds
+        # the run directory while the rival is refused, then goes on
+        finisher = launch(["--resume", str(run_dir), *base], {"FLOWRL_KILL_AT": "locked:0:STOP"})
+        _, status = os.waitpid(finisher.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
+        rival = flowrl(["--resume", str(run_dir), *base])
+        os.kill(finisher.pid, signal.SIGCONT)
+        _, err = finisher.communicate()
+        assert finisher.returncode == 0, err[-3000:]
+        refused = rival.returncode == 1 and f"(pid {finisher.pid}" in rival.stderr
 
         rows = steps_of(run_dir)
         counts = {}
@@ -121,6 +154,12 @@ def main() -> int:
             "weights_equal_uninterrupted": same(
                 final_weights(run_dir, args.steps), final_weights(straight, args.steps)
             ),
+            "double_start_two_directories": same(
+                final_weights(twin_dir, args.steps), final_weights(straight, args.steps)
+            )
+            and steps_once(twin_dir, args.steps)
+            and steps_once(straight, args.steps),
+            "concurrent_resume_refused": refused,
             "wall_s": round(time.time() - start, 1),
         }
     result["rss_flat"] = rss[1] <= rss[0] * 1.10
@@ -129,7 +168,14 @@ def main() -> int:
     print(json.dumps(result, indent=2))
     ok = all(
         result[k]
-        for k in ("every_step_once", "rss_flat", "fds_flat", "weights_equal_uninterrupted")
+        for k in (
+            "every_step_once",
+            "rss_flat",
+            "fds_flat",
+            "weights_equal_uninterrupted",
+            "double_start_two_directories",
+            "concurrent_resume_refused",
+        )
     )
     return 0 if ok else 1
 

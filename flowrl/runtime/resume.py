@@ -23,6 +23,7 @@ import flowrl
 from flowrl.errors import GraphErrors
 from flowrl.front import dsl
 from flowrl.runtime import checkpoint
+from flowrl.runtime.checkpoint import manifest
 from flowrl.runtime.run_dir import RunDirError
 
 HARMLESS = (
@@ -83,7 +84,10 @@ def prepare(run_dir: Path, asked, spec, allow: bool, command: str) -> Path:
         for line in changes:
             print(f"  {line}")
         accept(run_dir, spec)
-    made_with = checkpoint.manifest(directory).get("flowrl_version")
+        with open(run_dir / "metrics.jsonl", "a") as log:
+            row = {"event": "graph_change", "from_step": manifest(directory)["step"]}
+            log.write(json.dumps({**row, "changes": changes}) + "\n")
+    made_with = manifest(directory).get("flowrl_version")
     if made_with != flowrl.__version__:
         print(f"{directory} was written by flowrl {made_with}; this is {flowrl.__version__}")
     return directory
