@@ -585,6 +585,7 @@ def test_the_trainer_survives_an_sglang_childs_death_with_its_own_error(tmp_path
 
 SHUTDOWN = """
 import json, sys
+import psutil
 sys.path.insert(0, sys.argv[1])
 import torch
 from fake_sglang import FakeEngine
@@ -597,9 +598,19 @@ assert all(child.wait_ready() for child in scorers.children)
 rollout = SGLangRollout(tiny_model().to(torch.bfloat16), tiny_tokenizer(), "cuda:0",
                         engine_factory=FakeEngine)
 scheduler = rollout.engine.scheduler
+pids = [c.process.pid for c in scorers.children]
 rollout.shutdown()
-print(json.dumps({"scorers": [c.process.is_alive() for c in scorers.children],
-                  "scheduler": scheduler.poll() is not None}))
+
+def alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+state = {"scorers": [alive(pid) for pid in pids], "scheduler": alive(scheduler.pid)}
+_, counts = scorers.score([("arithmetic", "7", "7", {})])
+state["failures"] = counts["errors"] + counts["timeouts"]
+print(json.dumps(state))
 """
 
 
@@ -612,4 +623,27 @@ def test_shutting_sglang_down_leaves_flowrls_scorer_processes_running():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     state = json.loads(result.stdout.strip().splitlines()[-1])
-    assert state == {"scorers": [True, True], "scheduler": True}
+    assert state == {"scorers": [True, True], "scheduler": False, "failures": 0}
+
+
+def test_the_gpu_smoke_command_skips_with_a_clear_message_without_a_gpu(monkeypatch, capsys):
+    from flowrl import smoke
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert smoke.main(["--gpu"]) == 0
+    assert capsys.readouterr().out == (
+        "skip gpu-smoke: no CUDA device (torch.cuda.is_available() is False); run it on a GPU "
+        "machine\n"
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(smoke.importlib.util, "find_spec", lambda name: None)
+    assert smoke.main(["--gpu"]) == 0
+    assert 'SGLang is not installed: pip install -e ".[sglang]"' in capsys.readouterr().out
+    assert [name for name, _ in smoke.CHECKS] == [
+        "start",
+        "greedy",
+        "release x3",
+        "push",
+        "sampled n=8",
+        "two ranks",
+    ]
