@@ -17,12 +17,8 @@ from fake_sglang import FakeEngine
 
 from flowrl.engines import sglang_backend, sglang_process
 from flowrl.engines.rollout import RolloutBackend, make_rollout, rollout_class
-from flowrl.engines.sglang_backend import (
-    PushRefused,
-    SGLangRollout,
-    response_tensors,
-    weight_buckets,
-)
+from flowrl.engines.sglang_backend import PushRefused, SGLangRollout
+from flowrl.engines.sglang_io import response_tensors, weight_buckets
 from flowrl.testing import tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
