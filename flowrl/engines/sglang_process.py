@@ -71,7 +71,12 @@ class EngineGuard:
 
     def started(self, engine) -> None:
         """After construction: note the engine's own processes, and take the signals back."""
-        self.own = [p for p in _children() if p.pid not in self._before]
+        from multiprocessing import resource_tracker
+
+        # the first "spawn" start (SGLang's scheduler) launches the process-wide resource
+        # tracker, which flowrl's spawned scorers use too: not the engine's to end
+        tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+        self.own = [p for p in _children() if p.pid not in self._before and p.pid != tracker]
         _GUARDS.add(self)
         manager = getattr(engine, "tokenizer_manager", None)
         if not self._main or manager is None:

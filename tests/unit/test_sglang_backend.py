@@ -643,3 +643,24 @@ def test_the_gpu_smoke_command_skips_with_a_clear_message_without_a_gpu(monkeypa
         "sampled n=8",
         "two ranks",
     ]
+
+
+def test_a_dead_engine_raises_at_the_next_call_and_the_resource_tracker_is_not_its_own():
+    from multiprocessing import resource_tracker
+
+    class Spawning(FakeEngine):  # SGLang's first spawn start launches the resource tracker
+        def __init__(self, **server_args):
+            resource_tracker.ensure_running()
+            super().__init__(**server_args)
+
+    engine = build(engine_factory=Spawning)
+    fake = engine.engine
+    tracker = resource_tracker._resource_tracker._pid
+    assert [p.pid for p in engine.guard.own] == [fake.scheduler.pid] != [tracker]
+    fake.scheduler.kill()
+    fake.scheduler.wait()
+    calls = len(fake.calls)
+    with pytest.raises(sglang_process.EngineDied, match=f"exited .* \\({WHERE}\\)"):
+        engine.offload(("kv_cache",))
+    assert len(fake.calls) == calls  # refused before reaching the dead engine
+    engine.shutdown()
