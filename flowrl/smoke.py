@@ -188,8 +188,10 @@ def check_two_ranks(state) -> str:
         "nodes.generate.n=2",
         "nodes.generate.max_new_tokens=16",
     ]
-    command = [sys.executable, "-m", "flowrl.cli", "run", state["graph"], "--backend", "ray"]
-    result = subprocess.run(command + overrides, capture_output=True, text=True, timeout=540)
+    command = [sys.executable, "-m", "flowrl.cli", "run", state["graph"], *overrides]
+    result = subprocess.run(
+        [*command, "--backend", "ray"], capture_output=True, text=True, timeout=540
+    )
     assert result.returncode == 0, result.stderr[-800:]
     return "one GRPO step on 2 ranks under Ray, each with its own engine"
 

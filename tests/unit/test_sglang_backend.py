@@ -671,3 +671,10 @@ def test_a_dead_engine_raises_at_the_next_call_and_the_resource_tracker_is_not_i
         engine.offload(("kv_cache",))
     assert len(fake.calls) == calls  # refused before reaching the dead engine
     engine.shutdown()
+
+
+def test_flowrls_sigquit_handler_survives_the_pickling_into_sglangs_children():
+    """SGLang pickles its server arguments, the handler among them, into spawned children."""
+    import pickle
+
+    assert pickle.loads(pickle.dumps(sglang_process.on_sigquit)) is sglang_process.on_sigquit
