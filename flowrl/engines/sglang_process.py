@@ -38,12 +38,22 @@ class EngineDied(RuntimeError):
 
 
 def on_sigquit(signum, frame) -> None:
-    """flowrl's SIGQUIT handler (SGLang's watchdog and children send SIGQUIT when a child
-    fails): mark the engines whose processes died; raise in the trainer when one of them is in
-    a call (it would wait forever on the dead child). A module-level function: SGLang pickles
+    """flowrl's SIGQUIT handler. SGLang sends SIGQUIT to the process when a child fails: its
+    watchdog when a child exited (utils/watchdog.py:221), a scheduler from its exception
+    handler before it exits (managers/scheduler.py:6093), a hung scheduler's own watchdog
+    (utils/watchdog.py:163). Mark the engines whose processes died, or, when none has died
+    yet, every engine of the process (the sender is one of them); raise in the trainer when
+    one of them is in a call (it would wait forever). A module-level function: SGLang pickles
     its server arguments, this handler among them, into its spawned children."""
-    for guard in list(_GUARDS):
-        if guard.find_dead() and guard.busy:
+    guards = list(_GUARDS)
+    failed = [guard for guard in guards if guard.find_dead()] or guards
+    for guard in failed:
+        guard.dead = guard.dead or (
+            "an SGLang child reported a failure (SIGQUIT: a scheduler's exception or its "
+            "watchdog's timeout; SGLang's log above says which)"
+        )
+    for guard in failed:
+        if guard.busy:
             raise guard.error()
 
 

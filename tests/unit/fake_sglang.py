@@ -16,8 +16,9 @@ backend can go wrong, read in the 0.5.21 wheel:
   its first request adds asyncio SIGTERM / SIGQUIT handlers (tokenizer_manager.py:2316-2324);
   when its child is dead, a call sends SIGQUIT to the process as SGLang's subprocess watchdog
   does (done inside the call, not from a thread every second: the tests do not depend on
-  timing) and then waits, as a real call waits forever on a dead scheduler; `shutdown()` kills
-  every child of the process (engine.py:1406).
+  timing) and then waits, as a real call waits forever on a dead scheduler; with `failing`
+  set, its live scheduler sends SIGQUIT as one that hit an exception does (scheduler.py:6093);
+  `shutdown()` kills every child of the process (engine.py:1406).
 `calls` records every call as (method, details).
 """
 
@@ -99,7 +100,7 @@ class FakeEngine:
         if unknown:
             raise TypeError(f"Unexpected keyword argument '{unknown[0]}'")
         self.server_args, self.calls, self.queued, self.pushed = server_args, [], [], []
-        self.abort, self.skipped, self.refuse = set(), [], ""
+        self.abort, self.skipped, self.refuse, self.failing = set(), [], "", False
         self.session, self.released = False, set()
         self.dtype = getattr(torch, server_args.get("dtype", "bfloat16"))
         shapes = _shapes(server_args["model_path"])
@@ -116,7 +117,9 @@ class FakeEngine:
     def _request(self, name, details=None):
         self.calls.append((name, details))
         self.tokenizer_manager.auto_create_handle_loop()
-        if self.scheduler.poll() is not None:  # the watchdog's SIGQUIT, then SGLang waits
+        # a dead scheduler (the watchdog's SIGQUIT) or one that hit an exception (its own
+        # SIGQUIT from its except block, still alive); then SGLang waits for the answer
+        if self.scheduler.poll() is not None or self.failing:
             os.kill(os.getpid(), signal.SIGQUIT)
             self.tokenizer_manager.event_loop.run_until_complete(asyncio.sleep(2))
             raise AssertionError("a real engine would wait forever for its dead scheduler")

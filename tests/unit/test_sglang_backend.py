@@ -678,3 +678,17 @@ def test_flowrls_sigquit_handler_survives_the_pickling_into_sglangs_children():
     import pickle
 
     assert pickle.loads(pickle.dumps(sglang_process.on_sigquit)) is sglang_process.on_sigquit
+
+
+def test_a_scheduler_exception_reported_by_sigquit_raises_in_the_waiting_call():
+    """A scheduler that hit an exception sends SIGQUIT before it exits: still alive then."""
+    engine = build()
+    assert signal.getsignal(signal.SIGQUIT) is sglang_process.on_sigquit  # else: not safe here
+    engine.engine.failing = True
+    prompts, mask = torch.tensor([[4, 5]]), torch.ones(1, 2, dtype=torch.long)
+    with pytest.raises(sglang_process.EngineDied, match="an SGLang child reported a failure"):
+        engine.generate(prompts, mask, max_new_tokens=2)
+    assert engine.engine.scheduler.poll() is None  # it had not exited
+    with pytest.raises(sglang_process.EngineDied):  # and the engine stays refused
+        engine.offload(("kv_cache",))
+    engine.shutdown()
