@@ -14,14 +14,13 @@ inputs of a failed node call (failures/) and of the nodes in run.save_inputs (in
 import contextlib
 import functools
 import json
-import sys
 import time
 from pathlib import Path
 
 import toml
 from tqdm import tqdm
 
-from flowrl.data import DataError, PromptDataset, PromptLoader, make_rows
+from flowrl.data import PromptLoader, prompt_sets
 from flowrl.models import load_tokenizer
 from flowrl.nodespec import GREEDY
 from flowrl.runtime import checkpoint, faults, guards, make_executor, outcome, rng, step_log, stop
@@ -78,9 +77,6 @@ def run(
     return run_dir
 
 
-STUCK_STEPS = 3  # steps of gradient norm 0 before a warning
-
-
 class Trainer:
     def __init__(self, plan, run_dir: Path, backend: str, command: str | None = None):
         guards.check_devices(plan)
@@ -94,37 +90,12 @@ class Trainer:
         policy = _rollout_model(spec)
         self.tokenizer = load_tokenizer(spec.models[policy].path)  # also fills the model cache
         guards.check_models(spec, policy, self.tokenizer)
-        self.train_set, self.val_batch = self._data()
+        self.train_set, self.val_batch, self.data_notes = prompt_sets(spec, self.tokenizer)
         self.loader = PromptLoader(
             self.train_set, spec.data.batch_size, spec.run.seed, spec.data.shuffle
         )
         self.executor = make_executor(backend, plan, num_cpus=spec.run.num_cpus or None)
         self.trace = Trace()
-
-    def _data(self):
-        """(the training prompts, the validation batch or None), each file checked, what was
-        dropped or repeated said once here and logged at the start (fit)."""
-        spec, data = self.spec, self.spec.data
-        rows = make_rows(data.source, "train", data.train_size, spec.run.seed, spec.base_dir)
-        train = PromptDataset(rows, self.tokenizer, data.max_prompt_len, data.source)
-        self.data_notes = [train.summary()]
-        val_batch = None
-        if spec.run.val_size:
-            source = data.val_source or data.source
-            val_rows = make_rows(
-                source, "validation", spec.run.val_size, spec.run.seed, spec.base_dir
-            )
-            val_set = PromptDataset(
-                val_rows[: spec.run.val_size], self.tokenizer, data.max_prompt_len, source
-            )
-            if not len(val_set):
-                raise DataError(f"validation: {val_set.summary()}: raise data.max_prompt_len")
-            val_batch = val_set.collate(list(range(len(val_set))))
-            self.data_notes.append(f"validation {val_set.summary()}")
-        for note in self.data_notes:
-            repeated = "repeat an earlier one" in note
-            print(f"flowrl: {'warning: ' if repeated else ''}data: {note}", file=sys.stderr)
-        return train, val_batch
 
     def close(self) -> None:
         from flowrl.rewards.pool import close_all
@@ -226,32 +197,13 @@ class Trainer:
                     f"{self.run_dir} (run.max_nonfinite_steps "
                     "sets how many are tolerated)"
                 )
-            self._warn_if_stuck(step, metrics, loggers)
-            if last or (run.save_every and step % run.save_every == 0):
-                self.save(step)
-            bar.set_postfix(step_log.postfix(metrics))
-
-    def _warn_if_stuck(self, step: int, metrics: dict, loggers: Loggers) -> None:
-        """A model whose gradient norm stayed exactly 0 for STUCK_STEPS steps in a row does not
-        learn: said once per model (a learning rate that destroyed it, or rewards that never
-        differ within a group, so every advantage is 0)."""
-        for key, value in metrics.items():
-            node = key.rpartition("/")[0]
-            count = self.zero_steps.get(node, 0)
-            if not key.endswith("/grad_norm") or count < 0:  # count -1: said already
-                continue
-            self.zero_steps[node] = count + 1 if value == 0.0 else 0
-            if self.zero_steps[node] == STUCK_STEPS:
-                self.zero_steps[node] = -1  # said once
-                message = (
-                    f"step {step}: the gradient norm of {node} has been 0 for {STUCK_STEPS} "
-                    "steps in a row: nothing is learned. Either the learning rate is far too "
-                    "large (check [models] lr) or every reward within a group is the same (the "
-                    "advantages are 0: check the scorer, score/mean and its spread)"
-                )
+            if message := step_log.stuck(self.zero_steps, step, metrics):
                 tqdm.write(f"warning: {message}")
                 with self._writing("metrics.jsonl"):
                     loggers.log({"event": "warning", "step": step, "message": message})
+            if last or (run.save_every and step % run.save_every == 0):
+                self.save(step)
+            bar.set_postfix(step_log.postfix(metrics))
 
     def step(self, step: int) -> tuple[dict, object]:
         start = time.time()
