@@ -383,7 +383,9 @@ def test_same_second_starts_get_directories_of_their_own(tmp_path, monkeypatch):
     second, _ = run_dirs.create(tmp_path / "runs" / "deep", "grpo")
     assert (first.name, second.name) == ("grpo-20250102-030405", "grpo-20250102-030405-1")
     assert made == [tmp_path / "runs" / "deep", tmp_path / "runs"]
-    context = multiprocessing.get_context("spawn")  # and four processes racing for one name
+    # and four processes racing for one name (forked: nothing to import again, so the race
+    # starts at the barrier, however loaded the machine)
+    context = multiprocessing.get_context("fork")
     barrier, queue = context.Barrier(4), context.Queue()
     racers = [
         context.Process(target=_create_after, args=(barrier, tmp_path / "race", queue))
@@ -391,7 +393,7 @@ def test_same_second_starts_get_directories_of_their_own(tmp_path, monkeypatch):
     ]
     for p in racers:
         p.start()
-    names = sorted(queue.get(timeout=120) for _ in racers)
+    names = sorted(queue.get(timeout=600) for _ in racers)
     for p in racers:
         p.join()
     assert len(set(names)) == 4 and all(os.path.isdir(n) for n in names)
