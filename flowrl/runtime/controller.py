@@ -61,10 +61,13 @@ def run(
             faults.point("locked", 0)
             if lock.stale:
                 print(f"{run_dir}: its lock was left by {lock.stale}, no longer running; taken")
+            changes = []
             if resume:
-                asked = resuming.prepare(run_dir, asked, spec, allow_graph_change, command)
+                asked, changes = resuming.prepare(run_dir, asked, spec, allow_graph_change, command)
             trainer = Trainer(plan, run_dir, backend or spec.run.backend, command=command)
             try:
+                if resume:  # the models loaded: the resume goes ahead with this graph
+                    resuming.record(run_dir, spec, asked, changes)
                 trainer.fit(resume=asked if resume else False)
             finally:
                 trainer.close()

@@ -73,24 +73,37 @@ def choose(run_dir: Path, asked: Path | None, command: str) -> Path:
     )
 
 
-def prepare(run_dir: Path, asked, spec, allow: bool, command: str) -> Path:
+def prepare(run_dir: Path, asked, spec, allow: bool, command: str) -> tuple[Path, list[str]]:
     """Every check of a resume that needs no model: files writable, checkpoint complete, graph
-    the run's. Returns the checkpoint to load."""
+    the run's. Returns (the checkpoint to load, the graph's differences to `record` once the
+    models have loaded)."""
     check_writable(run_dir)
     directory = choose(run_dir, asked, command)
     changes = compare_graph(run_dir, spec, allow, command)
-    if changes:
-        print(f"the graph differs from the run's ({run_dir / 'graph.toml'}); continuing with:")
-        for line in changes:
-            print(f"  {line}")
-        accept(run_dir, spec)
-        with open(run_dir / "metrics.jsonl", "a") as log:
-            row = {"event": "graph_change", "from_step": manifest(directory)["step"]}
-            log.write(json.dumps({**row, "changes": changes}) + "\n")
     made_with = manifest(directory).get("flowrl_version")
     if made_with != flowrl.__version__:
         print(f"{directory} was written by flowrl {made_with}; this is {flowrl.__version__}")
-    return directory
+    return directory, changes
+
+
+def record(run_dir: Path, spec, directory: Path, changes: list[str]) -> None:
+    """A resume that goes ahead with a changed graph: say so, make it the run's graph.toml and
+    log the differences (a `graph_change` event in metrics.jsonl)."""
+    if not changes:
+        return
+    print(f"the graph differs from the run's ({run_dir / 'graph.toml'}); continuing with:")
+    for line in changes:
+        print(f"  {line}")
+    row = {"event": "graph_change", "from_step": manifest(directory)["step"], "changes": changes}
+    try:
+        accept(run_dir, spec)
+        with open(run_dir / "metrics.jsonl", "a") as log:
+            log.write(json.dumps(row) + "\n")
+    except OSError as e:
+        raise RunDirError(
+            f"--resume {run_dir}: its graph.toml or metrics.jsonl could not be written "
+            f"({e.strerror or e}); nothing was trained. Free space or make them writable"
+        ) from e
 
 
 def check_writable(run_dir: Path) -> None:
