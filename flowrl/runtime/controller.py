@@ -93,7 +93,7 @@ class Trainer:
         policy = _rollout_model(spec)
         self.tokenizer = load_tokenizer(spec.models[policy].path)  # also fills the model cache
         guards.check_models(spec, policy, self.tokenizer)
-        self.train_set, self.val_batch, self.data_notes = prompt_sets(spec, self.tokenizer)
+        self.train_set, self.val_batch, _ = prompt_sets(spec, self.tokenizer)
         self.loader = PromptLoader(
             self.train_set, spec.data.batch_size, spec.run.seed, spec.data.shuffle
         )
@@ -125,8 +125,6 @@ class Trainer:
                 samples_file = open(self.run_dir / "samples.jsonl", "a")
                 stack.callback(_close_quietly, samples_file)
             stack.callback(self._write_trace)  # also when stopped: what the steps did
-            with self._writing("metrics.jsonl"):
-                loggers.log({"event": "data", "step": start_step, "notes": self.data_notes})
             if resume:
                 with self._writing("metrics.jsonl"):
                     loggers.log({"event": "resume", "step": start_step})
@@ -227,6 +225,7 @@ class Trainer:
         self.trace.add(slices, step)
         out = {"step": step, "time_s": seconds, **step_log.batch_metrics(batch), **metrics}
         out["data/dropped_too_long"] = self.train_set.filtered  # prompts never trained on
+        out["data/duplicates"] = self.train_set.duplicates
         for name, value in step_log.timings(slices).items():
             out[f"timing_s/{name}"] = value
         tokens = (
