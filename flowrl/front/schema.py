@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from flowrl.engines.rollout import ROLLOUT_BACKENDS  # torch-free: the table, no backend
+from flowrl.backends import ROLLOUT_BACKENDS  # torch-free: the records, no backend
 from flowrl.front.validators import (
     MAX_DATASET,
     MAX_MEMORY_GB,
@@ -139,7 +139,7 @@ class ModelConfig:
     head: str = checked("lm", one_of(HEADS))  # "value" for critics
     pool: str = ""  # which pool hosts it; may be left out when there is one pool
     rollout_pool: str = ""  # pool of its rollout engine; "" = the same (hybrid engine)
-    rollout: str = checked("hf", _backend_name())  # rollout backend (engines/rollout.py)
+    rollout: str = checked("hf", _backend_name())  # rollout backend (flowrl/backends.py)
     dtype: str = checked("float32", one_of(DTYPES))  # of the weights
     lr: float = checked(1e-6, positive())  # AdamW peak learning rate
     weight_decay: float = checked(0.0, at_least(0))  # AdamW decoupled weight decay
@@ -230,8 +230,6 @@ class GraphSpec:
                 out[name] = attrs.evolve(config, pool=pool, trainable=False)
         return out
 
-
-TABLES = {"run": RunConfig, "data": DataConfig}
 
 # Sizes of the aliases, for memory estimates without loading anything: parameters, layers and
 # the width of one layer's keys (kv heads x head dim). Other paths are read from config.json.

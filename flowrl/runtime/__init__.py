@@ -5,7 +5,7 @@ one module plus one entry in `EXECUTORS` (and its name in `flowrl.front.schema.B
 graph file's `run.backend` and the CLI's `--backend` accept).
 """
 
-import importlib
+from flowrl import refs
 
 EXECUTORS = {
     "local": "flowrl.runtime.local_executor:LocalExecutor",
@@ -17,5 +17,4 @@ def make_executor(name: str, plan, num_cpus: int | None = None):
     """The executor called `name`, built for `plan` (its module is imported only now)."""
     if name not in EXECUTORS:
         raise ValueError(f'unknown executor "{name}": use one of {", ".join(EXECUTORS)}')
-    module, _, attribute = EXECUTORS[name].partition(":")
-    return getattr(importlib.import_module(module), attribute)(plan, num_cpus=num_cpus)
+    return refs.load(EXECUTORS[name], what=f'executor "{name}"')(plan, num_cpus=num_cpus)

@@ -107,4 +107,5 @@ SPEC = NodeSpec(
     fn=run,
     check=check,
     optional_reads={"rollout_info": lambda p: p.rollout_info},
+    scorer_param="scorer",
 )

@@ -7,6 +7,8 @@ from flowrl.runtime.local_executor import LocalExecutor
 from flowrl.runtime.node_call import NodeFailure
 from flowrl.testing import update_batch
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
 ray = pytest.importorskip("ray")
 
 

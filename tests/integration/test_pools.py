@@ -8,6 +8,8 @@ import torch
 
 from flowrl.runtime.controller import Trainer
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
 ray = pytest.importorskip("ray")
 
 

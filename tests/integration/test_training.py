@@ -8,6 +8,8 @@ import torch
 
 from flowrl.runtime.controller import Trainer
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
 ROOT = Path(__file__).resolve().parents[2]
 GRAPHS = sorted(p.name for p in (ROOT / "graphs").glob("*.toml"))
 

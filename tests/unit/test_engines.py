@@ -9,7 +9,7 @@ import torch
 from flowrl.nodes import generate, logprob, values
 from flowrl.nodes.reward import model as reward_model
 
-from flowrl.engines import RolloutEngine, TrainEngine
+from flowrl.engines import HFRollout, TrainEngine
 from flowrl.engines.kv_cache import PreallocatedLayer, preallocated_cache
 from flowrl.engines.sampling import nucleus, sample_tokens
 from flowrl.models import load_model
@@ -231,7 +231,7 @@ def test_generate_writes_response_attention_and_model_nodes_read_it():
     from flowrl.nodes.update import critic, policy
 
     gen = generate.GenerateWorker(
-        RolloutEngine(tiny_model(), tiny_tokenizer()), generate.Params(n=2, max_new_tokens=4)
+        HFRollout(tiny_model(), tiny_tokenizer()), generate.Params(n=2, max_new_tokens=4)
     )
     batch = rows(4, b=3)
     batch.meta.update(seed=1, step=0)
@@ -403,7 +403,7 @@ def test_missing_hub_id_is_a_clear_error():
         load_model("no-such-org/no-such-model-flowrl")
 
 
-# -- RolloutEngine --------------------------------------------------------------------------
+# -- HFRollout --------------------------------------------------------------------------
 
 
 def hf_greedy(model, tok, batch, new_tokens):
@@ -422,7 +422,7 @@ def test_greedy_rollout_matches_hf_generate_with_left_padding():
     model, tok = tiny_model(seed=3), tiny_tokenizer()
     batch = widen(rows(2, b=4, p=7), 2, 0)  # ragged prompts plus all-padding columns
     assert len(set(batch["prompt_mask"].sum(-1).tolist())) > 1
-    engine = RolloutEngine(model, tok)
+    engine = HFRollout(model, tok)
     out = engine.generate(batch["prompts"], batch["prompt_mask"], max_new_tokens=8, do_sample=False)
     ref = hf_greedy(model, tok, batch, 8)
     assert out["responses"].shape == (4, 8)
@@ -454,7 +454,7 @@ def test_shared_prompt_prefix_runs_once_and_changes_nothing():
             ),
         }
     )
-    engine, calls = RolloutEngine(model, tok), []
+    engine, calls = HFRollout(model, tok), []
     forward = engine._forward
     engine._forward = lambda ids, *a: calls.append(tuple(ids.shape)) or forward(ids, *a)
     out = engine.generate(batch["prompts"], batch["prompt_mask"], max_new_tokens=6, do_sample=False)
@@ -477,7 +477,7 @@ class EosAtStepR(torch.nn.Module):
 
 
 def test_response_mask_includes_first_eos_and_nothing_after():
-    engine = RolloutEngine(EosAtStepR(), SimpleNamespace(eos_token_id=2, pad_token_id=0))
+    engine = HFRollout(EosAtStepR(), SimpleNamespace(eos_token_id=2, pad_token_id=0))
     prompts = torch.tensor([[0, 1, 1], [1, 1, 1], [3, 1, 1], [2, 1, 1], [5, 1, 1]])
     mask = torch.ones(5, 3, dtype=torch.long)
     out = engine.generate(prompts, mask, max_new_tokens=4, do_sample=False)
@@ -570,7 +570,7 @@ def test_rollout_uses_a_preallocated_cache_with_the_same_tokens_as_a_dynamic_one
     batch = rows(3, b=3)
 
     def generate():
-        engine = RolloutEngine(model, tok)
+        engine = HFRollout(model, tok)
         g = torch.Generator().manual_seed(0)
         return engine.generate(
             batch["prompts"], batch["prompt_mask"], n=3, max_new_tokens=8, generator=g
@@ -586,7 +586,7 @@ def test_rollout_uses_a_preallocated_cache_with_the_same_tokens_as_a_dynamic_one
 def test_generated_rows_train_directly():
     model, tok = tiny_model(seed=0), tiny_tokenizer()
     batch = rows(5, b=2)
-    out = RolloutEngine(model, tok).generate(
+    out = HFRollout(model, tok).generate(
         batch["prompts"], batch["prompt_mask"], n=2, max_new_tokens=4
     )
     assert not any(v.is_inference() for v in out.values())
@@ -600,7 +600,7 @@ def test_generated_rows_train_directly():
 def test_workers_on_rows_and_on_an_empty_batch():
     tok = tiny_tokenizer()
     gen = generate.GenerateWorker(
-        RolloutEngine(tiny_model(), tok), generate.Params(n=2, max_new_tokens=4)
+        HFRollout(tiny_model(), tok), generate.Params(n=2, max_new_tokens=4)
     )
     batch = rows(4, b=3)
     batch.meta.update(seed=1, step=0)
@@ -657,7 +657,7 @@ def test_cuda_offload_frees_device_memory_and_reload_restores_every_bit():
 @pytest.mark.gpu
 @cuda
 def test_cuda_rollout_samples_with_a_device_generator():
-    engine = RolloutEngine(tiny_model().cuda(), tiny_tokenizer(), "cuda")
+    engine = HFRollout(tiny_model().cuda(), tiny_tokenizer(), "cuda")
     batch = rows(5, b=3)
     meta = {"seed": 1, "step": 2, "rank": 0}
     out = engine.generate(
