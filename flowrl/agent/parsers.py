@@ -4,7 +4,7 @@
   models emit (verl's and TRL's default). A block whose JSON does not parse, or that has no
   name, is a malformed call: the model is told so as the tool's answer (verl drops it).
 - `tag`: `<name>argument</name>` for tools of one argument, e.g. `<calc>347*28</calc>`: 12
-  tokens for SmolLM2 where the hermes form takes 34 (research/multiturn.md section 4).
+  tokens for SmolLM2's tokenizer where the hermes form takes 34.
 - a user function `parse(text) -> [(name, arguments dict), ...]` from "file.py:function".
 
 No torch.
