@@ -25,12 +25,15 @@ __all__ = [
     "ScriptedTurns",
     "VARIED_SCORER",
     "TinyRun",
+    "assert_same",
+    "first_step",
     "run_tiny",
     "tiny_model",
     "tiny_overrides",
     "tiny_plan",
     "tiny_tokenizer",
     "update_batch",
+    "update_rows",
 ]
 
 
@@ -79,6 +82,64 @@ def update_batch(b: int = 4, p: int = 5, t: int = 4, seed: int = 0):
             "old_logprobs": torch.randn(b, t, generator=g) * 0.1 - 3.0,
         }
     )
+
+
+def update_rows(b: int = 6, p: int = 5, t: int = 4, seed: int = 0):
+    """A random DataProto that the policy and the critic update take: b rows of p prompt
+    tokens and responses of 1 to t tokens (right-padded), advantages zero on every second row
+    (rows without a gradient, which an update may skip), old log-probs, values and returns;
+    ids in [3, 100), within the tiny tokenizer's vocabulary."""
+    import torch
+
+    from flowrl.protocol import DataProto
+
+    g = torch.Generator().manual_seed(seed)
+    response_mask = torch.arange(t)[None] < torch.randint(1, t + 1, (b,), generator=g)[:, None]
+    advantages = torch.randn(b, 1, generator=g) * response_mask
+    advantages[::2] = 0.0  # half the rows carry no signal
+    return DataProto.from_dict(
+        {
+            "prompts": torch.randint(3, 100, (b, p), generator=g),
+            "prompt_mask": torch.ones(b, p, dtype=torch.long),
+            "responses": torch.randint(3, 100, (b, t), generator=g) * response_mask,
+            "response_mask": response_mask.long(),
+            "advantages": advantages,
+            "old_logprobs": torch.randn(b, t, generator=g) * 0.1 - 3.0,
+            "values": torch.zeros(b, t),
+            "returns": torch.randn(b, t, generator=g),
+        }
+    )
+
+
+def first_step(model, worker_class, params, micro_tokens: int = 4096, rows=None):
+    """(the gradients of the first optimizer step, the metrics) of `worker_class(engine,
+    params)` run on `rows` (default `update_rows()`), over a copy of `model` (lr 0.01)."""
+    import copy
+
+    from flowrl.engines import TrainEngine
+
+    engine = TrainEngine(copy.deepcopy(model), tiny_tokenizer(), lr=1e-2, micro_tokens=micro_tokens)
+    grads, step = [], engine.step
+
+    def record_then_step():
+        grads.append(
+            {n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None}
+        )
+        return step()
+
+    engine.step = record_then_step
+    _, metrics = worker_class(engine, params)(update_rows() if rows is None else rows)
+    return grads[0], metrics
+
+
+def assert_same(a: dict, b: dict) -> None:
+    """Two dicts of tensors (gradients by parameter name) hold the same keys and values, up to
+    float32 summation order."""
+    import torch
+
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-7)
 
 
 class ScriptedTurns:
