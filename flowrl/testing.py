@@ -26,7 +26,10 @@ __all__ = [
     "VARIED_SCORER",
     "TinyRun",
     "assert_same",
+    "compile_text",
     "first_step",
+    "graph_problems",
+    "ragged_rows",
     "run_tiny",
     "tiny_model",
     "tiny_overrides",
@@ -34,6 +37,7 @@ __all__ = [
     "tiny_tokenizer",
     "update_batch",
     "update_rows",
+    "write_graph",
 ]
 
 
@@ -43,6 +47,34 @@ def tiny_plan(graph: str | Path, out_dir: str | Path, **extra):
     from flowrl.front.compiler import compile_file
 
     return compile_file(graph, tiny_overrides(graph, out_dir, **extra))
+
+
+def write_graph(folder: str | Path, text: str, name: str = "g.toml", **fields) -> Path:
+    """Write graph `text` to folder/name, with `{field}`s filled in (`text.format(**fields)`,
+    so a literal brace is written doubled), and return its path."""
+    path = Path(folder) / name
+    path.write_text(text.format(**fields))
+    return path
+
+
+def compile_text(folder: str | Path, text: str, overrides=(), **fields):
+    """The ExecutionPlan of graph `text` (written by `write_graph`) under `overrides`; raises
+    GraphErrors like `flowrl check`."""
+    from flowrl.front.compiler import compile_file
+
+    return compile_file(write_graph(folder, text, **fields), list(overrides))
+
+
+def graph_problems(folder: str | Path, text: str, overrides=(), **fields) -> list:
+    """The problems (flowrl.errors.Problem) `flowrl check` finds in graph `text`; an
+    AssertionError if it compiles."""
+    from flowrl.errors import GraphErrors
+
+    try:
+        compile_text(folder, text, overrides, **fields)
+    except GraphErrors as e:
+        return e.problems
+    raise AssertionError("the graph compiled; problems were expected")
 
 
 @attrs.frozen
@@ -80,6 +112,28 @@ def update_batch(b: int = 4, p: int = 5, t: int = 4, seed: int = 0):
             "response_mask": response_mask.long(),
             "advantages": torch.randn(b, 1, generator=g) * response_mask,
             "old_logprobs": torch.randn(b, t, generator=g) * 0.1 - 3.0,
+        }
+    )
+
+
+def ragged_rows(seed: int = 0, b: int = 4, p: int = 6, t: int = 5):
+    """A random DataProto of b left-padded prompts (2 to p tokens) and right-padded responses
+    (1 to t tokens), with their masks; ids in [3, 100)."""
+    import torch
+
+    from flowrl.protocol import DataProto
+
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = torch.randint(2, p + 1, (b,), generator=g)
+    resp_len = torch.randint(1, t + 1, (b,), generator=g)
+    prompt_mask = (torch.arange(p)[None] >= p - prompt_len[:, None]).long()
+    response_mask = (torch.arange(t)[None] < resp_len[:, None]).long()
+    return DataProto.from_dict(
+        {
+            "prompts": torch.randint(3, 100, (b, p), generator=g) * prompt_mask,
+            "prompt_mask": prompt_mask,
+            "responses": torch.randint(3, 100, (b, t), generator=g) * response_mask,
+            "response_mask": response_mask,
         }
     )
 

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import toml
 import torch
-from test_data_parallel import fixed_batch
+from conftest import fixed_batch
 
 from flowrl.engines import HFRollout
 from flowrl.runtime import checkpoint
