@@ -83,11 +83,11 @@ def load_file(
     key = PREFIX + re.sub(r"\W", "_", str(path))
     if key in sys.modules:
         return sys.modules[key]
-    spec = importlib.util.spec_from_file_location(key, path)
-    module = importlib.util.module_from_spec(spec)
+    module_spec = importlib.util.spec_from_file_location(key, path)
+    module = importlib.util.module_from_spec(module_spec)
     sys.modules[key] = module  # before running it, so its own classes can be pickled by name
     try:
-        spec.loader.exec_module(module)
+        module_spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[key]  # a file that failed loads afresh once it is fixed
         raise

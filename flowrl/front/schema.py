@@ -92,15 +92,6 @@ def _lora() -> Rule:
     return Rule(text, lambda v: not lora.settings_problem(v))
 
 
-def _strategy() -> Rule:
-    """ "ddp" or "fsdp"; the message names `placement` for a value of the pre-rename spelling,
-    when `strategy` held the Ray placement-group strategy."""
-    return Rule(
-        'one of "ddp", "fsdp" (the Ray placement-group strategy is set by `placement`)',
-        lambda v: v in STRATEGIES,
-    )
-
-
 @attrs.frozen
 class RunConfig:
     steps: int = checked(20, count(1, MAX_STEPS))  # training steps (one batch each)
@@ -164,7 +155,7 @@ class PoolConfig:
     offload: str = checked("auto", one_of(OFFLOAD))  # never/always/auto
     device_memory_gb: float = checked(0.0, at_least(0, MAX_MEMORY_GB))  # 0 = per device
     nodes: int = checked(1, count(1, MAX_WORKERS))  # machines the pool spans
-    strategy: str = checked("ddp", _strategy())  # "ddp" (replicated) or "fsdp" (sharded)
+    strategy: str = checked("ddp", one_of(STRATEGIES))  # "ddp" (replicated) or "fsdp" (sharded)
     placement: str = checked("", one_of(PLACEMENTS))  # Ray; "" = PACK or STRICT_SPREAD
 
 
