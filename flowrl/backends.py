@@ -1,4 +1,9 @@
-"""The table of rollout backends: what the front end knows of each, without importing any.
+"""The tables of backends: the executors a run may use and the rollout backends a model may
+use, as the front end knows them, without importing any.
+
+`run.backend` (or `flowrl run --backend`) names an executor in `EXECUTORS`: how a plan's pool
+calls reach the ranks (flowrl/runtime/executor.py). Adding one is one module plus one line
+there; its module is imported only when a run starts.
 
 A graph picks a backend per model with `rollout = "<name>"` in `[models.<name>]`. The record
 says where the class is (imported only when a pool builds it: flowrl/engines/rollout.py has
@@ -35,6 +40,12 @@ class Backend:
     install: str = ""
     multi_turn: bool = False
 
+
+# run.backend -> "package.module:Class" of its executor, the default first
+EXECUTORS = {
+    "ray": "flowrl.runtime.ray_executor:RayExecutor",
+    "local": "flowrl.runtime.local_executor:LocalExecutor",
+}
 
 ROLLOUT_BACKENDS = {
     # flowrl's own KV-cache decode loop (CPU and CUDA)

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from flowrl.backends import ROLLOUT_BACKENDS  # torch-free: the records, no backend
+from flowrl.backends import EXECUTORS, ROLLOUT_BACKENDS  # torch-free: names, no backend
 from flowrl.front.validators import (
     MAX_DATASET,
     MAX_MEMORY_GB,
@@ -35,7 +35,7 @@ from flowrl.front.validators import (
 from flowrl.models import lora
 from flowrl.nodespec import HEADS, NodeSpec
 
-BACKENDS = ("ray", "local")
+BACKENDS = tuple(EXECUTORS)  # run.backend: "ray" or "local"
 SCHEDULES = ("constant", "cosine")
 OFFLOAD = ("never", "always", "auto")
 DEVICES = ("cpu", "cuda")

@@ -1,16 +1,12 @@
 """The runtime: controller loop, executors (local, Ray), pool workers, checkpoints, trace.
 
 Imports torch; `flowrl check/plan/render` never load this package's modules. An executor is
-one module plus one entry in `EXECUTORS` (and its name in `flowrl.front.schema.BACKENDS`, which the
-graph file's `run.backend` and the CLI's `--backend` accept).
+one module plus one line in `EXECUTORS` (flowrl/backends.py, torch-free: the graph check reads
+the names there).
 """
 
 from flowrl import refs
-
-EXECUTORS = {
-    "local": "flowrl.runtime.local_executor:LocalExecutor",
-    "ray": "flowrl.runtime.ray_executor:RayExecutor",
-}
+from flowrl.backends import EXECUTORS
 
 
 def make_executor(name: str, plan, num_cpus: int | None = None):

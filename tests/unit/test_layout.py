@@ -105,13 +105,6 @@ def test_the_circle_check_sees_a_deferred_import(tmp_path):
     assert import_cycles(tmp_path) == []
 
 
-def test_every_executor_name_is_a_backend_and_back():
-    from flowrl.front import schema
-    from flowrl.runtime import EXECUTORS
-
-    assert set(EXECUTORS) == set(schema.BACKENDS)
-
-
 FRONT = "flowrl.front"
 BACK = ("flowrl.engines", "flowrl.runtime")  # torch and ray live behind these
 
