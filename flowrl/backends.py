@@ -5,7 +5,8 @@ use, as the front end knows them, without importing any.
 calls reach the ranks (flowrl/runtime/executor.py). Adding one is one module plus one line
 there; its module is imported only when a run starts.
 
-A graph picks a backend per model with `rollout = "<name>"` in `[models.<name>]`. The record
+A graph picks a rollout backend per model with `rollout = "<name>"` in `[models.<name>]`: a
+`Backend` record in `ROLLOUT_BACKENDS`. The record
 says where the class is (imported only when a pool builds it: flowrl/engines/rollout.py has
 the contract and `make_rollout`), the one kind of pool device it runs on, the optional
 package it needs and how to install that, and whether it serves multi-turn rollouts (the
@@ -23,7 +24,7 @@ import attrs
 
 @attrs.frozen
 class Backend:
-    """One rollout backend.
+    """One rollout backend's record.
 
     Attributes:
         ref: "package.module:Class" of the class (flowrl/refs.py loads it).
