@@ -16,6 +16,7 @@ server with its own copy of the weights: both). After an update it calls
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from flowrl import refs
@@ -90,7 +91,12 @@ def rollout_class(name: str) -> type:
     return refs.load(backend(name).ref, what=f'rollout backend "{name}"')
 
 
-def make_rollout(name: str, module, tokenizer, device: str = "cpu") -> RolloutBackend:
+def make_rollout(
+    name: str, module, tokenizer, device: str = "cpu", where: str = ""
+) -> RolloutBackend:
     """A rollout engine of backend `name` over `module` (shared with the train engine when
-    colocated, so a weight sync costs nothing) and `tokenizer`, on `device`."""
-    return rollout_class(name)(module, tokenizer, device)
+    colocated, so a weight sync costs nothing) and `tokenizer`, on `device`. `where` ("pool p,
+    rank r, model m") goes to a backend whose constructor takes it, for its error messages."""
+    cls = rollout_class(name)
+    takes_where = "where" in inspect.signature(cls).parameters
+    return cls(module, tokenizer, device, **({"where": where} if takes_where else {}))
