@@ -27,6 +27,7 @@ __all__ = [
     "TinyRun",
     "run_tiny",
     "tiny_model",
+    "loss_params",
     "tiny_overrides",
     "tiny_plan",
     "tiny_tokenizer",
@@ -79,6 +80,17 @@ def update_batch(b: int = 4, p: int = 5, t: int = 4, seed: int = 0):
             "old_logprobs": torch.randn(b, t, generator=g) * 0.1 - 3.0,
         }
     )
+
+
+def loss_params(**fields):
+    """The params a policy loss of `flowrl.math.losses` reads, for calling one directly:
+    update.policy's defaults overridden by `fields`, unvalidated (so e.g. CISPO's
+    clip_low=None, no floor, can be tried)."""
+    from types import SimpleNamespace
+
+    from flowrl.nodes.update.policy import Params
+
+    return SimpleNamespace(**(attrs.asdict(Params()) | fields))
 
 
 class ScriptedTurns:

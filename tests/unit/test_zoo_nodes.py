@@ -13,6 +13,7 @@ from test_update_workers import assert_same, batch, updated
 
 from flowrl.engines import TrainEngine
 from flowrl.math import estimators, ops
+from flowrl.math.losses import LOSSES, Chunk
 from flowrl.nodespec import CheckContext
 from flowrl.protocol import DataProto
 from flowrl.testing import tiny_model, tiny_tokenizer
@@ -226,9 +227,10 @@ def test_dual_clip_is_on_by_default_with_verls_c():
     # ratio e^2 ~ 7.4 on a negative advantage: the loss per token is bounded by -A c = 3
     logp, old = torch.zeros(1, 1), torch.full((1, 1), -2.0)
     adv, mask = torch.full((1, 1), -1.0), torch.ones(1, 1)
-    loss, rates = policy.policy_loss(logp, old, adv, mask, policy.Params())
+    ppo = LOSSES[policy.Params().loss].fn
+    loss, rates = ppo(logp, old, adv, mask, policy.Params(), Chunk())
     assert float(loss) == pytest.approx(3.0) and rates["clip_frac_lower"] == 1.0
-    off, _ = policy.policy_loss(logp, old, adv, mask, policy.Params(dual_clip=0.0))
+    off, _ = ppo(logp, old, adv, mask, policy.Params(dual_clip=0.0), Chunk())
     assert float(off) == pytest.approx(float(torch.exp(torch.tensor(2.0))))
 
 
