@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from flowrl.nodes.advantage import gpg, opo, passk, reinforce_pp, remax
+from flowrl.nodes.advantage import gpg, opo, passk, reinforce_pp
 from flowrl.nodes.reward import kl_penalty, overlong, token_rewards
 from flowrl.nodes.update import policy
 from test_update_workers import assert_same, batch, updated
@@ -115,7 +115,7 @@ def test_remax_reward_to_go_minus_the_greedy_score():
     # KL in the reward: -0.1 on every token, the score 1 on the last one; greedy scored 0.5
     rewards = torch.tensor([[-0.1, -0.1, 0.9, 0.0]])
     mask = torch.tensor([[1, 1, 1, 0]])
-    adv = remax.remax_return_advantages(rewards, torch.tensor([0.5]), mask)
+    adv = estimators.remax_return_advantages(rewards, torch.tensor([0.5]), mask)
     # returns-to-go 0.7, 0.8, 0.9; minus 0.5
     torch.testing.assert_close(adv, torch.tensor([[0.2, 0.3, 0.4, 0.0]]))
 
@@ -125,8 +125,8 @@ def test_remax_with_only_the_score_is_the_outcome_form():
     scores, greedy = torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0.0, 1.0, 0.5])
     rewards = token_rewards.last_token_rewards(scores, mask)
     torch.testing.assert_close(
-        remax.remax_return_advantages(rewards, greedy, mask),
-        remax.remax_advantages(scores, greedy, mask).float(),
+        estimators.remax_return_advantages(rewards, greedy, mask),
+        estimators.remax_advantages(scores, greedy, mask).float(),
     )
 
 
@@ -140,7 +140,7 @@ def test_remax_matches_verls_loop():
             if mask[i, t]:
                 to_go = sum(float(rewards[i, s]) for s in range(t, 5) if mask[i, s])
                 expected[i, t] = to_go - float(greedy[i])
-    torch.testing.assert_close(remax.remax_return_advantages(rewards, greedy, mask), expected)
+    torch.testing.assert_close(estimators.remax_return_advantages(rewards, greedy, mask), expected)
 
 
 # -- advantage.reinforce_pp with baseline = "group" -----------------------------------------------
@@ -179,7 +179,7 @@ def test_reinforce_pp_baseline_matches_verl(seed):
     mask = lengths_mask(torch.randint(1, 6, (7,), generator=g).tolist(), 5)
     rewards = torch.randn(7, 5, generator=g)
     uid = torch.tensor([0, 0, 0, 1, 1, 2, 3])
-    got = reinforce_pp.baseline_advantages(rewards, mask, uid)
+    got = estimators.baseline_advantages(rewards, mask, uid)
     torch.testing.assert_close(got, verl_reinforce_pp_baseline(rewards, mask, uid))
 
 
