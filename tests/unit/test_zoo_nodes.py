@@ -3,6 +3,7 @@ a reference model, the pass@k / OPO / GPG advantage nodes, ReMax's reward-to-go,
 REINFORCE++-baseline, the adaptive KL controller's input, and verl's dual-clip default."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from flowrl.math.losses import LOSSES, Chunk
 from flowrl.nodespec import CheckContext
 from flowrl.protocol import DataProto
 from flowrl.testing import tiny_model, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def context(samples=4, prompts=2):
@@ -260,3 +263,45 @@ def test_update_reports_pg_clipfrac_lower():
     negative = ((adv < 0) & mask.bool())[computed].sum() / mask[computed].sum()
     assert metrics["clip_frac_lower"] == pytest.approx(float(negative), rel=1e-5)
     assert metrics["clip_frac_lower"] > 0
+
+
+# -- update.policy: loss-only params and the aggregation a loss's paper fixes ---------------
+
+
+def grpo_with(tmp_path, *lines):
+    """graphs/grpo.toml with `lines` added to its update_policy table, compiled (or refused)."""
+    from flowrl.front.compiler import compile_file
+
+    text = (ROOT / "graphs/grpo.toml").read_text()
+    table = "[nodes.update_policy]\n"
+    path = tmp_path / "g.toml"
+    path.write_text(text.replace(table, table + "".join(f"{line}\n" for line in lines)))
+    return path, lambda: compile_file(path)
+
+
+def test_a_loss_only_param_under_another_loss_is_refused_naming_file_key_and_fix(tmp_path):
+    from flowrl.errors import GraphErrors
+
+    path, compile_it = grpo_with(tmp_path, 'loss = "gspo"', "tau_neg = 2.0", "cov_ratio = 0.1")
+    with pytest.raises(GraphErrors) as refused:
+        compile_it()
+    text = str(refused.value)
+    for key, readers in (("tau_neg", '"sapo"'), ("cov_ratio", '"clip_cov" or "kl_cov"')):
+        line = next(x for x in text.splitlines() if f"{key} = " in x)
+        assert line.strip().startswith(f"{path}: [nodes.update_policy]: ")
+        assert f'read only by loss = {readers}; loss = "gspo" ignores it' in line
+    assert "fix: remove tau_neg, or set loss to one that reads it" in text
+    # the same params under the loss that reads them are fine
+    grpo_with(tmp_path, 'loss = "kl_cov"', "cov_ratio = 0.1")[1]()
+
+
+@pytest.mark.parametrize("loss", ["sapo", "gspo"])
+def test_check_warns_when_sapo_or_gspo_does_not_average_per_sequence(tmp_path, loss):
+    _, compile_it = grpo_with(tmp_path, f'loss = "{loss}"')
+    warned = [w for w in compile_it().warnings if "agg" in w]
+    assert warned == [
+        f'[nodes.update_policy] loss = "{loss}" with agg = "token-mean": the paper and verl '
+        'average it as agg = "seq-mean-token-mean"; set that to match them'
+    ]
+    _, compile_it = grpo_with(tmp_path, f'loss = "{loss}"', 'agg = "seq-mean-token-mean"')
+    assert not [w for w in compile_it().warnings if "agg" in w]
