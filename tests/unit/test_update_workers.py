@@ -259,3 +259,20 @@ def test_each_loss_reads_exactly_the_params_its_record_names():
         for param, new in moved.items():
             after = outcome(loss, attrs.evolve(base, **{param: new}))
             assert (not torch.equal(before, after)) == (param in loss.params), (name, param)
+
+
+def test_update_loop_reports_every_named_metric_from_a_rank_without_rows():
+    # a rank whose share of the step is empty never calls the loss, yet sums the same metric
+    # keys as the others (one all-reduce per key) and takes its optimizer step
+    engine = TrainEngine(tiny_model(seed=0), tiny_tokenizer(), lr=1e-2)
+    calls = []
+
+    def micro_loss(micro, counts):
+        calls.append(len(micro))
+        raise AssertionError("no micro-batch to compute")
+
+    empty = batch().index(slice(0, 0))
+    metrics = engine.update(empty, micro_loss, epochs=2, metrics=("pg_loss", "entropy"))
+    assert calls == []
+    assert metrics["pg_loss"] == metrics["entropy"] == 0.0
+    assert metrics["grad_norm"] == 0.0 and metrics["lr"] == 1e-2
