@@ -12,6 +12,7 @@ from flowrl.math.losses.base import CLIP, Chunk, Loss, tis_weights
 __all__ = ["LOSSES", "Chunk", "Loss", "loss_params", "tis_weights"]
 
 SEQ_MEAN = "seq-mean-token-mean"
+# name: Loss(function, rates it reports, loss-only params it reads, all_rows, agg its paper fixes)
 LOSSES = {
     "ppo": Loss(ppo.ppo_loss, ("clip_frac", "clip_frac_lower", "approx_kl"), CLIP + ("dual_clip",)),
     "gspo": Loss(gspo.gspo_loss, ("clip_frac", "approx_kl"), CLIP, agg=SEQ_MEAN),
@@ -20,9 +21,14 @@ LOSSES = {
     "gmpo": Loss(gmpo.gmpo_loss, ("clip_frac", "approx_kl"), CLIP),
     "sapo": Loss(sapo.sapo_loss, ("gate", "approx_kl"), ("tau_pos", "tau_neg"), agg=SEQ_MEAN),
     "clip_cov": Loss(
-        cov.clip_cov_loss, ("clip_frac", "cov_frac", "approx_kl"), CLIP + ("cov_ratio",), True
+        cov.clip_cov_loss,
+        ("clip_frac", "cov_frac", "approx_kl"),
+        CLIP + ("cov_ratio",),
+        all_rows=True,
     ),
-    "kl_cov": Loss(cov.kl_cov_loss, ("cov_frac", "approx_kl"), ("cov_ratio", "cov_kl_coef"), True),
+    "kl_cov": Loss(
+        cov.kl_cov_loss, ("cov_frac", "approx_kl"), ("cov_ratio", "cov_kl_coef"), all_rows=True
+    ),
 }
 
 
