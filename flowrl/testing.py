@@ -30,6 +30,7 @@ __all__ = [
     "first_step",
     "graph_problems",
     "ragged_rows",
+    "loss_params",
     "run_tiny",
     "tiny_model",
     "tiny_overrides",
@@ -194,6 +195,17 @@ def assert_same(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-7)
+
+
+def loss_params(**fields):
+    """The params a policy loss of `flowrl.math.losses` reads, for calling one directly:
+    update.policy's defaults overridden by `fields`, unvalidated (so e.g. CISPO's
+    clip_low=None, no floor, can be tried)."""
+    from types import SimpleNamespace
+
+    from flowrl.nodes.update.policy import Params
+
+    return SimpleNamespace(**(attrs.asdict(Params()) | fields))
 
 
 class ScriptedTurns:
