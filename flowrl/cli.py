@@ -28,6 +28,10 @@ def graph_path(file: str) -> str:
     loader reports a missing one). A bare name ("grpo") is the shipped graph of that name, so
     an installed flowrl runs its own graphs from any directory.
     """
+    if Path(file).is_dir():
+        inside = sorted(str(p) for p in Path(file).glob("*.toml"))
+        fix = f"give a graph file: {', '.join(inside)}" if inside else "give a .toml graph file"
+        raise GraphErrors([Problem(file, "file", "is a directory, not a graph file", fix)])
     names = shipped_graphs()
     if not is_bare_name(file):
         stem = Path(file).stem

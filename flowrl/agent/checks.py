@@ -4,6 +4,8 @@ tokenizer (never the weights), once per model path and observation role."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from flowrl.nodespec import CheckContext, Finding
 
 PARSERS = ("hermes", "tag")
@@ -108,31 +110,46 @@ def _template(path: str, obs_role: str) -> list[str]:
     key = (path, obs_role)
     if key not in _TEMPLATE:
         from flowrl.agent.chat import template_problems
+        from flowrl.agent.file_tokenizer import FileTokenizer
 
         try:
             tokenizer = tokenizer_of(path)
+            problems = template_problems(tokenizer, obs_role) if tokenizer else []
+            if problems and isinstance(tokenizer, FileTokenizer):
+                # found through tokenizers + jinja2: transformers, the authority, confirms
+                tokenizer = tokenizer_of(path, fast=False)
+                problems = template_problems(tokenizer, obs_role) if tokenizer else []
         except Exception as e:
-            _TEMPLATE[key] = [f"cannot load the tokenizer of {path!r}: {e}"]
-        else:
-            _TEMPLATE[key] = template_problems(tokenizer, obs_role) if tokenizer else []
+            problems = [f"cannot load the tokenizer of {path!r}: {e}"]
+        _TEMPLATE[key] = problems
     return _TEMPLATE[key]
 
 
-def tokenizer_of(path: str):
+def tokenizer_of(path: str, fast: bool = True):
     """The tokenizer of a model path, without torch (`flowrl check` runs where torch is not
     installed); None for the embedded model before its one-off conversion, which needs torch
-    (the first `flowrl run` converts it, and checks the template then)."""
+    (the first `flowrl run` converts it, and checks the template then). `fast`: read the
+    tokenizer's files through `tokenizers` and `jinja2` (flowrl/agent/file_tokenizer.py), not
+    transformers, whose import takes a second, where the files allow."""
+    from flowrl.agent.file_tokenizer import FileTokenizer
     from flowrl.models import embedded
 
     if path == "tiny":
-        from flowrl.models.tiny import tiny_tokenizer
+        from flowrl.models import tiny
 
-        return tiny_tokenizer()
+        if fast:
+            special = {"eos_token": "<|im_end|>", "pad_token": "<pad>"}
+            return FileTokenizer(tiny._tokenizer_json(), tiny.CHAT_TEMPLATE, special)
+        return tiny.tiny_tokenizer()
     if path == embedded.ALIAS:
         directory = embedded.cache_root() / "models" / embedded.ALIAS
         if not (directory / "config.json").is_file():
             return None
         path = str(directory)
+    if fast and Path(path).is_dir():
+        tokenizer = FileTokenizer.from_dir(path)
+        if tokenizer is not None:
+            return tokenizer
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 
 from flowrl.engines.rollout import DEVICE
-from flowrl.errors import Collector, did_you_mean, one_of
+from flowrl.errors import Collector, GraphErrors, Problem, did_you_mean, one_of
 from flowrl.front import registry, schema
 from flowrl.front.overrides import TOP_LEVEL, addressable, apply_overrides, said
 from flowrl.front.schema import DEFAULT_POOL, GraphSpec, NodeDecl
@@ -32,17 +32,32 @@ def load(file: str | Path, overrides: list[str] = (), base_dir: str | Path = "")
     `base_dir`: where its relative paths (node files, data, scorers) resolve; default the
     file's folder (`flowrl replay` loads a run directory's graph.toml against the original's).
     """
-    file = str(file)
-    errors = Collector(file)
-    raw = read_toml(Path(file), errors)
-    errors.raise_if_any()
-    overridden = apply_overrides(raw, overrides, errors)
-    spec = _build(file, raw, errors, overridden, str(base_dir))
-    errors.raise_if_any()
+    spec, problems = load_partial(file, overrides, base_dir)
+    if problems:
+        raise GraphErrors(problems)
     return spec
 
 
+def load_partial(
+    file: str | Path, overrides: list[str] = (), base_dir: str | Path = ""
+) -> tuple[GraphSpec | None, list[Problem]]:
+    """(spec, problems): as `load`, but a file whose every table could be built still gives
+    its spec beside its problems (a missing data file, a pool of 3 workers over 2 nodes ...),
+    so the later checks (wiring, batch arithmetic, each node's own check hook) can add theirs
+    and `flowrl check` shows every error at once. spec is None when a table could not be
+    built (then the later checks would only report its absence)."""
+    file = str(file)
+    errors = Collector(file)
+    raw = read_toml(Path(file), errors)
+    if errors.problems:
+        return None, errors.problems
+    overridden = apply_overrides(raw, overrides, errors)
+    spec = _build(file, raw, errors, overridden, str(base_dir))
+    return spec, errors.problems
+
+
 def _build(file, raw, errors: Collector, overridden: dict[str, str], root="") -> GraphSpec | None:
+    """The spec; None when a table (run, data, a model, a pool, a node) could not be built."""
     for key in raw:
         if key not in TOP_LEVEL:
             errors.add(
@@ -80,15 +95,18 @@ def _build(file, raw, errors: Collector, overridden: dict[str, str], root="") ->
     base_dir = Path(root) if root else Path(file).parent
     if data:
         _check_data(data, base_dir, errors, overridden)
-    nodes = {}
-    for node_id, table in _tables(raw, "nodes", errors).items():
+    nodes, tables = {}, _tables(raw, "nodes", errors)
+    for node_id, table in tables.items():
         decl = _node(node_id, table, models, base_dir, errors, overridden)
         if decl is not None:
             nodes[node_id] = decl
     if not raw.get("nodes"):
         errors.add("[nodes]", "the graph has no nodes", "add [nodes.<id>] tables with `uses`")
-    if errors.problems:
+    built = [run, data, *models.values(), *pools.values()]
+    if not nodes or len(nodes) < len(tables) or any(part is None for part in built):
         return None
+    if errors.problems and set(raw.get("nodes", {})) != set(tables):
+        return None  # a node entry that is not a table
     return GraphSpec(file, run, data, models, pools, nodes, raw, root)
 
 

@@ -84,6 +84,8 @@ def _import_file(path: Path):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    if str(path.resolve().parent) not in sys.path:  # its sibling modules import, as in tools
+        sys.path.append(str(path.resolve().parent))
     spec.loader.exec_module(module)
     return module
 
