@@ -91,11 +91,19 @@ def cmd_check(args) -> int:
             for things, what in ((spec.nodes, "node"), (spec.models, "model"), (spec.pools, "pool"))
         )
         shipped = f" (the shipped graph {file})" if path != file else ""
-        print(f"{path}{shipped}: ok ({counts}, {plan.batch.rows} rows per step)")
+        after = "".join(
+            f", at most {plan.batch.rows_per_node[n]} after {f}" for f, n in _after_filters(plan)
+        )
+        print(f"{path}{shipped}: ok ({counts}, {plan.batch.rows} rows per step{after})")
         print(node_table(spec, built))
         for warning in plan.warnings:
             print(f"  warning: {warning}")
     return status
+
+
+def _after_filters(plan) -> list[tuple[str, str]]:
+    """(filter, the first node after it) for each filter node that has nodes after it."""
+    return [(node, plan.after(node)[0]) for node in plan.filters() if plan.after(node)]
 
 
 def is_override(arg: str) -> bool:
@@ -111,6 +119,12 @@ def _count(n: int, what: str) -> str:
     return f"{n} {what}{'s' * (n != 1)}"
 
 
+def _writes(decl) -> str:
+    if decl.spec.rows == "filter":
+        return "(keeps rows: keep)"
+    return ", ".join(decl.writes) or "(update)"
+
+
 def node_table(spec, built) -> str:
     rows = [("node", "uses", "model", "mode", "reads -> writes")]
     for node in built.order:
@@ -121,7 +135,7 @@ def node_table(spec, built) -> str:
                 d.uses,
                 d.model or "-",
                 d.mode or "controller",
-                f"{', '.join(d.reads)} -> {', '.join(d.writes) or '(update)'}",
+                f"{', '.join(d.reads)} -> {_writes(d)}",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]

@@ -19,6 +19,7 @@ import torch
 
 from flowrl.engines.kv_cache import preallocated_cache
 from flowrl.engines.sampling import sample_tokens
+from flowrl.engines.scoring import cache_argument
 
 COMPACT_FRACTION = 0.25  # drop finished rows once this share of the active batch has finished
 # a shared prompt prefix is prefilled once when that saves this many prompt tokens: below it,
@@ -154,7 +155,7 @@ class HFRollout:
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=self.cache,
+            **cache_argument(self.module, self.cache),
             use_cache=True,
             logits_to_keep=1,  # the LM head only where the next token is chosen
         )

@@ -344,3 +344,17 @@ def test_a_table_that_cannot_be_built_stops_the_later_checks_only(tmp_path):
     with pytest.raises(GraphErrors) as info:
         compiler.compile_file(tmp_path / "g.toml")
     assert len(info.value.problems) == 1 and '"n"' in info.value.problems[0].message
+
+
+def test_only_an_optional_write_nobody_reads_is_warned_about():
+    """A node's own writes are its contract: the agent's rollout_logprobs, ReMax's renamed
+    greedy responses give no warning; generate's rollout_logprobs, turned on by
+    return_logprobs with no reader, does."""
+    for name in ("grpo_tools", "remax"):
+        plan = compiler.compile_file(ROOT / f"graphs/{name}.toml")
+        assert not [w for w in plan.warnings if "no node reads" in w], plan.warnings
+    plan = compiler.compile_file(ROOT / "graphs/grpo.toml", ["nodes.generate.return_logprobs=true"])
+    assert [w for w in plan.warnings if "no node reads" in w] == [
+        '[nodes.generate] writes "rollout_logprobs", which its params turn on and no node '
+        "reads (computed for nothing)"
+    ]
