@@ -272,6 +272,14 @@ def _node(node_id, table, models, base_dir, errors: Collector, overridden) -> No
         )
         return None
     spec = ref.spec
+    if spec.rows == "filter" and spec.writes:
+        errors.add(
+            where,
+            f'{uses} is a filter (rows = "filter") but declares writes {list(spec.writes)}: '
+            "a filter returns only its keep mask, which the runtime applies and no node reads",
+            "declare writes=() in its SPEC, and move any other output into a node of its own",
+        )
+        return None
     model = table.get("model")
     _check_model(where, spec, model, models, errors, said(overridden, f"nodes.{node_id}.model"))
     rename = table.get("rename", {})
