@@ -8,6 +8,7 @@ graph ("grpo").
 """
 
 import argparse
+import json
 import os
 import sys
 from importlib.resources import files
@@ -197,11 +198,14 @@ def cmd_run(args) -> int:
     from flowrl.runtime.controller import run  # torch and ray load from here on
 
     try:
-        run(plan, backend=args.backend, resume=args.resume)
+        run_dir = run(plan, backend=args.backend, resume=args.resume)
     except Exception as e:
         if args.pdb:
             _debug(e)
         raise
+    if args.tiny:  # what the run exercised: a tiny run looks more conclusive than it is
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+        print(tiny_run.summary(plan.spec, [json.loads(line) for line in lines]))
     return 0
 
 

@@ -46,17 +46,21 @@ def tiny_plan(graph: str | Path, out_dir: str | Path, **extra):
 class TinyRun:
     run_dir: Path
     metrics: list[dict]  # metrics.jsonl, one dict per logged row (step 0: validation)
+    summary: str = ""  # what was real and what was stubbed, as `flowrl run --tiny` prints it
 
 
 def run_tiny(graph: str | Path, out_dir: str | Path, backend: str = "local", **extra) -> TinyRun:
     """Train `graph` on the tiny model (2 steps unless `"run.steps"` is given) and return its
     run directory and logged metrics. backend "local" runs every node in this process (no Ray).
     """
+    from flowrl.front.tiny_run import summary
     from flowrl.runtime.controller import run
 
-    run_dir = run(tiny_plan(graph, out_dir, **extra), backend=backend)
+    plan = tiny_plan(graph, out_dir, **extra)
+    run_dir = run(plan, backend=backend)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return TinyRun(run_dir, [json.loads(line) for line in lines])
+    metrics = [json.loads(line) for line in lines]
+    return TinyRun(run_dir, metrics, summary(plan.spec, metrics))
 
 
 def update_batch(b: int = 4, p: int = 5, t: int = 4, seed: int = 0):
