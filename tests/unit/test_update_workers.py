@@ -257,3 +257,13 @@ def test_loss_param_passes_its_params_to_the_pure_functions():
         assert float(got) == pytest.approx(float(value)), loss
         assert got_rates == pytest.approx(rates), loss  # e.g. cov_frac: the share picked
         assert set(got_rates) >= set(policy.RATES[loss])
+
+
+def test_update_batch_carries_every_key_the_policy_update_reads():
+    from flowrl.testing import tiny_engine, update_batch
+
+    rows = update_batch()
+    assert set(policy.SPEC.reads_for(policy.Params())) <= set(rows.keys())
+    torch.testing.assert_close(rows["response_attention"], rows["response_mask"])
+    _, metrics = policy.PolicyUpdateWorker(tiny_engine(), policy.Params())(rows)
+    assert metrics["grad_norm"] > 0
