@@ -1,5 +1,6 @@
 """The CLI's error handling and choices: one error base, constants from one place."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +115,19 @@ def test_a_tool_file_imports_its_sibling_from_any_working_directory(tmp_path):
         cwd=elsewhere,
     )
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_run_uses_the_chosen_pythons_flowrl():
+    """`make run PYTHON=venv/bin/python` runs that Python's flowrl, not a `flowrl` on PATH."""
+    result = subprocess.run(
+        ["make", "-n", "run", "PYTHON=/opt/venv/bin/python", "GRAPH=graphs/grpo.toml"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (
+        result.stdout.splitlines()[-1] == "/opt/venv/bin/python -m flowrl.cli run graphs/grpo.toml"
+    )
+    assert not any(line.startswith("flowrl ") for line in result.stdout.splitlines())
