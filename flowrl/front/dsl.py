@@ -103,11 +103,32 @@ def _build(file, raw, errors: Collector, overridden: dict[str, str], root="") ->
     if not raw.get("nodes"):
         errors.add("[nodes]", "the graph has no nodes", "add [nodes.<id>] tables with `uses`")
     built = [run, data, *models.values(), *pools.values()]
-    if not nodes or len(nodes) < len(tables) or any(part is None for part in built):
+    if any(part is None for part in built):
+        return None
+    if not nodes or len(nodes) < len(tables):
+        _checks_above_the_first_failed_node(
+            GraphSpec(file, run, data, models, pools, nodes, raw, root), list(tables), errors
+        )
         return None
     if errors.problems and set(raw.get("nodes", {})) != set(tables):
         return None  # a node entry that is not a table
     return GraphSpec(file, run, data, models, pools, nodes, raw, root)
+
+
+def _checks_above_the_first_failed_node(spec: GraphSpec, order: list[str], errors) -> None:
+    """A node table that could not be built leaves no spec to wire; the nodes above it in the
+    file still get their own checks (an agent's tools, a scorer that does not import), since
+    the rows they receive do not depend on it. Those below it might, so they wait."""
+    from flowrl.front import batching
+
+    failed = next((i for i, n in enumerate(order) if n not in spec.nodes), len(order))
+    above = {n: spec.nodes[n] for n in order[:failed]}
+    if not above:
+        return
+    try:
+        batching.unwired_findings(attrs.evolve(spec, nodes=above), errors)
+    except Exception:  # a hook tripping over a problem already reported
+        pass
 
 
 def _check_data(data: schema.DataConfig, base_dir: Path, errors: Collector, overridden) -> None:

@@ -358,3 +358,18 @@ def test_only_an_optional_write_nobody_reads_is_warned_about():
         '[nodes.generate] writes "rollout_logprobs", which its params turn on and no node '
         "reads (computed for nothing)"
     ]
+
+
+def test_nodes_above_a_node_that_cannot_be_built_still_get_their_own_checks(tmp_path):
+    """A wrong param on the update node leaves no spec to wire; the agent above it in the
+    file still has its tools checked (its rows do not depend on the update)."""
+    text = (ROOT / "graphs/grpo_tools.toml").read_text()
+    text = text.replace('tools = ["calculator"]', 'tools = ["calculator", "nope.py:f"]')
+    text = text.replace("kl_loss_coef = 0.0", 'kl_loss_coef = "zero"')
+    (tmp_path / "g.toml").write_text(text)
+    with pytest.raises(GraphErrors) as info:
+        compiler.compile_file(tmp_path / "g.toml")
+    where = [(p.where, p.message) for p in info.value.problems]
+    assert len(where) == 2, where
+    assert where[0][0] == "[nodes.update_policy]" and "kl_loss_coef" in where[0][1]
+    assert where[1][0] == "[nodes.generate]" and 'tool "nope.py:f": no file' in where[1][1]
