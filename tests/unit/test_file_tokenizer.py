@@ -105,3 +105,29 @@ def test_template_check_of_the_tiny_model_imports_no_transformers():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_template_check_of_a_directory_is_kept_until_its_files_change(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(checks, "_TEMPLATE", {})
+    reference = tiny_tokenizer()
+    reference.chat_template = REWRITES
+    model = tmp_path / "model"
+    reference.save_pretrained(model)
+    first = checks._template(str(model), "tool")
+    assert len(first) == 1 and "changes earlier tokens" in first[0]
+    assert (tmp_path / "cache/chat_template_checks.json").is_file()
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the tokenizer was loaded again")
+
+    monkeypatch.setattr(checks, "tokenizer_of", no_loading)
+    monkeypatch.setattr(checks, "_TEMPLATE", {})  # a new process: only the file remains
+    assert checks._template(str(model), "tool") == first
+    info = (model / "tokenizer.json").stat()  # the files change: checked again
+    os.utime(model / "tokenizer.json", ns=(info.st_atime_ns, info.st_mtime_ns + 10**9))
+    monkeypatch.setattr(checks, "_TEMPLATE", {})
+    problems = checks._template(str(model), "tool")
+    assert len(problems) == 1 and "the tokenizer was loaded again" in problems[0]
