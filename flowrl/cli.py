@@ -177,7 +177,8 @@ def cmd_nodes(args) -> int:
         print(f"    reads:  {', '.join(spec.reads)}")
         if spec.optional_reads:
             print(f"            + {', '.join(spec.optional_reads)} (depending on its params)")
-        print(f"    writes: {', '.join(spec.writes) or '(none)'}")
+        kept = "(a filter: keeps the rows of its keep mask)" if spec.rows == "filter" else ""
+        print(f"    writes: {', '.join(spec.writes) or kept or '(none)'}")
         if spec.optional_writes:
             print(f"            + {', '.join(spec.optional_writes)} (depending on its params)")
         for field in attrs.fields(spec.params):
