@@ -132,7 +132,23 @@ def _checks_above_the_first_failed_node(spec: GraphSpec, order: list[str], error
 
 
 def _check_data(data: schema.DataConfig, base_dir: Path, errors: Collector, overridden) -> None:
-    """A data file must exist and have a format the loader reads (its rows are read at run)."""
+    """A data file must exist and have a format the loader reads (its rows are read at run);
+    validation must not be the training file itself (docs/data.md)."""
+    files = [
+        Path(s) if Path(s).is_absolute() else base_dir / s for s in (data.source, data.val_source)
+    ]
+    if (
+        data.val_source
+        and data.source not in schema.BUILTIN_SOURCES
+        and files[0].resolve() == files[1].resolve()
+    ):
+        errors.add(
+            "[data] val_source",
+            f'val_source names the training file "{data.source}": validation would measure '
+            "prompts the policy trains on",
+            "leave val_source out (run.val_size rows of the file are then held out of training), "
+            "or name a file of other rows",
+        )
     for key in ("source", "val_source"):
         source = getattr(data, key)
         if not source or source in schema.BUILTIN_SOURCES:

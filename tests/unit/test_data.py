@@ -214,3 +214,22 @@ def test_the_rows_of_docs_data_md_load(tmp_path, monkeypatch):
     assert [r["reward_model"]["ground_truth"] for r in rows] == ["3", "7", "11", "15"]
     batch = PromptDataset(rows, tiny_tokenizer(), 256).collate([0, 1])
     assert batch["data_source"].tolist() == ["arithmetic", "arithmetic"]
+
+
+def test_val_source_naming_the_training_file_is_refused_at_check(tmp_path):
+    from pathlib import Path
+
+    from flowrl.errors import GraphErrors
+    from flowrl.front import compiler
+
+    verl_file(tmp_path / "train.jsonl", 100)
+    graph = (Path(__file__).resolve().parents[2] / "graphs/grpo.toml").read_text()
+    graph = graph.replace(
+        'source = "arithmetic"', 'source = "train.jsonl"\nval_source = "./train.jsonl"'
+    )
+    (tmp_path / "g.toml").write_text(graph)
+    with pytest.raises(GraphErrors) as info:
+        compiler.compile_file(tmp_path / "g.toml")
+    (problem,) = info.value.problems
+    assert problem.where == "[data] val_source" and "names the training file" in problem.message
+    assert "leave val_source out" in problem.fix
