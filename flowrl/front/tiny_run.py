@@ -143,8 +143,15 @@ def summary(spec, metrics: list[dict]) -> str:
                 f"  stubbed  reward model of [nodes.{node_id}]: {decl.model}, random weights"
             )
         lines += _tool_lines(node_id, decl, metrics, spec.base_dir)
+        if getattr(decl.params, "interaction", ""):
+            lines.append(f"  real     interaction of [nodes.{node_id}]: {decl.params.interaction}")
     source = spec.data.source
     lines.append(f"  real     data: {source} ({spec.data.batch_size} prompts per step)")
+    if spec.run.val_size:
+        lines.append(
+            f"  stubbed  validation: {spec.run.val_size} prompts on the random model (and an "
+            "agent's scripted first turn): its score means nothing"
+        )
     lines.append("  real     node code, the plan, the executor, checkpoints and metrics")
     return "\n".join(lines)
 
