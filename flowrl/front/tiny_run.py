@@ -97,8 +97,14 @@ def scripted_agents(spec) -> list[str]:
         p = decl.params
         if "script_first_turn" not in attrs.fields_dict(type(p)) or not p.tools:
             continue
-        toolbox = Toolbox(p.tools, spec.base_dir)
-        turn = len(first_turn_text(toolbox.schemas, p.parser)) + 1  # + the turn's eos
+        try:
+            toolbox = Toolbox(p.tools, spec.base_dir)
+        except Exception:  # `flowrl check` reports the tool; no script for it here
+            continue
+        text = first_turn_text(toolbox.schemas, p.parser)
+        if not text:  # a parser of the user's own: flowrl cannot write its format
+            continue
+        turn = len(text) + 1  # + the turn's eos
         calls = len(toolbox.schemas)
         where = f"nodes.{node_id}"
         out += [f"{where}.script_first_turn=true", f"{where}.max_turn_tokens={turn}"]
@@ -166,7 +172,11 @@ def _tool_lines(node_id: str, decl, metrics: list[dict], base_dir) -> list[str]:
     scripted = getattr(decl.params, "script_first_turn", False)
     how = "first turn scripted, placeholder arguments" if scripted else "policy's own calls"
     out = []
-    for name in Toolbox(tools, base_dir).names:
+    try:
+        names = Toolbox(tools, base_dir).names
+    except Exception:  # the run could not have started with it: nothing to say
+        return []
+    for name in names:
         key = f"{node_id}/calls/{name}"
         rows = [m for m in metrics if key in m]  # the training steps (validation has none)
         calls, ok = [m[key] for m in rows], [m.get(f"{key}/ok", 0.0) for m in rows]

@@ -21,7 +21,9 @@ def test_tiny_overrides_put_every_shipped_graph_on_the_tiny_model(graph, tmp_pat
     assert (spec.run.steps, spec.run.val_size, spec.data.batch_size) == (2, 4, 2)
     assert spec.run.out_dir == str(tmp_path)
     generate = spec.nodes["generate"].params
-    if getattr(generate, "tools", ()):  # an agent: room for its scripted first turn, the answers and a turn
+    if getattr(
+        generate, "tools", ()
+    ):  # an agent: room for its scripted first turn, the answers and a turn
         assert generate.script_first_turn and generate.max_new_tokens > 2 * generate.max_turn_tokens
     else:
         assert generate.max_new_tokens == 6
@@ -166,3 +168,16 @@ def test_the_summary_names_a_reward_model_and_a_kept_scorer(tmp_path):
     (tmp_path / "g.toml").write_text(text)
     lines = summary(tiny_plan(tmp_path / "g.toml", tmp_path).spec, []).splitlines()
     assert "  stubbed  reward model of [nodes.reward]: rm, random weights" in lines
+
+
+def test_no_script_for_a_parser_of_ones_own_or_a_tool_that_does_not_load(tmp_path):
+    """A custom parser's format is unknown, and a missing tool is `flowrl check`'s to report:
+    the tiny overrides leave such agent nodes unscripted rather than fail."""
+    (tmp_path / "parse.py").write_text("def parse(text):\n    return []\n")
+    for tools, parser in (('["calculator"]', '"parse.py:parse"'), ('["nope.py:f"]', '"hermes"')):
+        text = TOOLS_GRAPH.replace(
+            'tools = ["calculator", "units.py:to_metres"]', f"tools = {tools}"
+        )
+        graph = tmp_path / "g.toml"
+        graph.write_text(text.replace('parser = "hermes"', f"parser = {parser}"))
+        assert not [o for o in tiny_overrides(graph) if "script_first_turn" in o]
