@@ -27,6 +27,7 @@ __all__ = [
     "TinyRun",
     "load_node",
     "load_ref",
+    "loss_params",
     "run_tiny",
     "scripted_request",
     "tiny_engine",
@@ -178,6 +179,17 @@ def scripted_request(
         )
         run_sync(run_waves([episode], ScriptedTurns({0: script})))
     return episode
+
+
+def loss_params(**fields):
+    """The params a policy loss of `flowrl.math.losses` reads, for calling one directly:
+    update.policy's defaults overridden by `fields`, unvalidated (so e.g. CISPO's
+    clip_low=None, no floor, can be tried)."""
+    from types import SimpleNamespace
+
+    from flowrl.nodes.update.policy import Params
+
+    return SimpleNamespace(**(attrs.asdict(Params()) | fields))
 
 
 class ScriptedTurns:

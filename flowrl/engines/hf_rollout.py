@@ -17,9 +17,9 @@ linearly, hence the 1/4 threshold below.
 
 import torch
 
+from flowrl.engines.forward import cache_argument
 from flowrl.engines.kv_cache import preallocated_cache
 from flowrl.engines.sampling import sample_tokens
-from flowrl.engines.scoring import cache_argument
 
 COMPACT_FRACTION = 0.25  # drop finished rows once this share of the active batch has finished
 # a shared prompt prefix is prefilled once when that saves this many prompt tokens: below it,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from transformers import LlamaForCausalLM
 
-from flowrl.engines.scoring import cache_argument
+from flowrl.engines.forward import cache_argument
 from flowrl.testing import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
