@@ -7,7 +7,8 @@ interactions and scorers are named this way; node files (`uses = "my_node.py"`) 
 
 A file loads once per resolved path: its module is registered in `sys.modules` under a name
 made from that path, so two `score.py` files in different folders are two modules, and a file
-named twice (a tool and a parser in one file) runs its top level once. No torch here.
+named twice (a tool and a parser in one file) runs its top level once. Its folder is appended
+to sys.path, so modules beside it import. No torch here.
 """
 
 from __future__ import annotations
@@ -86,9 +87,20 @@ def load_file(
     module_spec = importlib.util.spec_from_file_location(key, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[key] = module  # before running it, so its own classes can be pickled by name
+    _importable_siblings(path)
     try:
         module_spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[key]  # a file that failed loads afresh once it is fixed
         raise
     return module
+
+
+def _importable_siblings(path: Path) -> None:
+    """Put a user file's folder on sys.path, so `import helpers` beside it works the same under
+    the `flowrl` script (whose sys.path[0] is its bin folder) as under `python -m flowrl.cli`
+    (whose sys.path[0] is the working directory). Appended: an installed package of the same
+    name wins over a file there."""
+    folder = str(path.parent)
+    if folder not in sys.path:
+        sys.path.append(folder)

@@ -235,3 +235,13 @@ def test_update_loop_reports_every_named_metric_from_a_rank_without_rows():
     assert calls == []
     assert metrics["pg_loss"] == metrics["entropy"] == 0.0
     assert metrics["grad_norm"] == 0.0 and metrics["lr"] == 1e-2
+
+
+def test_update_batch_carries_every_key_the_policy_update_reads():
+    from flowrl.testing import tiny_engine, update_batch
+
+    rows = update_batch()
+    assert set(policy.SPEC.reads_for(policy.Params())) <= set(rows.keys())
+    torch.testing.assert_close(rows["response_attention"], rows["response_mask"])
+    _, metrics = policy.PolicyUpdateWorker(tiny_engine(), policy.Params())(rows)
+    assert metrics["grad_norm"] > 0
