@@ -83,11 +83,10 @@ class AgentWorker:
         self.engine, self.params = engine, params
 
     def __call__(self, batch):
-        from flowrl.nodes.generate import generation_metrics, step_generator
-
         from flowrl.agent.driver import run_sync, run_waves
         from flowrl.agent.rows import agent_metrics, agent_setup, assemble, episodes_for
         from flowrl.engines.wave_rollout import WaveRollout
+        from flowrl.nodes.generate import generation_metrics, step_generator
 
         p, start = self.params, time.perf_counter()
         setup = agent_setup(p, batch.meta.get("base_dir", "."), self.engine.tokenizer)

@@ -170,9 +170,8 @@ def test_the_scorer_example_scores_and_is_named_by_path(tmp_path):
 def test_the_policy_loss_example_is_one_function_and_one_table_line(tmp_path, monkeypatch):
     # the page's function, saved as a module, and its table line, evaluated as it stands in
     # LOSSES: update.policy with loss = "plain" then takes the gradient of -A r (token-mean)
-    from flowrl.nodes.update import policy
-
     from flowrl.math import losses
+    from flowrl.nodes.update import policy
 
     path = tmp_path / "plain.py"
     path.write_text(example("# flowrl/math/losses/plain.py"))

@@ -5,7 +5,10 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import pytest
+
 from flowrl import testing
+from flowrl.errors import GraphErrors
 from flowrl.front import compiler, dsl, graph
 
 ROOT = Path(__file__).resolve().parents[2]

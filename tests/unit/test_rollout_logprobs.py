@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from flowrl.nodes import generate
 
 from flowrl.engines import HFRollout, TrainEngine
 from flowrl.engines.sampling import sample_tokens
 from flowrl.front import compiler
+from flowrl.nodes import generate
 from flowrl.protocol import DataProto
 from flowrl.testing import ragged_rows, tiny_model, tiny_tokenizer
 

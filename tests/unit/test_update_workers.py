@@ -7,15 +7,15 @@ import math
 import attrs
 import pytest
 import torch
-from flowrl.nodes.update import policy
-from flowrl.nodes.update.critic import CriticUpdateWorker
-from flowrl.nodes.update.critic import Params as CriticParams
 
 from flowrl.engines import TrainEngine
 from flowrl.math.losses import LOSSES, Chunk, loss_params
 from flowrl.math.losses.ppo import ppo_loss
 from flowrl.math.losses.value import clipped_value_loss
 from flowrl.models.value_head import ValueModel
+from flowrl.nodes.update import policy
+from flowrl.nodes.update.critic import CriticUpdateWorker
+from flowrl.nodes.update.critic import Params as CriticParams
 from flowrl.protocol import DataProto
 from flowrl.testing import assert_same, first_step, tiny_model, tiny_tokenizer, update_rows
 
