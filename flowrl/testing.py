@@ -25,12 +25,24 @@ __all__ = [
     "ScriptedTurns",
     "VARIED_SCORER",
     "TinyRun",
+    "assert_same",
+    "compile_text",
+    "first_step",
+    "graph_problems",
+    "load_node",
+    "load_ref",
+    "loss_params",
+    "ragged_rows",
     "run_tiny",
+    "scripted_request",
+    "tiny_engine",
     "tiny_model",
     "tiny_overrides",
     "tiny_plan",
     "tiny_tokenizer",
     "update_batch",
+    "update_rows",
+    "write_graph",
 ]
 
 
@@ -42,26 +54,59 @@ def tiny_plan(graph: str | Path, out_dir: str | Path, **extra):
     return compile_file(graph, tiny_overrides(graph, out_dir, **extra))
 
 
+def write_graph(folder: str | Path, text: str, name: str = "g.toml", **fields) -> Path:
+    """Write graph `text` to folder/name, with `{field}`s filled in (`text.format(**fields)`,
+    so a literal brace is written doubled), and return its path."""
+    path = Path(folder) / name
+    path.write_text(text.format(**fields))
+    return path
+
+
+def compile_text(folder: str | Path, text: str, overrides=(), **fields):
+    """The ExecutionPlan of graph `text` (written by `write_graph`) under `overrides`; raises
+    GraphErrors like `flowrl check`."""
+    from flowrl.front.compiler import compile_file
+
+    return compile_file(write_graph(folder, text, **fields), list(overrides))
+
+
+def graph_problems(folder: str | Path, text: str, overrides=(), **fields) -> list:
+    """The problems (flowrl.errors.Problem) `flowrl check` finds in graph `text`; an
+    AssertionError if it compiles."""
+    from flowrl.errors import GraphErrors
+
+    try:
+        compile_text(folder, text, overrides, **fields)
+    except GraphErrors as e:
+        return e.problems
+    raise AssertionError("the graph compiled; problems were expected")
+
+
 @attrs.frozen
 class TinyRun:
     run_dir: Path
     metrics: list[dict]  # metrics.jsonl, one dict per logged row (step 0: validation)
+    summary: str = ""  # what was real and what was stubbed, as `flowrl run --tiny` prints it
 
 
 def run_tiny(graph: str | Path, out_dir: str | Path, backend: str = "local", **extra) -> TinyRun:
     """Train `graph` on the tiny model (2 steps unless `"run.steps"` is given) and return its
     run directory and logged metrics. backend "local" runs every node in this process (no Ray).
     """
+    from flowrl.front.tiny_run import summary
     from flowrl.runtime.controller import run
 
-    run_dir = run(tiny_plan(graph, out_dir, **extra), backend=backend)
+    plan = tiny_plan(graph, out_dir, **extra)
+    run_dir = run(plan, backend=backend)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return TinyRun(run_dir, [json.loads(line) for line in lines])
+    metrics = [json.loads(line) for line in lines]
+    return TinyRun(run_dir, metrics, summary(plan.spec, metrics))
 
 
 def update_batch(b: int = 4, p: int = 5, t: int = 4, seed: int = 0):
-    """A random DataProto an `update.policy` worker takes: b rows of p prompt tokens and
-    responses of 1 to t tokens (right-padded), with advantages and old log-probs; ids in
+    """A random DataProto with every key an `update.policy` worker reads: b rows of p prompt
+    tokens and responses of 1 to t tokens (right-padded), their response_mask and
+    response_attention (the same: no tool output), advantages and old log-probs; ids in
     [3, 100), so they fit the tiny tokenizer's vocabulary."""
     import torch
 
@@ -75,10 +120,191 @@ def update_batch(b: int = 4, p: int = 5, t: int = 4, seed: int = 0):
             "prompt_mask": torch.ones(b, p, dtype=torch.long),
             "responses": torch.randint(3, 100, (b, t), generator=g) * response_mask,
             "response_mask": response_mask.long(),
+            "response_attention": response_mask.long(),  # no tool output: as response_mask
             "advantages": torch.randn(b, 1, generator=g) * response_mask,
             "old_logprobs": torch.randn(b, t, generator=g) * 0.1 - 3.0,
         }
     )
+
+
+def ragged_rows(seed: int = 0, b: int = 4, p: int = 6, t: int = 5):
+    """A random DataProto of b left-padded prompts (2 to p tokens) and right-padded responses
+    (1 to t tokens), with their masks; ids in [3, 100)."""
+    import torch
+
+    from flowrl.protocol import DataProto
+
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = torch.randint(2, p + 1, (b,), generator=g)
+    resp_len = torch.randint(1, t + 1, (b,), generator=g)
+    prompt_mask = (torch.arange(p)[None] >= p - prompt_len[:, None]).long()
+    response_mask = (torch.arange(t)[None] < resp_len[:, None]).long()
+    return DataProto.from_dict(
+        {
+            "prompts": torch.randint(3, 100, (b, p), generator=g) * prompt_mask,
+            "prompt_mask": prompt_mask,
+            "responses": torch.randint(3, 100, (b, t), generator=g) * response_mask,
+            "response_mask": response_mask,
+        }
+    )
+
+
+def update_rows(b: int = 6, p: int = 5, t: int = 4, seed: int = 0):
+    """A random DataProto that the policy and the critic update take: b rows of p prompt
+    tokens and responses of 1 to t tokens (right-padded), advantages zero on every second row
+    (rows without a gradient, which an update may skip), old log-probs, values and returns;
+    ids in [3, 100), within the tiny tokenizer's vocabulary."""
+    import torch
+
+    from flowrl.protocol import DataProto
+
+    g = torch.Generator().manual_seed(seed)
+    response_mask = torch.arange(t)[None] < torch.randint(1, t + 1, (b,), generator=g)[:, None]
+    advantages = torch.randn(b, 1, generator=g) * response_mask
+    advantages[::2] = 0.0  # half the rows carry no signal
+    return DataProto.from_dict(
+        {
+            "prompts": torch.randint(3, 100, (b, p), generator=g),
+            "prompt_mask": torch.ones(b, p, dtype=torch.long),
+            "responses": torch.randint(3, 100, (b, t), generator=g) * response_mask,
+            "response_mask": response_mask.long(),
+            "advantages": advantages,
+            "old_logprobs": torch.randn(b, t, generator=g) * 0.1 - 3.0,
+            "values": torch.zeros(b, t),
+            "returns": torch.randn(b, t, generator=g),
+        }
+    )
+
+
+def first_step(model, worker_class, params, micro_tokens: int = 4096, rows=None):
+    """(the gradients of the first optimizer step, the metrics) of `worker_class(engine,
+    params)` run on `rows` (default `update_rows()`), over a copy of `model` (lr 0.01)."""
+    import copy
+
+    from flowrl.engines import TrainEngine
+
+    engine = TrainEngine(copy.deepcopy(model), tiny_tokenizer(), lr=1e-2, micro_tokens=micro_tokens)
+    grads, step = [], engine.step
+
+    def record_then_step():
+        grads.append(
+            {n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None}
+        )
+        return step()
+
+    engine.step = record_then_step
+    _, metrics = worker_class(engine, params)(update_rows() if rows is None else rows)
+    return grads[0], metrics
+
+
+def assert_same(a: dict, b: dict) -> None:
+    """Two dicts of tensors (gradients by parameter name) hold the same keys and values, up to
+    float32 summation order."""
+    import torch
+
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-7)
+
+
+def tiny_engine(head: str = "lm", lr: float = 1e-2, seed: int = 0, **kwargs):
+    """A `TrainEngine` (flowrl/engines/train.py) on `tiny_model(head, seed)` and the tiny
+    tokenizer, one rank, no Ray: what an update or logprob node's worker receives as `engine`.
+    `kwargs` go to TrainEngine (`micro_tokens`, `grad_clip`, `trainable`, ...)."""
+    from flowrl.engines import TrainEngine
+
+    return TrainEngine(tiny_model(head=head, seed=seed), tiny_tokenizer(), lr=lr, **kwargs)
+
+
+def load_node(uses: str | Path):
+    """The module of a node: a node file's path (imported as a graph's `uses` imports it, so
+    its sibling modules import too) or a built-in name ("reward.rule"): its `SPEC`, `Params`,
+    pure functions and worker."""
+    from flowrl.front import registry
+
+    if str(uses).endswith(".py"):
+        return registry.node_module(str(Path(uses).resolve()))
+    return registry.node_module(str(uses))
+
+
+def load_ref(ref: str, base_dir: str | Path = "."):
+    """The object a graph-file reference names, as the graph resolves it: "file.py:name"
+    (relative to base_dir) or "package.module:name": a tool, parser, scorer or interaction."""
+    from flowrl import refs
+
+    return refs.load(ref, base_dir, what="reference")
+
+
+def scripted_request(
+    turns: list[str],
+    tools=(),
+    parser: str = "hermes",
+    prompt: str = "Hi.",
+    base_dir: str | Path = ".",
+    tools_kwargs: dict | None = None,
+    interaction=None,
+    interaction_kwargs: dict | None = None,
+    **limits,
+):
+    """One agent request run to its end through the agent node's own machinery (its tools,
+    parser, chat-template deltas, limits, interaction) with `turns` as the policy's turns, on
+    the tiny tokenizer. Returns the finished `flowrl.agent.episode.Episode`: `.info()` has
+    its calls (`{name, status, seconds}`), `messages`, `tool_rewards`, `turn_scores`,
+    `rollout_reward_scores` and `termination`.
+
+    Args:
+        turns: the text of each assistant turn, in order (each ends with the eos).
+        tools: tool references as in the graph ("calculator", "my_tools.py:convert").
+        parser: "hermes", "tag" or "file.py:parse", as in the graph.
+        prompt: the user message.
+        base_dir: where relative references resolve (the graph's folder).
+        tools_kwargs, interaction_kwargs: the row's `extra_info` entries of those names.
+        interaction: a `reply(messages, **kwargs) -> (done, text, reward)` function, or its
+            "file.py:reply" reference.
+        **limits: `flowrl.agent.episode.Limits` fields (`max_assistant_turns`,
+            `max_user_turns`, `tool_timeout_s`, ...).
+    """
+    import concurrent.futures
+
+    from flowrl.agent.chat import ChatTokens
+    from flowrl.agent.driver import run_sync, run_waves
+    from flowrl.agent.episode import Episode, Limits
+    from flowrl.agent.objects import load_object
+    from flowrl.agent.parsers import make_parser
+    from flowrl.agent.tools import Toolbox
+
+    tokenizer = tiny_tokenizer()
+    chat, box = ChatTokens(tokenizer), Toolbox(list(tools), base_dir)
+    if isinstance(interaction, str):
+        interaction = load_object(interaction, base_dir, "interaction")
+    messages = [{"role": "user", "content": prompt}]
+    script = [tokenizer(t, add_special_tokens=False)["input_ids"] + [chat.eos] for t in turns]
+    limits = {"max_user_turns": 1 if interaction else 0, **limits}
+    limits.setdefault("max_assistant_turns", len(turns))
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        episode = Episode(
+            chat.encode(messages, generation_prompt=True),
+            chat,
+            make_parser(parser, box.names, base_dir),
+            box.open(tools_kwargs, pool),
+            Limits(**limits),
+            messages=messages,
+            interaction=interaction,
+            interaction_kwargs=interaction_kwargs,
+        )
+        run_sync(run_waves([episode], ScriptedTurns({0: script})))
+    return episode
+
+
+def loss_params(**fields):
+    """The params a policy loss of `flowrl.math.losses` reads, for calling one directly:
+    update.policy's defaults overridden by `fields`, unvalidated (so e.g. CISPO's
+    clip_low=None, no floor, can be tried)."""
+    from types import SimpleNamespace
+
+    from flowrl.nodes.update.policy import Params
+
+    return SimpleNamespace(**(attrs.asdict(Params()) | fields))
 
 
 class ScriptedTurns:

@@ -2,7 +2,7 @@
 
 from flowrl.data.arithmetic import arithmetic_rows
 from flowrl.data.calculator import calculator_rows
-from flowrl.data.loader import PromptDataset, PromptLoader, make_rows, prompt_sets
+from flowrl.data.loader import PromptDataset, PromptLoader, make_rows
 from flowrl.data.verl_format import DataError, load_rows
 
 __all__ = [
@@ -13,5 +13,4 @@ __all__ = [
     "calculator_rows",
     "load_rows",
     "make_rows",
-    "prompt_sets",
 ]

@@ -1,6 +1,5 @@
 """Prompts -> token batches: chat templating, over-long prompt filtering, a resumable loader."""
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,30 +21,6 @@ def make_rows(source: str, split: str, size: int, seed: int, base_dir=".") -> li
         return calculator_rows(split, size, seed)
     path = Path(source) if Path(source).is_absolute() else Path(base_dir) / source
     return load_rows(path)
-
-
-def prompt_sets(spec, tokenizer) -> tuple["PromptDataset", object, list[str]]:
-    """(the training prompts, the validation batch or None, notes) of a graph's [data]: each
-    file checked (flowrl/data/verl_format.py), what was dropped or repeated said on stderr
-    and returned as notes (the controller logs them)."""
-    data, seed = spec.data, spec.run.seed
-    rows = make_rows(data.source, "train", data.train_size, seed, spec.base_dir)
-    train = PromptDataset(rows, tokenizer, data.max_prompt_len, data.source)
-    notes, val_batch = [train.summary()], None
-    if spec.run.val_size:
-        source = data.val_source or data.source
-        val_rows = make_rows(source, "validation", spec.run.val_size, seed, spec.base_dir)
-        val_set = PromptDataset(
-            val_rows[: spec.run.val_size], tokenizer, data.max_prompt_len, source
-        )
-        if not len(val_set):
-            raise DataError(f"validation: {val_set.summary()}: raise data.max_prompt_len")
-        val_batch = val_set.collate(list(range(len(val_set))))
-        notes.append(f"validation {val_set.summary()}")
-    for note in notes:
-        repeated = "repeat an earlier one" in note
-        print(f"flowrl: {'warning: ' if repeated else ''}data: {note}", file=sys.stderr)
-    return train, val_batch, notes
 
 
 class PromptDataset:

@@ -21,7 +21,8 @@ def refill_plan(graph: Graph, errors: Collector) -> RefillPlan | None:
         errors.add(
             f"[nodes.{extra}]",
             f"a step refills through one filter node, and [nodes.{filters[0]}] already does",
-            "keep one filter with a refill (min_groups), or chain the conditions in one node",
+            f"keep one filter with a refill ({spec.nodes[extra].spec.refill.groups}), or chain "
+            "the conditions in one node",
         )
     if not filters:
         return None
@@ -51,6 +52,24 @@ def node_rows(graph: Graph, refill, prompts: int) -> tuple[dict[str, int], dict[
         rows[node] = (refill.groups if node in kept else prompts) * n
         samples[node] = n
     return rows, samples
+
+
+def unwired_findings(spec, errors: Collector) -> None:
+    """The nodes' own check hooks for a graph that could not be wired (so its errors come with
+    the wiring's): each node receives the prompts times the samples of the rollout nodes above
+    it in the file, which is what the row edges make of a graph. Errors only."""
+    prompts, n = spec.data.batch_size, 1
+    for node, decl in spec.nodes.items():
+        workers = spec.pools[spec.pool_of(node)].workers if decl.model else 1
+        model_path = spec.models[decl.model].path if decl.model in spec.models else ""
+        context = CheckContext(
+            node, prompts * n, n, prompts, workers, str(spec.base_dir), model_path
+        )
+        for finding in decl.spec.findings(decl.params, context):
+            if not finding.warning:
+                errors.add(f"[nodes.{node}]", finding.message, finding.fix)
+        if decl.spec.rows == "repeat":
+            n *= decl.params.n
 
 
 def batch_plan(graph: Graph, refill, errors: Collector) -> tuple[BatchPlan, list[str]]:
@@ -126,6 +145,7 @@ def held_nodes(graph: Graph, refill, errors: Collector) -> tuple[str, ...]:
         errors.add(
             "[run]",
             f"{where} cannot be combined with the refilling filter [nodes.{refill.node}]",
-            "set critic_warmup = 0, or min_groups = 0 on the filter",
+            f"set critic_warmup = 0, or {spec.nodes[refill.node].spec.refill.groups} = 0 on "
+            f"[nodes.{refill.node}]",
         )
     return tuple(n for n in train if n not in critics)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import networkx as nx
 
-from flowrl.errors import Collector
+from flowrl.errors import Collector, GraphErrors
 from flowrl.front import batching, dsl, memory, schema
 from flowrl.front.graph import DATASET, Graph, build
 from flowrl.front.plan import BatchPlan, ExecutionPlan, Item, PoolPlan, ValidationPlan
@@ -32,8 +32,36 @@ PARTS = ("weights", "grads", "optimizer", "rollout_weights", "kv_cache")
 
 
 def compile_file(file: str | Path, overrides=()) -> ExecutionPlan:
-    """Parse, check and compile a graph file; raises GraphErrors listing every problem."""
-    return compile_graph(build(dsl.load(file, list(overrides))))
+    """Parse, check and compile a graph file; raises GraphErrors listing every problem: the
+    file's own, then those of the stages after it (wiring, batch arithmetic, the nodes' check
+    hooks) as far as the file lets them run."""
+    spec, problems = dsl.load_partial(file, list(overrides))
+    if spec is None:
+        raise GraphErrors(problems)
+    try:
+        built = build(spec)
+    except GraphErrors as e:  # unwired: the nodes' own checks still run, on file-order rows
+        later = Collector(spec.file)
+        try:
+            batching.unwired_findings(spec, later)
+        except Exception:  # a hook that trips over a problem already reported
+            later.problems = []
+        raise GraphErrors([*problems, *e.problems, *later.problems]) from None
+    except Exception:
+        if problems:
+            raise GraphErrors(problems) from None
+        raise
+    try:
+        plan = compile_graph(built)
+    except GraphErrors as e:
+        raise GraphErrors([*problems, *e.problems]) from None
+    except Exception:
+        if problems:  # a later stage tripped over a problem already reported
+            raise GraphErrors(problems) from None
+        raise
+    if problems:
+        raise GraphErrors(problems)
+    return plan
 
 
 def compile_graph(built: Graph) -> ExecutionPlan:
@@ -110,7 +138,7 @@ def _pools(graph: Graph, batch: BatchPlan, warnings: list) -> dict[str, PoolPlan
             devices_per_worker=pool.devices_per_worker,
             offload=offload,
             offload_reason=reason,
-            nodes=pool.nodes,
+            machines=pool.nodes,
             strategy=pool.strategy,
             sharded=sharded,
             placement=group_strategy,
@@ -119,7 +147,7 @@ def _pools(graph: Graph, batch: BatchPlan, warnings: list) -> dict[str, PoolPlan
             configs=configs,
             node_ids=node_ids,
             updates_per_step=updates,
-            models={
+            model_lines={
                 m: memory.model_line(c, sizes[m], pool.workers if m in sharded else 0)
                 for m, c in configs.items()
             },
@@ -178,11 +206,11 @@ def needs(pool: PoolPlan, model: str, mode: str) -> tuple[str, ...]:
 
 
 def placement(pool: schema.PoolConfig) -> tuple[str, list[list[int]]]:
-    """(Ray placement-group strategy, the ranks on each of the pool's nodes). Ranks are consecutive
-    on a node (so a node's ranks could share fast links); PACK on one node and STRICT_SPREAD
-    over several, unless set. The Ray executor makes a bundle per rank on one node (Ray may
-    still spread them when a node is full, as PACK allows) and a bundle per node otherwise:
-    `PoolPlan.bundles`."""
+    """(Ray placement-group strategy, the ranks on each of the machines the pool spans, its
+    `nodes`). Ranks are consecutive on a machine (so its ranks could share fast links); PACK on
+    one machine and STRICT_SPREAD over several, unless set. The bundles are made from these
+    by `_pools` (`PoolPlan.bundles`): a bundle per rank on one machine (Ray may still spread
+    them when a machine is full, as PACK allows), a bundle per machine otherwise."""
     per_node = pool.workers // pool.nodes
     ranks = [list(range(k * per_node, (k + 1) * per_node)) for k in range(pool.nodes)]
     return pool.placement or ("PACK" if pool.nodes == 1 else "STRICT_SPREAD"), ranks

@@ -70,7 +70,7 @@ class PoolPlan:
     devices_per_worker: int
     offload: str  # resolved: "never" or "always"
     offload_reason: str
-    nodes: int  # machines the pool spans
+    machines: int  # machines the pool spans (`nodes` in the graph file's [pools.<name>])
     strategy: str  # training strategy: "ddp" (replicated) or "fsdp" (sharded)
     sharded: tuple[str, ...]  # the models fsdp shards here (all but generate-only ones)
     placement: str  # Ray placement-group strategy, resolved
@@ -79,7 +79,7 @@ class PoolPlan:
     configs: dict[str, Any]  # model name -> schema.ModelConfig as loaded on this pool
     node_ids: tuple[str, ...]  # the nodes whose workers run here, in file order
     updates_per_step: dict[str, int]  # trainable model -> optimizer steps per training step
-    models: dict[str, str]  # model name -> one line: path, head, role, estimated sizes per rank
+    model_lines: dict[str, str]  # model name -> display line: path, head, role, sizes per rank
     memory_bytes: dict[str, dict[str, int]]  # model name -> part -> estimated bytes per rank
 
 
@@ -154,18 +154,19 @@ class ExecutionPlan:
                 f"  {name}: {pool.workers} worker(s) x {pool.device}, {pool.strategy}, "
                 f"offload={pool.offload} ({pool.offload_reason}); sizes per rank"
             )
-            if pool.nodes > 1:
+            if pool.machines > 1:
                 where = "; ".join(
                     f"node {k}: rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}"
                     for k, r in enumerate(pool.ranks_by_node)
                 )
-                lines.append(f"    placement: {pool.placement} over {pool.nodes} nodes ({where})")
-            for model, info in pool.models.items():
+                lines.append(
+                    f"    placement: {pool.placement} over {pool.machines} nodes ({where})"
+                )
+            for model, info in pool.model_lines.items():
                 lines.append(f"    {model}: {info}")
         b = self.batch
         lines.append(f"batch: {b.prompts} prompts x {b.samples} samples = {b.rows} rows")
-        if self.refill:
-            lines.append(self.refill.text())
+        lines += self.filter_lines()
         if self.held:
             lines.append(
                 f"critic warm-up: {', '.join(self.held)} skip steps 1-"
@@ -185,6 +186,41 @@ class ExecutionPlan:
                 lines.append(f"  {name} || {', '.join(others)}")
         lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines) + "\n"
+
+    def filters(self) -> tuple[str, ...]:
+        """The filter nodes (rows = "filter") of the step, in plan order."""
+        return tuple(n for n in self.graph.order if self.spec.nodes[n].spec.rows == "filter")
+
+    def after(self, node: str) -> list[str]:
+        """The nodes that run after `node` on its output rows, in plan order."""
+        later = nx.descendants(self.graph.dag, node)
+        return [n for n in self.graph.order if n in later]
+
+    def filter_lines(self) -> list[str]:
+        """For each filter node: how it refills (if it does) and the rows the nodes after it
+        receive (what it keeps: at most the rows it receives, or its refill's target)."""
+        lines = []
+        for node in self.filters():
+            after = self.after(node)
+            refill = self.refill if self.refill and self.refill.node == node else None
+            if refill and refill.groups:
+                lines.append(refill.text())
+            if not after:
+                continue
+            rows, names = self.batch.rows_per_node[after[0]], ", ".join(after)
+            if refill and refill.groups:
+                samples = rows // refill.groups
+                lines.append(
+                    f"after {node}: {names} receive {refill.groups} groups x {samples} samples "
+                    f"= {rows} rows (fewer when the {refill.rounds} prompt batches run out)"
+                )
+            else:
+                samples = rows // self.batch.prompts
+                lines.append(
+                    f"after {node}: {names} receive the rows {node} keeps: at most {rows} "
+                    f"({self.batch.prompts} prompts x {samples} samples), varying by step"
+                )
+        return lines
 
     def to_json(self) -> str:
         data = {

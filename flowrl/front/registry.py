@@ -11,13 +11,13 @@ import importlib
 import importlib.util
 import pkgutil
 import re
-import sys
 from functools import cache
 from pathlib import Path
 
 import attrs
 
 import flowrl.nodes
+from flowrl import refs
 from flowrl.errors import FlowrlError
 from flowrl.nodespec import NodeSpec
 
@@ -53,21 +53,27 @@ def builtin_names() -> tuple[str, ...]:
 
 def resolve(uses: str, base_dir: Path | None = None) -> NodeRef:
     """The node that `uses` names; raises UnknownNode with a message that says what to write."""
+    module = node_module(uses, base_dir)
+    spec = getattr(module, "SPEC", None)
+    if not isinstance(spec, NodeSpec):
+        raise UnknownNode(f'{module.__file__} has no `SPEC = NodeSpec(...)` (uses = "{uses}")')
+    return NodeRef(uses, spec, module.__file__, _spec_line(module.__file__), _first_line(module))
+
+
+def node_module(uses: str, base_dir: Path | None = None):
+    """The module `uses` names: a node file's path, a built-in name or a dotted module."""
     if uses.endswith(".py"):
         path = Path(uses) if base_dir is None else Path(base_dir) / uses
         if not path.is_file():
             raise UnknownNode(f'no node file "{path}"')
-        module = _import_file(path.resolve())
+        module = refs.load_file(path, "node", uses, error=UnknownNode)
     elif uses in builtin_names():
         module = importlib.import_module(BUILTIN_PREFIX + uses)
     elif re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)+", uses) and _importable(uses):
         module = importlib.import_module(uses)
     else:
         raise UnknownNode(f'unknown node "{uses}"')
-    spec = getattr(module, "SPEC", None)
-    if not isinstance(spec, NodeSpec):
-        raise UnknownNode(f'{module.__file__} has no `SPEC = NodeSpec(...)` (uses = "{uses}")')
-    return NodeRef(uses, spec, module.__file__, _spec_line(module.__file__), _first_line(module))
+    return module
 
 
 def _importable(name: str) -> bool:
@@ -75,17 +81,6 @@ def _importable(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
-
-
-def _import_file(path: Path):
-    name = "flowrl_user_node_" + re.sub(r"\W", "_", str(path))
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _spec_line(file: str) -> int:

@@ -20,7 +20,8 @@ from pathlib import Path
 import toml
 from tqdm import tqdm
 
-from flowrl.data import PromptLoader, prompt_sets
+from flowrl.data import PromptLoader
+from flowrl.data.split import prompt_sets
 from flowrl.models import load_tokenizer
 from flowrl.nodespec import GREEDY
 from flowrl.runtime import checkpoint, faults, guards, make_executor, outcome, rng, step_log, stop

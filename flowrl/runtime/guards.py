@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.engines.rollout import INSTALL, missing_package
+from flowrl.backends import ROLLOUT_BACKENDS, missing_package
 from flowrl.errors import FlowrlError
 from flowrl.runtime.run_dir import RunDirError  # noqa: F401 (its home was here)
 from flowrl.runtime.stop import Stopped  # noqa: F401
@@ -49,7 +49,7 @@ def check_packages(plan) -> None:
         if package := missing_package(backend):
             raise MissingPackage(
                 f'{plan.file}: [models.{name}] rollout = "{backend}" needs the {package} '
-                f"package, which is not installed: {INSTALL[backend]}"
+                f"package, which is not installed: {ROLLOUT_BACKENDS[backend].install}"
             )
 
 

@@ -2,17 +2,20 @@
 
 import pytest
 import torch
-from flowrl.nodes.advantage.gae import gae_advantages
-from flowrl.nodes.advantage.grpo import group_advantages
-from flowrl.nodes.advantage.reinforce_pp import discounted_returns, group_baseline
-from flowrl.nodes.advantage.remax import remax_advantages
-from flowrl.nodes.advantage.rloo import leave_one_out_advantages
+
+from flowrl.math import ops
+from flowrl.math.estimators import (
+    discounted_returns,
+    gae_advantages,
+    group_advantages,
+    group_baseline,
+    leave_one_out_advantages,
+    remax_advantages,
+)
 from flowrl.nodes.filter.dynamic_sampling import varied_groups
 from flowrl.nodes.reward.kl_penalty import Params as KLParams
 from flowrl.nodes.reward.kl_penalty import kl_token_rewards, next_kl_coef
 from flowrl.nodes.reward.model import last_token_scores
-
-from flowrl.math import ops
 
 
 def ragged(seed, b=6, t=5):
@@ -109,7 +112,8 @@ def test_kl_penalty_empty_response():
 
 def test_gae_carries_value_and_advantage_across_a_hole():
     # two model tokens, two tool tokens, two model tokens; outcome reward 1 on the last,
-    # V = 0, gamma = lam = 1: every model token's advantage is 1 (research/multiturn.md, sec. 5)
+    # V = 0, gamma = lam = 1: every model token's advantage is 1 (the tool tokens are skipped,
+    # so the value and advantage run on across them)
     mask = torch.tensor([[1, 1, 0, 0, 1, 1]])
     adv, ret = gae_advantages(
         torch.tensor([[0.0, 0, 0, 0, 0, 1]]), torch.zeros(1, 6), mask, gamma=1.0, lam=1.0

@@ -4,65 +4,28 @@ nothing about the resulting parameters."""
 import copy
 import math
 
+import attrs
 import pytest
 import torch
-from flowrl.nodes.update import policy
-from flowrl.nodes.update.critic import CriticUpdateWorker, clipped_value_loss
-from flowrl.nodes.update.critic import Params as CriticParams
 
 from flowrl.engines import TrainEngine
+from flowrl.math.losses import LOSSES, Chunk, loss_params
+from flowrl.math.losses.ppo import ppo_loss
+from flowrl.math.losses.value import clipped_value_loss
 from flowrl.models.value_head import ValueModel
+from flowrl.nodes.update import policy
+from flowrl.nodes.update.critic import CriticUpdateWorker
+from flowrl.nodes.update.critic import Params as CriticParams
 from flowrl.protocol import DataProto
-from flowrl.testing import tiny_model, tiny_tokenizer
-
-
-def batch(b=6, p=5, t=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    response_mask = torch.arange(t)[None] < torch.randint(1, t + 1, (b,), generator=g)[:, None]
-    advantages = torch.randn(b, 1, generator=g) * response_mask
-    advantages[::2] = 0.0  # half the rows carry no signal
-    return DataProto.from_dict(
-        {
-            "prompts": torch.randint(3, 100, (b, p), generator=g),
-            "prompt_mask": torch.ones(b, p, dtype=torch.long),
-            "responses": torch.randint(3, 100, (b, t), generator=g) * response_mask,
-            "response_mask": response_mask.long(),
-            "advantages": advantages,
-            "old_logprobs": torch.randn(b, t, generator=g) * 0.1 - 3.0,
-            "values": torch.zeros(b, t),
-            "returns": torch.randn(b, t, generator=g),
-        }
-    )
-
-
-def updated(model, worker_class, params, micro_tokens=4096, rows=None):
-    """(gradients of the first optimizer step, metrics) on `rows` (default: batch())."""
-    engine = TrainEngine(copy.deepcopy(model), tiny_tokenizer(), lr=1e-2, micro_tokens=micro_tokens)
-    grads, step = [], engine.step
-
-    def record_then_step():
-        grads.append(
-            {n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None}
-        )
-        return step()
-
-    engine.step = record_then_step
-    _, metrics = worker_class(engine, params)(batch() if rows is None else rows)
-    return grads[0], metrics
-
-
-def assert_same(a, b):
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-7)
+from flowrl.testing import assert_same, first_step, tiny_model, tiny_tokenizer, update_rows
 
 
 def test_skipping_zero_advantage_rows_keeps_the_update():
     model = tiny_model(seed=0)
-    skipped, metrics = updated(model, policy.PolicyUpdateWorker, policy.Params())
+    skipped, metrics = first_step(model, policy.PolicyUpdateWorker, policy.Params())
     assert metrics["computed_rows"] == pytest.approx(0.5)  # 3 of 6 rows skipped
     no_skip = policy.Params(skip_zero_rows=False)
-    full, full_metrics = updated(model, policy.PolicyUpdateWorker, no_skip)
+    full, full_metrics = first_step(model, policy.PolicyUpdateWorker, no_skip)
     assert full_metrics["computed_rows"] == 1.0
     assert_same(skipped, full)
     assert metrics["pg_loss"] == pytest.approx(full_metrics["pg_loss"], rel=1e-5)
@@ -72,7 +35,7 @@ def test_on_policy_update_equals_one_with_a_separate_old_logprob_pass():
     # on_policy = true takes the old log-probs from the update's own forward, detached; an
     # old_logprob node computes them with a separate forward of the same weights first
     model = tiny_model(seed=0)
-    rows = batch()
+    rows = update_rows()
     engine = TrainEngine(copy.deepcopy(model), tiny_tokenizer())
     old = engine.infer(rows)["logprobs"]
     with_pass = DataProto.from_dict(
@@ -105,23 +68,23 @@ def test_no_skip_when_kl_or_entropy_terms_need_every_row():
 def test_policy_micro_batches_give_the_same_update(agg):
     model = tiny_model(seed=1)
     params = policy.Params(agg=agg, entropy_coef=0.01)
-    whole, _ = updated(model, policy.PolicyUpdateWorker, params, micro_tokens=4096)
-    pieces, _ = updated(model, policy.PolicyUpdateWorker, params, micro_tokens=9)
+    whole, _ = first_step(model, policy.PolicyUpdateWorker, params, micro_tokens=4096)
+    pieces, _ = first_step(model, policy.PolicyUpdateWorker, params, micro_tokens=9)
     assert_same(whole, pieces)
 
 
 def test_critic_micro_batches_give_the_same_update():
     model = ValueModel(tiny_model(seed=2))
     torch.nn.init.normal_(model.value_head.weight, std=0.1)
-    whole, m1 = updated(model, CriticUpdateWorker, CriticParams(), micro_tokens=4096)
-    pieces, m2 = updated(model, CriticUpdateWorker, CriticParams(), micro_tokens=9)
+    whole, m1 = first_step(model, CriticUpdateWorker, CriticParams(), micro_tokens=4096)
+    pieces, m2 = first_step(model, CriticUpdateWorker, CriticParams(), micro_tokens=9)
     assert_same(whole, pieces)
     assert m1["vf_loss"] == pytest.approx(m2["vf_loss"], rel=1e-5)
 
 
 def test_mini_batches_take_several_optimizer_steps():
     model = tiny_model(seed=3)
-    _, metrics = updated(
+    _, metrics = first_step(
         model, policy.PolicyUpdateWorker, policy.Params(mini_batch_size=2, epochs=2)
     )
     assert metrics["lr"] == 1e-2 and "grad_norm" in metrics
@@ -157,7 +120,7 @@ def test_policy_update_attends_to_tool_tokens_and_trains_only_sampled_ones():
     # the update equals: a forward over every real token (no split), then the loss over the
     # sampled tokens only; the values planted on the tool tokens change nothing
     model = tiny_model(seed=4)
-    rows = with_tool_tokens(batch())
+    rows = with_tool_tokens(update_rows())
     sampled = rows["response_mask"]
     plain = DataProto.from_dict(
         {k: rows[k] for k in ("prompts", "prompt_mask", "responses")}
@@ -166,18 +129,19 @@ def test_policy_update_attends_to_tool_tokens_and_trains_only_sampled_ones():
 
     def loss_of(engine):
         logprobs = engine.forward(plain, grad=True)["logprobs"]
-        return policy.ppo_policy_loss(logprobs, rows["old_logprobs"], rows["advantages"], sampled)[
-            0
-        ]
+        no_dual = policy.Params(dual_clip=0.0)
+        return ppo_loss(
+            logprobs, rows["old_logprobs"], rows["advantages"], sampled, no_dual, Chunk()
+        )[0]
 
-    grads, _ = updated(model, policy.PolicyUpdateWorker, policy.Params(), rows=rows)
+    grads, _ = first_step(model, policy.PolicyUpdateWorker, policy.Params(), rows=rows)
     assert_same(grads, reference_grads(model, loss_of))
 
 
 def test_critic_update_attends_to_tool_tokens_and_trains_only_sampled_ones():
     model = ValueModel(tiny_model(seed=5))
     torch.nn.init.normal_(model.value_head.weight, std=0.1)
-    rows = with_tool_tokens(batch())
+    rows = with_tool_tokens(update_rows())
     plain = DataProto.from_dict(
         {k: rows[k] for k in ("prompts", "prompt_mask", "responses")}
         | {"response_mask": rows["response_attention"]}
@@ -187,7 +151,7 @@ def test_critic_update_attends_to_tool_tokens_and_trains_only_sampled_ones():
         values = engine.forward(plain, grad=True)["values"]
         return clipped_value_loss(values, rows["values"], rows["returns"], rows["response_mask"])[0]
 
-    grads, _ = updated(model, CriticUpdateWorker, CriticParams(), rows=rows)
+    grads, _ = first_step(model, CriticUpdateWorker, CriticParams(), rows=rows)
     assert_same(grads, reference_grads(model, loss_of))
 
 
@@ -199,11 +163,11 @@ def test_each_policy_loss_gives_the_same_update_in_micro_batches(loss):
     # on-policy, so every loss starts at ratio 1 and has a gradient
     model = tiny_model(seed=1)
     params = policy.Params(loss=loss, on_policy=True, agg="seq-mean-token-sum-norm")
-    whole, metrics = updated(model, policy.PolicyUpdateWorker, params, micro_tokens=4096)
-    pieces, _ = updated(model, policy.PolicyUpdateWorker, params, micro_tokens=9)
+    whole, metrics = first_step(model, policy.PolicyUpdateWorker, params, micro_tokens=4096)
+    pieces, _ = first_step(model, policy.PolicyUpdateWorker, params, micro_tokens=9)
     assert_same(whole, pieces)
     assert any(g.abs().sum() > 0 for g in whole.values())
-    assert set(policy.RATES[loss]) <= metrics.keys()
+    assert set(LOSSES[loss].rates) <= metrics.keys()
 
 
 @pytest.mark.parametrize("shift, scale", [(math.log(2.0), 0.5), (-math.log(4.0), 2.0)])
@@ -211,13 +175,13 @@ def test_tis_weights_scale_the_update(shift, scale):
     # rollout log-probs = old + shift: every weight is exp(-shift) = 0.5, or 4 capped at 2,
     # so the gradient is the plain one times 0.5 or 2
     model = tiny_model(seed=0)
-    rows = batch()
+    rows = update_rows()
     with_rollout = DataProto.from_dict(
         {k: rows[k] for k in rows.keys()} | {"rollout_logprobs": rows["old_logprobs"] + shift}
     )
-    plain, _ = updated(model, policy.PolicyUpdateWorker, policy.Params())
+    plain, _ = first_step(model, policy.PolicyUpdateWorker, policy.Params())
     tis = policy.Params(tis_cap=2.0)
-    weighted, _ = updated(model, policy.PolicyUpdateWorker, tis, rows=with_rollout)
+    weighted, _ = first_step(model, policy.PolicyUpdateWorker, tis, rows=with_rollout)
     assert_same(weighted, {n: g * scale for n, g in plain.items()})
     assert any(g.abs().sum() > 0 for g in plain.values())
     assert "rollout_logprobs" in policy.SPEC.reads_for(policy.Params(tis_cap=2.0))
@@ -230,30 +194,54 @@ def test_covariance_losses_compute_every_row():
     assert policy.contributing_rows(adv, policy.Params(loss="kl_cov")).all()
 
 
-def test_loss_param_passes_its_params_to_the_pure_functions():
-    from flowrl.math import cov_losses, policy_losses
-
+def test_each_loss_reads_exactly_the_params_its_record_names():
+    # the record's `params` drive `flowrl check` (a loss-only param set under a loss that
+    # ignores it is refused): moving a named param changes the loss or its gradient, moving
+    # any other loss-only param changes neither
     g = torch.Generator().manual_seed(0)
-    mask = torch.ones(4, 6, dtype=torch.long)
-    logp, old, adv = (torch.randn(4, 6, generator=g) * 0.3 - 1 for _ in range(3))
-    p = dict(clip_low=0.1, clip_high=0.3, tau_pos=0.5, tau_neg=2.0, cov_ratio=0.2, cov_kl_coef=3.0)
-    counts = dict(num_tokens=30, num_seqs=5, norm_length=None, token_weights=None)
-    expected = {
-        "ppo": policy.ppo_policy_loss(logp, old, adv, mask, 0.1, 0.3, 1.5, num_tokens=30),
-        "gspo": policy_losses.gspo_policy_loss(logp, old, adv, mask, 0.1, 0.3, "token-mean", 30),
-        "cispo": policy_losses.cispo_policy_loss(logp, old, adv, mask, 0.1, 0.3, num_tokens=30),
-        "gpg": policy_losses.gpg_policy_loss(logp, adv, mask, num_tokens=30),
-        "gmpo": policy_losses.gmpo_policy_loss(logp, old, adv, mask, 0.1, 0.3, num_seqs=5),
-        "sapo": policy_losses.sapo_policy_loss(logp, old, adv, mask, 0.5, 2.0, "token-mean", 30),
-        "clip_cov": cov_losses.clip_cov_policy_loss(
-            logp, old, adv, mask, 0.1, 0.3, 0.2, num_tokens=30
-        ),
-        "kl_cov": cov_losses.kl_cov_policy_loss(logp, old, adv, mask, 0.2, 3.0, num_tokens=30),
-    }
-    assert set(expected) == set(policy.RATES)
-    for loss, (value, rates) in expected.items():
-        params = policy.Params(loss=loss, dual_clip=1.5, **p)
-        got, got_rates = policy.policy_loss(logp, old, adv, mask, params, **counts)
-        assert float(got) == pytest.approx(float(value)), loss
-        assert got_rates == pytest.approx(rates), loss  # e.g. cov_frac: the share picked
-        assert set(got_rates) >= set(policy.RATES[loss])
+    mask = torch.ones(16, 6, dtype=torch.long)  # enough rows for every sign of A and log r
+    logp, old = (torch.randn(16, 6, generator=g) * 0.3 - 1 for _ in range(2))
+    adv = torch.randn(16, 1, generator=g).expand(16, 6) * 6  # Cov in Clip-Cov's (1, 5) too
+    moved = dict(clip_low=0.0, clip_high=0.0, dual_clip=1.01, tau_pos=5.0, tau_neg=0.1)
+    moved |= dict(cov_ratio=0.5, cov_kl_coef=7.0)
+    assert set(moved) == set(loss_params())
+
+    def outcome(loss, params):
+        x = logp.clone().requires_grad_()
+        chunk = Chunk(generator=torch.Generator().manual_seed(0))  # Clip-Cov's draw
+        value = loss.fn(x, old, adv, mask, params, chunk)[0]
+        return torch.cat([value.detach()[None], torch.autograd.grad(value, x)[0].flatten()])
+
+    for name, loss in LOSSES.items():
+        base = policy.Params(loss=name)
+        before = outcome(loss, base)
+        for param, new in moved.items():
+            after = outcome(loss, attrs.evolve(base, **{param: new}))
+            assert (not torch.equal(before, after)) == (param in loss.params), (name, param)
+
+
+def test_update_loop_reports_every_named_metric_from_a_rank_without_rows():
+    # a rank whose share of the step is empty never calls the loss, yet sums the same metric
+    # keys as the others (one all-reduce per key) and takes its optimizer step
+    engine = TrainEngine(tiny_model(seed=0), tiny_tokenizer(), lr=1e-2)
+    calls = []
+
+    def micro_loss(micro, counts):
+        calls.append(len(micro))
+        raise AssertionError("no micro-batch to compute")
+
+    empty = update_rows().index(slice(0, 0))
+    metrics = engine.update(empty, micro_loss, epochs=2, metrics=("pg_loss", "entropy"))
+    assert calls == []
+    assert metrics["pg_loss"] == metrics["entropy"] == 0.0
+    assert metrics["grad_norm"] == 0.0 and metrics["lr"] == 1e-2
+
+
+def test_update_batch_carries_every_key_the_policy_update_reads():
+    from flowrl.testing import tiny_engine, update_batch
+
+    rows = update_batch()
+    assert set(policy.SPEC.reads_for(policy.Params())) <= set(rows.keys())
+    torch.testing.assert_close(rows["response_attention"], rows["response_mask"])
+    _, metrics = policy.PolicyUpdateWorker(tiny_engine(), policy.Params())(rows)
+    assert metrics["grad_norm"] > 0
