@@ -3,6 +3,7 @@ directory) and the errors that end a run cleanly (non-finite steps; signals: run
 run directories: runtime/run_dir.py)."""
 
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -72,21 +73,28 @@ class ModelMismatch(FlowrlError, ValueError):
 
 
 def check_models(spec, policy: str, tokenizer) -> None:
-    """Before any model loads on a pool: a prompt plus its response must fit the policy's
-    context, and every other model, fed the policy's token ids, must share its tokenizer
-    (flowrl.models.loading.tokenizer_differences; a node that retokenizes for its own model
-    can use that function for its own check)."""
+    """Before any model loads on a pool: a prompt must fit the policy's context (with its
+    response, or a warning says so), and every other model, fed the policy's token ids, must
+    share its tokenizer (flowrl.models.loading.tokenizer_differences; a node that retokenizes
+    for its own model can use that function for its own check)."""
     from flowrl.models.loading import context_length, load_tokenizer, tokenizer_differences
 
     config = spec.models[policy]
     context = context_length(config.path)
     longest = max((getattr(d.params, "max_new_tokens", 0) for d in spec.nodes.values()), default=0)
-    if context and spec.data.max_prompt_len + longest > context:
+    if context and spec.data.max_prompt_len > context:
         raise ModelMismatch(
-            f"{spec.file}: data.max_prompt_len = {spec.data.max_prompt_len} plus max_new_tokens "
-            f"= {longest} exceeds the context of [models.{policy}] ({context} tokens, its "
-            f"max_position_embeddings): set data.max_prompt_len to at most {context - longest} "
-            "(longer prompts are dropped and counted) or lower max_new_tokens"
+            f"{spec.file}: data.max_prompt_len = {spec.data.max_prompt_len} exceeds the context "
+            f"of [models.{policy}] ({context} tokens, its max_position_embeddings): a prompt that "
+            f"long cannot be generated on. Set data.max_prompt_len to at most "
+            f"{max(context - longest, 1)} (longer prompts are dropped, and counted)"
+        )
+    if context and spec.data.max_prompt_len + longest > context:
+        print(
+            f"flowrl: warning: data.max_prompt_len = {spec.data.max_prompt_len} plus "
+            f"max_new_tokens = {longest} exceeds the context of [models.{policy}] ({context} "
+            "tokens): the longest prompts leave less room to respond",
+            file=sys.stderr,
         )
     for name, other in spec.models.items():
         if name == policy or other.path == config.path:

@@ -20,6 +20,8 @@ from conftest import ROOT, tiny_overrides
 
 from flowrl.runtime import checkpoint
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
 GRAPH = str(ROOT / "graphs/grpo.toml")
 
 

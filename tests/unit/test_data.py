@@ -48,7 +48,8 @@ def test_bad_row_names_file_row_and_key(tmp_path):
     bad = rows_of(2)
     del bad[1]["reward_model"]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in bad))
-    with pytest.raises(DataError, match=r"d\.jsonl, line 2, column \"reward_model\": None; it must hold \"ground_truth\""):
+    where = r"d\.jsonl, line 2, column \"reward_model\": None; it must hold \"ground_truth\""
+    with pytest.raises(DataError, match=where):
         load_rows(tmp_path / "d.jsonl")
 
 
@@ -79,7 +80,8 @@ def test_loader_resumes_exactly():
 
 
 def test_batch_larger_than_dataset_is_a_clear_error():
-    with pytest.raises(DataError, match="batch_size = 20, but only 10 prompts remain .*lower data.batch_size to 10"):
+    message = "batch_size = 20, but only 10 prompts remain .*lower data.batch_size to 10"
+    with pytest.raises(DataError, match=message):
         PromptLoader(PromptDataset(rows_of(10), tiny_tokenizer(), 64), 20, seed=0)
 
 

@@ -276,7 +276,7 @@ def test_every_kind_of_error_is_reported_at_once(tmp_path):
         compiler.compile_file(tmp_path / "g.toml")
     messages = [p.message for p in info.value.problems]
     assert len(messages) == 3, messages
-    assert "no data file" in messages[0]
+    assert "no such data file" in messages[0]
     assert any('reads "bonus", which no node writes' in m for m in messages)
     assert any('tool "nope.py:f": no file' in m for m in messages)
 
