@@ -23,8 +23,13 @@ __all__ = [
     "CHAT_TEMPLATE",
     "SPECIAL",
     "ScriptedTurns",
+    "local_bytes",
     "VARIED_SCORER",
     "TinyRun",
+    "on_ranks",
+    "parameters",
+    "rank_host",
+    "rollout_parameters",
     "run_tiny",
     "tiny_model",
     "tiny_overrides",
@@ -79,6 +84,50 @@ def update_batch(b: int = 4, p: int = 5, t: int = 4, seed: int = 0):
             "old_logprobs": torch.randn(b, t, generator=g) * 0.1 - 3.0,
         }
     )
+
+
+# -- probes: what a test looks at inside a pool rank, run there by `on_ranks` -----------------
+# (module-level functions of an installed module, so a Ray rank can unpickle them)
+
+
+def on_ranks(executor, pool: str, probe, *args) -> list:
+    """`probe(worker, *args)` on every rank of `pool`: each rank's result, in rank order."""
+    return executor.apply(pool, probe, *args)
+
+
+def parameters(worker, model: str) -> dict:
+    """The model's whole parameters as CPU tensors; under fsdp a collective (every rank)."""
+    engine = worker.train[model]
+    return engine.sharding.full_state(engine.module, worker.rank, everywhere=True)
+
+
+def rollout_parameters(worker, model: str) -> dict:
+    """The weights the rollout engine of `model` generates from, as CPU tensors."""
+    module = worker.rollout_copies.get(model, worker.train[model].module)
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+
+def local_bytes(worker, model: str) -> dict:
+    """Bytes of `model` the rank holds: {"weights", "optimizer"} (its shards under fsdp)."""
+    from flowrl.engines import sharding
+
+    return sharding.local_bytes(worker.train[model])
+
+
+def rank_host(worker) -> dict:
+    """Where the rank runs: Ray node id (under Ray), host and process id."""
+    import os
+    import socket
+
+    node = ""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            node = ray.get_runtime_context().get_node_id()
+    except ImportError:
+        pass
+    return {"node_id": node, "host": socket.gethostname(), "pid": os.getpid()}
 
 
 class ScriptedTurns:

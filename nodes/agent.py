@@ -20,7 +20,7 @@ import time
 import attrs
 
 from flowrl.front.validators import MAX_TOKENS, Rule, checked, count, one_of, positive
-from flowrl.nodespec import PHASES, CheckContext, Finding, NodeSpec, RolloutParams
+from flowrl.nodespec import CheckContext, Finding, NodeSpec, RolloutParams
 
 
 def _names() -> Rule:
@@ -98,7 +98,7 @@ class AgentWorker:
         out = assemble(episodes, self.engine.pad, p.solution)
         metrics = generation_metrics(out["response_mask"], time.perf_counter() - start)
         # decode and tool phases go to the run's trace, on this rank's track
-        return out, {**metrics, **agent_metrics(episodes, stats), PHASES: stats.phases}
+        return out, {**metrics, **agent_metrics(episodes, stats)}, stats.phases
 
 
 SPEC = NodeSpec(

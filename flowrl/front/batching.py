@@ -99,7 +99,7 @@ def check_save_inputs(graph: Graph, errors: Collector) -> None:
             )
 
 
-def held_nodes(graph: Graph, refill, errors: Collector) -> tuple[str, ...]:
+def after_warmup_nodes(graph: Graph, refill, errors: Collector) -> tuple[str, ...]:
     """The train nodes that wait out run.critic_warmup: those of models without a value head."""
     spec = graph.spec
     if not spec.run.critic_warmup:

@@ -42,7 +42,7 @@ def compile_graph(built: Graph) -> ExecutionPlan:
     refill = batching.refill_plan(built, errors)
     batch, warnings = batching.batch_plan(built, refill, errors)
     batching.check_save_inputs(built, errors)
-    held = batching.held_nodes(built, refill, errors)
+    after_warmup = batching.after_warmup_nodes(built, refill, errors)
     errors.raise_if_any()
     pools = _pools(built, batch, warnings)
     items = _Builder(built, pools).build()
@@ -56,7 +56,7 @@ def compile_graph(built: Graph) -> ExecutionPlan:
         _validation(built),
         built,
         refill,
-        held,
+        after_warmup,
     )
 
 
@@ -236,7 +236,8 @@ class _Builder:
             pool=pool,
             node=node,
             keys=decl.reads,
-            how=how if workers > 1 else f"{how}, 1 rank",
+            how=how,
+            ranks=workers,
         )
         call = self.add(
             "call",

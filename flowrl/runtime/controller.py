@@ -2,8 +2,8 @@
 
     for step in steps:
         batch = next(loader)                      # prompts, prompt_mask, uid, ground truths
-        batch, metrics = executor.run_step(batch) # every plan item, independent ones overlapped
-        log(metrics); validate / checkpoint when due
+        result = executor.run_step(batch)         # every plan item, independent ones overlapped
+        log(result.metrics); validate / checkpoint when due
 
 A run directory holds graph.toml (the resolved graph), run.json (where the graph file was:
 its relative paths resolve from there), metrics.jsonl, samples.jsonl, trace.json (Chrome /
@@ -24,6 +24,7 @@ from flowrl.data import PromptDataset, PromptLoader, make_rows
 from flowrl.models import load_tokenizer
 from flowrl.nodespec import GREEDY
 from flowrl.runtime import checkpoint, faults, guards, make_executor, rng, step_log
+from flowrl.runtime.executor import StepResult
 from flowrl.runtime.inputs import Recording
 from flowrl.runtime.loggers import Loggers
 from flowrl.runtime.refill import refilled_step
@@ -107,7 +108,8 @@ class Trainer:
             dynamic_ncols=True,
         )
         for step in bar:
-            metrics, batch = self.step(step)
+            result = self.step(step)
+            metrics, batch = result.metrics, result.batch
             last = step == run.steps
             if self.val_batch is not None and (
                 last or (run.val_every and step % run.val_every == 0)
@@ -141,21 +143,22 @@ class Trainer:
                 self.save(step)
             bar.set_postfix(step_log.postfix(metrics))
 
-    def step(self, step: int) -> tuple[dict, object]:
+    def step(self, step: int) -> StepResult:
+        """One training step: the walk's StepResult, its metrics completed with the step's
+        timings, throughput and process metrics (what metrics.jsonl logs)."""
         start = time.time()
         batch = self._prompts(step)
         run = self.spec.run
         record = self._record(step, step - 1, keep=tuple(run.save_inputs))
         if self.plan.refill is not None:  # a filter that samples more prompts (DAPO)
             more = functools.partial(self._prompts, step)
-            batch, metrics, slices = refilled_step(
-                self.executor, self.plan.refill, batch, more, record
-            )
+            walked = refilled_step(self.executor, self.plan.refill, batch, more, record)
         else:
             only = None
-            if step <= run.critic_warmup:  # the critic alone trains: plan.held waits
-                only = set(self.spec.nodes) - set(self.plan.held)
-            batch, metrics, slices = self.executor.run_step(batch, only=only, record=record)
+            if step <= run.critic_warmup:  # the critic alone trains
+                only = set(self.spec.nodes) - set(self.plan.after_warmup)
+            walked = self.executor.run_step(batch, only=only, record=record)
+        batch, metrics, slices = walked.batch, walked.metrics, walked.slices
         seconds = time.time() - start
         self.trace.add(slices, step)
         out = {"step": step, "time_s": seconds, **step_log.batch_metrics(batch), **metrics}
@@ -168,7 +171,7 @@ class Trainer:
         )
         out["tokens_per_s"] = tokens / seconds
         out.update(step_log.process_metrics())
-        return out, batch
+        return StepResult(batch, out, slices)
 
     def _prompts(self, step: int, round_: int = 0):
         """The next prompt batch, with the meta that seeds its sampling."""
@@ -194,9 +197,9 @@ class Trainer:
         batch = self.val_batch.index(slice(0, len(self.val_batch)))
         batch.meta.update(step=0, seed=self.spec.run.seed)
         record = self._record(step, step, validation=True)
-        out, _, _ = self.executor.run_step(
-            batch, only=set(validation.nodes), overrides=greedy, record=record
-        )
+        out = self.executor.run_step(
+            batch, only=set(validation.nodes), param_changes=greedy, record=record
+        ).batch
         result = {"val/score": float(out["scores"].float().mean())}
         if "response_mask" in out:
             result["val/response_length"] = float(out["response_mask"].sum(-1).float().mean())

@@ -10,7 +10,7 @@ from flowrl.runtime.guards import RunDirError
 
 
 def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tiny_plan, tmp_path):
-    _, _, plan = tiny_plan("grpo.toml", **{"run.steps": 3, "run.save_every": 1})
+    plan = tiny_plan("grpo.toml", **{"run.steps": 3, "run.save_every": 1})
     trainer = Trainer(plan, tmp_path / "run", "local")
     broadcast = trainer.executor.broadcast
 
@@ -31,7 +31,7 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tiny_plan, tmp_pat
 
 
 def test_unwritable_run_directory_is_a_clear_error(tiny_plan, tmp_path):
-    _, _, plan = tiny_plan("grpo.toml")
+    plan = tiny_plan("grpo.toml")
     (tmp_path / "a_file").write_text("not a folder")
     trainer = Trainer(plan, tmp_path / "a_file" / "run", "local")
     try:

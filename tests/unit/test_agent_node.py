@@ -77,8 +77,11 @@ PARAMS = agent.Params(
 
 def test_the_worker_returns_multi_turn_rows(tools_dir):
     batch = batch_of(tiny_tokenizer(), ["Hi?", "Bye?"], tools_dir)
-    out, metrics = worker(PARAMS)(batch)
+    out, metrics, phases = worker(PARAMS)(batch)
     assert set(out) == set(agent.SPEC.writes)
+    # decode and tool spans go to the trace through the third element, not the metrics
+    assert {name for name, _, _ in phases} == {"decode", "tools"}
+    assert all(start <= end for _, start, end in phases)
     rows, t = out["responses"].shape
     assert rows == 4 and out["rollout_logprobs"].shape == (4, t)
     mask, attention = out["response_mask"], out["response_attention"]
@@ -104,9 +107,9 @@ def test_the_worker_returns_multi_turn_rows(tools_dir):
 
 def test_the_worker_is_seeded_by_step(tools_dir):
     tokenizer = tiny_tokenizer()
-    first, _ = worker(PARAMS)(batch_of(tokenizer, ["Hi?"], tools_dir))
-    again, _ = worker(PARAMS)(batch_of(tokenizer, ["Hi?"], tools_dir))
-    other, _ = worker(PARAMS)(batch_of(tokenizer, ["Hi?"], tools_dir, step=2))
+    first, _, _ = worker(PARAMS)(batch_of(tokenizer, ["Hi?"], tools_dir))
+    again, _, _ = worker(PARAMS)(batch_of(tokenizer, ["Hi?"], tools_dir))
+    other, _, _ = worker(PARAMS)(batch_of(tokenizer, ["Hi?"], tools_dir, step=2))
     assert torch.equal(first["responses"], again["responses"])
     assert not torch.equal(first["responses"], other["responses"])
 

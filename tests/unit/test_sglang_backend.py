@@ -278,7 +278,7 @@ def sglang_trainer(tmp_path, monkeypatch):
             "nodes.generate.max_new_tokens=6",
             f'run.out_dir="{tmp_path}"',
         ]
-        _, _, plan = load_plan(str(ROOT / "graphs" / graph), overrides)
+        plan = load_plan(str(ROOT / "graphs" / graph), overrides)
         trainers.append(controller.Trainer(plan, tmp_path / "run", "local"))
         return trainers[-1], engines
 
@@ -381,7 +381,7 @@ def test_run_stops_before_loading_a_model_when_the_package_is_missing(monkeypatc
     from flowrl.runtime.guards import MissingPackage, check_packages
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    _, _, plan = load_plan(str(ROOT / "graphs/grpo_sglang.toml"))
+    plan = load_plan(str(ROOT / "graphs/grpo_sglang.toml"))
     monkeypatch.setitem(rollout.PACKAGE, "sglang", "no_such_package_here")
     with pytest.raises(MissingPackage) as info:
         check_packages(plan)
