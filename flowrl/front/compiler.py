@@ -31,9 +31,10 @@ SHARDED_ROLLOUT_NEEDS = ("rollout_weights", "kv_cache")
 PARTS = ("weights", "grads", "optimizer", "rollout_weights", "kv_cache")
 
 
-def compile_file(file: str | Path, overrides=()) -> ExecutionPlan:
-    """Parse, check and compile a graph file; raises GraphErrors listing every problem."""
-    return compile_graph(build(dsl.load(file, list(overrides))))
+def compile_file(file: str | Path, overrides=(), base_dir: str | Path = "") -> ExecutionPlan:
+    """Parse, check and compile a graph file; raises GraphErrors listing every problem.
+    `base_dir`: where its relative paths resolve (default: the file's folder)."""
+    return compile_graph(build(dsl.load(file, list(overrides), base_dir)))
 
 
 def compile_graph(built: Graph) -> ExecutionPlan:

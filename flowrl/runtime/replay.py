@@ -47,9 +47,7 @@ class ReplayCall:
 def load_plan(run_dir, overrides=()):
     """The plan of a run directory's graph.toml (overrides applied), with relative paths
     resolving from the original graph file's folder, recorded in run.json."""
-    from flowrl.front import dsl
-    from flowrl.front.compiler import compile_graph
-    from flowrl.front.graph import build
+    from flowrl.front.compiler import compile_file
 
     run_dir = Path(run_dir)
     graph = run_dir / "graph.toml"
@@ -57,7 +55,7 @@ def load_plan(run_dir, overrides=()):
         raise FileNotFoundError(f"{run_dir} has no graph.toml: is it a run directory?")
     source = run_dir / "run.json"
     base_dir = json.loads(source.read_text())["base_dir"] if source.is_file() else ""
-    return compile_graph(build(dsl.load(graph, list(overrides), base_dir)))
+    return compile_file(graph, overrides, base_dir)
 
 
 def load(run_dir, step: int, node: str, rank: int = 0, overrides=()) -> ReplayCall:

@@ -61,11 +61,11 @@ def test_disaggregated_rollout_generates_with_the_synced_weights(tiny_plan, tmp_
     assert plan.item("generate").pool == "gen" and plan.item("update_policy").pool == "train"
     trainer = Trainer(plan, tmp_path / "run", "ray")
     try:
-        train, gen = (trainer.executor.actors[p][0] for p in ("train", "gen"))
-        before = ray.get(gen.parameters.remote("policy"))
+        executor = trainer.executor
+        before = on_ranks(executor, "gen", parameters, "policy")[0]
         trainer.fit()
-        trained = ray.get(train.parameters.remote("policy"))
-        served = ray.get(gen.parameters.remote("policy"))
+        trained = on_ranks(executor, "train", parameters, "policy")[0]
+        served = on_ranks(executor, "gen", parameters, "policy")[0]
         assert trained.keys() == served.keys()
         for key, value in trained.items():
             assert torch.equal(value, served[key]), key  # bit for bit
