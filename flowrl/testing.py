@@ -32,6 +32,7 @@ __all__ = [
     "rollout_parameters",
     "run_tiny",
     "tiny_model",
+    "loss_params",
     "tiny_overrides",
     "tiny_plan",
     "tiny_tokenizer",
@@ -128,6 +129,17 @@ def rank_host(worker) -> dict:
     except ImportError:
         pass
     return {"node_id": node, "host": socket.gethostname(), "pid": os.getpid()}
+
+
+def loss_params(**fields):
+    """The params a policy loss of `flowrl.math.losses` reads, for calling one directly:
+    update.policy's defaults overridden by `fields`, unvalidated (so e.g. CISPO's
+    clip_low=None, no floor, can be tried)."""
+    from types import SimpleNamespace
+
+    from flowrl.nodes.update.policy import Params
+
+    return SimpleNamespace(**(attrs.asdict(Params()) | fields))
 
 
 class ScriptedTurns:

@@ -98,7 +98,10 @@ class PoolWorker:
             activation_checkpointing=config.activation_checkpointing,
         )
         if name in setup.rollout_models:
-            self.rollout[name] = make_rollout(config.rollout, rollout_module, tokenizer, device)
+            where = f"pool {setup.pool}, rank {rank}, model {name}"
+            self.rollout[name] = make_rollout(
+                config.rollout, rollout_module, tokenizer, device, where
+            )
 
     def call(
         self, node_id: str, batch: DataProto, changes: dict | None = None, record=None

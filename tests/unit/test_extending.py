@@ -1,14 +1,17 @@
 """The node examples of docs/extending.md, taken from the page, work as the page says."""
 
 import copy
+import importlib.util
 import re
 from pathlib import Path
 
+import attrs
 import torch
 from test_update_workers import assert_same, batch
 
 from flowrl.engines import TrainEngine
 from flowrl.front import compiler, registry
+from flowrl.nodespec import CheckContext
 from flowrl.protocol import DataProto
 from flowrl.testing import tiny_model, tiny_tokenizer
 
@@ -68,3 +71,51 @@ def test_the_custom_loss_example_compiles_and_takes_the_formulas_gradient(tmp_pa
     expected = {n: p.grad for n, p in reference.module.named_parameters()}
     assert_same(grads[0], expected)  # micro-batches of 9 tokens add up to the whole loss
     assert abs(metrics["pg_loss"] - float(loss.detach())) < 1e-5 and metrics["grad_norm"] > 0
+
+
+def test_the_policy_loss_example_is_one_function_and_one_table_line(tmp_path, monkeypatch):
+    # the page's function, saved as a module, and its table line, evaluated as it stands in
+    # LOSSES: update.policy with loss = "plain" then takes the gradient of -A r (token-mean)
+    from flowrl.nodes.update import policy
+
+    from flowrl.math import losses
+
+    path = tmp_path / "plain.py"
+    path.write_text(example("# flowrl/math/losses/plain.py"))
+    module_spec = importlib.util.spec_from_file_location("plain", path)
+    plain = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(plain)
+    line = re.search(r"```python\n(    \"plain\": Loss\(.*?\),)\n```", PAGE).group(1)
+    entry = eval("{" + line + "}", {"Loss": losses.Loss, "plain": plain})
+    monkeypatch.setattr(losses, "LOSSES", losses.LOSSES | entry)
+    monkeypatch.setattr(policy, "LOSSES", losses.LOSSES)
+
+    model, rows = tiny_model(seed=0), batch()
+    params = policy.Params(loss="plain")
+    assert policy.check(params, context(rows)) == []
+    refused = policy.check(attrs.evolve(params, tau_pos=2.0), context(rows))
+    assert [f.message.split(" = ")[0] for f in refused] == ["tau_pos"]
+
+    grads = []
+    engine = TrainEngine(copy.deepcopy(model), tiny_tokenizer(), lr=1e-2, micro_tokens=9)
+    step = engine.step
+
+    def record():
+        grads.append({n: p.grad.clone() for n, p in engine.module.named_parameters()})
+        return step()
+
+    engine.step = record
+    _, metrics = policy.PolicyUpdateWorker(engine, params)(rows)
+    reference = TrainEngine(copy.deepcopy(model), tiny_tokenizer())
+    logprobs = reference.forward(rows, grad=True)["logprobs"]
+    mask = rows["response_mask"].float()
+    ratio = torch.exp(logprobs - rows["old_logprobs"])
+    loss = -(rows["advantages"] * ratio * mask).sum() / mask.sum()
+    loss.backward()
+    expected = {n: p.grad for n, p in reference.module.named_parameters()}
+    assert_same(grads[0], expected)
+    assert abs(metrics["pg_loss"] - float(loss.detach())) < 1e-5 and "approx_kl" in metrics
+
+
+def context(rows):
+    return CheckContext("update_policy", len(rows), 1, len(rows), 1, ".")

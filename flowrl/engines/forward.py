@@ -1,9 +1,10 @@
 """The train engine's forward pass as a module: per-response-token log-probs (or values).
 
-`Scorer` wraps the model (a causal LM or a ValueModel) so that a whole forward is one module
-call. That is what FSDP2 needs: `fully_shard` hooks a module's `__call__`, and the root module's
-hooks gather the parameters outside the decoder layers (embeddings, final norm, head), so the
-engine must call the root, not the backbone and the head one after the other.
+`ResponseForward` wraps the model (a causal LM or a ValueModel) so that a whole forward is one
+module call (the engine's `forward_module`). That is what FSDP2 needs: `fully_shard` hooks a
+module's `__call__`, and the root module's hooks gather the parameters outside the decoder
+layers (embeddings, final norm, head), so the engine must call the root, not the backbone and
+the head one after the other.
 
 The forward does only the work the outputs need: padding columns are trimmed by the caller, the
 head runs only at the positions that predict response tokens (logsumexp minus the gathered
@@ -19,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 
-class Scorer(nn.Module):
+class ResponseForward(nn.Module):
     """model: a causal LM or a ValueModel (anything with `base_model` and an output head)."""
 
     def __init__(self, model: nn.Module):
