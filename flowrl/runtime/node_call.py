@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import torch
 
 from flowrl.errors import FlowrlError
 from flowrl.nodespec import KEEP, NodeSpec, split_output
@@ -130,6 +131,19 @@ def call_node(
         )
         hint = save_to.failed(batch, error) if save_to is not None else ""
         raise NodeFailure(f"{error}{hint}")
+    if call.spec.rows == "filter":
+        _check_keep(call, writes[KEEP], len(batch))
     renamed = {call.rename.get(k, k): v for k, v in writes.items()}
     out = DataProto.from_columns(renamed) if writes else DataProto.from_dict({})
     return CallResult(out, metrics, start, time.time(), tuple(phases))
+
+
+def _check_keep(call: NodeCall, keep, rows: int) -> None:
+    """A filter's `keep` is a bool mask over its rows (an int tensor would pick rows by index)."""
+    if not (isinstance(keep, torch.Tensor) and keep.dtype == torch.bool and keep.shape == (rows,)):
+        shape = tuple(keep.shape) if hasattr(keep, "shape") else type(keep).__name__
+        kind = getattr(keep, "dtype", "")
+        raise NodeFailure(
+            f"filter node {call.id} returned keep {kind} {shape} {call.where}, but keep must be a "
+            f"torch.bool tensor of shape ({rows},): True for each row to keep"
+        )

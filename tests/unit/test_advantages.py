@@ -2,10 +2,6 @@
 
 import pytest
 import torch
-from flowrl.nodes.filter.dynamic_sampling import varied_groups
-from flowrl.nodes.reward.kl_penalty import Params as KLParams
-from flowrl.nodes.reward.kl_penalty import kl_token_rewards, next_kl_coef
-from flowrl.nodes.reward.model import last_token_scores
 
 from flowrl.math import ops
 from flowrl.math.estimators import (
@@ -16,6 +12,10 @@ from flowrl.math.estimators import (
     leave_one_out_advantages,
     remax_advantages,
 )
+from flowrl.nodes.filter.dynamic_sampling import varied_groups
+from flowrl.nodes.reward.kl_penalty import Params as KLParams
+from flowrl.nodes.reward.kl_penalty import kl_token_rewards, next_kl_coef
+from flowrl.nodes.reward.model import last_token_scores
 
 
 def ragged(seed, b=6, t=5):

@@ -7,15 +7,15 @@ import math
 import attrs
 import pytest
 import torch
-from flowrl.nodes.update import policy
-from flowrl.nodes.update.critic import CriticUpdateWorker
-from flowrl.nodes.update.critic import Params as CriticParams
 
 from flowrl.engines import TrainEngine
 from flowrl.math.losses import LOSSES, Chunk, loss_params
 from flowrl.math.losses.ppo import ppo_loss
 from flowrl.math.losses.value import clipped_value_loss
 from flowrl.models.value_head import ValueModel
+from flowrl.nodes.update import policy
+from flowrl.nodes.update.critic import CriticUpdateWorker
+from flowrl.nodes.update.critic import Params as CriticParams
 from flowrl.protocol import DataProto
 from flowrl.testing import tiny_model, tiny_tokenizer
 
@@ -276,3 +276,13 @@ def test_update_loop_reports_every_named_metric_from_a_rank_without_rows():
     assert calls == []
     assert metrics["pg_loss"] == metrics["entropy"] == 0.0
     assert metrics["grad_norm"] == 0.0 and metrics["lr"] == 1e-2
+
+
+def test_update_batch_carries_every_key_the_policy_update_reads():
+    from flowrl.testing import tiny_engine, update_batch
+
+    rows = update_batch()
+    assert set(policy.SPEC.reads_for(policy.Params())) <= set(rows.keys())
+    torch.testing.assert_close(rows["response_attention"], rows["response_mask"])
+    _, metrics = policy.PolicyUpdateWorker(tiny_engine(), policy.Params())(rows)
+    assert metrics["grad_norm"] > 0

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from flowrl.nodes.advantage import gpg, opo, passk, reinforce_pp
-from flowrl.nodes.reward import kl_penalty, overlong, token_rewards
-from flowrl.nodes.update import policy
 from test_update_workers import assert_same, batch, updated
 
 from flowrl.engines import TrainEngine
 from flowrl.math import estimators, ops
 from flowrl.math.losses import LOSSES, Chunk
+from flowrl.nodes.advantage import gpg, opo, passk, reinforce_pp
+from flowrl.nodes.reward import kl_penalty, overlong, token_rewards
+from flowrl.nodes.update import policy
 from flowrl.nodespec import CheckContext
 from flowrl.protocol import DataProto
 from flowrl.testing import tiny_model, tiny_tokenizer
