@@ -11,6 +11,8 @@ from flowrl.runtime.controller import Trainer
 from flowrl.runtime.guards import NonFiniteStop
 from flowrl.testing import parameters
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
 NAN_UPDATE = Path(__file__).with_name("nan_update.py")
 
 

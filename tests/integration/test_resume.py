@@ -8,6 +8,8 @@ from flowrl.runtime import checkpoint
 from flowrl.runtime.controller import Trainer
 from flowrl.testing import parameters
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
 
 class Stop(Exception):
     pass

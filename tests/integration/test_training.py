@@ -9,6 +9,8 @@ import torch
 from flowrl.runtime.controller import Trainer
 from flowrl.testing import on_ranks, parameters
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
 ROOT = Path(__file__).resolve().parents[2]
 GRAPHS = sorted(p.name for p in (ROOT / "graphs").glob("*.toml"))
 
