@@ -578,6 +578,7 @@ finally:
 """
 
 
+@pytest.mark.slow  # a child process: a Python start-up with torch
 def test_the_trainer_survives_an_sglang_childs_death_with_its_own_error(tmp_path):
     """Run in a child process: with SGLang's handlers the whole process tree is killed."""
     args = [str(tmp_path), str(ROOT / "tests/unit"), str(ROOT / "graphs/grpo.toml")]
@@ -625,6 +626,7 @@ print(json.dumps(state))
 """
 
 
+@pytest.mark.slow  # a child process: a Python start-up with torch
 def test_shutting_sglang_down_leaves_flowrls_scorer_processes_running():
     result = subprocess.run(
         [sys.executable, "-c", SHUTDOWN, str(ROOT / "tests/unit")],
