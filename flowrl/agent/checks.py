@@ -12,33 +12,52 @@ _TEMPLATE: dict = {}  # (model path, obs_role) -> problems
 
 def agent_findings(p, context: CheckContext) -> list[Finding]:
     out = _limit_findings(p)
-    toolbox = None
+    toolbox, interactions = None, {}
     try:
         from flowrl.agent.tools import Toolbox
 
-        toolbox = Toolbox(p.tools, context.base_dir)
+        toolbox = Toolbox(p.tools, context.base_dir, p.tool_config)
     except Exception as e:
-        out.append(Finding(f"tools: {e}", 'tools = ["calculator", "python", "file.py:name"]'))
+        fix = 'tools = ["calculator", "file.py:name"] or tool_config = "tools.yaml" (verl\'s)'
+        out.append(Finding(f"tools: {e}", fix))
     out += _parser_findings(p, context, toolbox)
-    if p.interaction:
-        try:
-            from flowrl.agent.objects import load_object
+    if p.interaction and p.interaction_config:
+        out.append(Finding("interaction and interaction_config are both set", "keep one"))
+    try:  # instantiates verl interaction classes as verl's registry does
+        from flowrl.agent.interactions import load_interactions
 
-            load_object(p.interaction, context.base_dir, "interaction")
-        except Exception as e:
-            out.append(Finding(str(e), 'interaction = "file.py:reply"'))
-        if not p.max_user_turns:
-            out.append(
-                Finding("interaction is set but max_user_turns = 0: it never answers", warning=True)
-            )
-    elif p.max_user_turns:
-        out.append(Finding("max_user_turns is set but there is no interaction", warning=True))
+        interactions = load_interactions(p.interaction, p.interaction_config, context.base_dir)
+    except Exception as e:
+        fix = 'interaction = "file.py:reply" or interaction_config = "interaction.yaml"'
+        out.append(Finding(f"interaction: {e}", fix))
+    template = None
+    try:
+        from flowrl.agent.prompt import read_template
+
+        template = read_template(p.chat_template, context.base_dir)
+    except Exception as e:
+        out.append(Finding(str(e), 'chat_template = "file.jinja" (relative to the graph)'))
+    if toolbox is not None:
+        from flowrl.agent.data_checks import row_findings
+
+        out += row_findings(toolbox, interactions, context)
     if context.model_path:
+        tools = toolbox.schemas if toolbox is not None else []
         out += [
             Finding(f"chat template: {problem}", _TEMPLATE_FIX)
-            for problem in _template(context.model_path, p.obs_role)
+            for problem in _template(context.model_path, p.obs_role, template, tools)
         ]
+        if tools and not p.system_prompt and _shows_tools(context.model_path, template) is False:
+            out.append(Finding(_NO_TOOLS.format(context.model_path), warning=True))
     return out
+
+
+_NO_TOOLS = (
+    "chat template of {} ignores tools=: the model is never shown its tools' schemas. "
+    'Set chat_template = "file.jinja" to a template with a tool block (Qwen2.5\'s: '
+    'graphs/chat_templates/qwen2_5_tools.jinja), or system_prompt = "... {{tools}} ..." '
+    "to describe them in text"
+)
 
 
 _TEMPLATE_FIX = (
@@ -49,7 +68,7 @@ _TEMPLATE_FIX = (
 
 def _limit_findings(p) -> list[Finding]:
     out = []
-    positive = ("max_new_tokens", "max_assistant_turns", "max_calls_per_turn", "max_obs_tokens")
+    positive = ("max_new_tokens", "max_assistant_turns", "max_parallel_calls", "max_obs_tokens")
     for name in positive:
         if getattr(p, name) < 1:
             out.append(Finding(f"{name} = {getattr(p, name)} must be at least 1"))
@@ -104,8 +123,8 @@ def _parser_findings(p, context, toolbox) -> list[Finding]:
     return []
 
 
-def _template(path: str, obs_role: str) -> list[str]:
-    key = (path, obs_role)
+def _template(path: str, obs_role: str, template: str | None, tools: list) -> list[str]:
+    key = (path, obs_role, template, repr(tools))
     if key not in _TEMPLATE:
         from flowrl.agent.chat import template_problems
 
@@ -114,8 +133,22 @@ def _template(path: str, obs_role: str) -> list[str]:
         except Exception as e:
             _TEMPLATE[key] = [f"cannot load the tokenizer of {path!r}: {e}"]
         else:
-            _TEMPLATE[key] = template_problems(tokenizer, obs_role) if tokenizer else []
+            _TEMPLATE[key] = (
+                template_problems(tokenizer, obs_role, template, tools) if tokenizer else []
+            )
     return _TEMPLATE[key]
+
+
+def _shows_tools(path: str, template: str | None) -> bool | None:
+    """Whether the (override) template renders tools=; None when the tokenizer is not at
+    hand (the embedded model before its first conversion)."""
+    from flowrl.agent.prompt import template_shows_tools
+
+    try:
+        tokenizer = tokenizer_of(path)
+    except Exception:
+        return None
+    return None if tokenizer is None else template_shows_tools(tokenizer, template)
 
 
 def tokenizer_of(path: str):

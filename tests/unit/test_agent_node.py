@@ -3,6 +3,7 @@
 check`, and reward.rule handing the rollout's record to the scorer under verl's names."""
 
 import textwrap
+from pathlib import Path
 
 import attrs
 import numpy as np
@@ -115,10 +116,20 @@ def context(base_dir, model_path="tiny"):
     return CheckContext("rollout", 8, 2, 4, 1, str(base_dir), model_path)
 
 
+QWEN_TEMPLATE = Path(__file__).parents[1] / "data" / "qwen2_5_tools.jinja"
+
+
 def test_check_accepts_a_good_node(tools_dir):
-    assert agent.check(PARAMS, context(tools_dir)) == []
-    tag = attrs.evolve(PARAMS, tools=("calculator",), parser="tag")
+    # the tiny model's template drops tools=: a warning that names both fixes
+    (warning,) = agent.check(PARAMS, context(tools_dir))
+    assert warning.warning and "ignores tools=" in warning.message
+    assert "chat_template" in warning.message and "system_prompt" in warning.message
+    tag = attrs.evolve(
+        PARAMS, tools=("calculator",), parser="tag", chat_template=str(QWEN_TEMPLATE)
+    )
     assert agent.check(tag, context(tools_dir)) == []
+    described = attrs.evolve(PARAMS, system_prompt="Tools: {tools}")
+    assert agent.check(described, context(tools_dir)) == []
 
 
 @pytest.mark.parametrize(
@@ -188,12 +199,12 @@ def test_flowrl_check_runs_the_template_check_without_loading_weights(tools_dir,
         flowrl.compile(graph)
     from flowrl.agent import checks
 
-    monkeypatch.setitem(checks._TEMPLATE, ("tiny", "tool"), ["a template that rewrites"])
+    monkeypatch.setattr(checks, "_template", lambda *a: ["a template that rewrites"])
     text = graph.read_text().replace("max_assistant_turns = 0\n", "max_turn_tokens = 900\n")
     graph.write_text(text)
     with pytest.raises(GraphErrors, match="chat template: a template that rewrites"):
         flowrl.compile(graph)
-    monkeypatch.setitem(checks._TEMPLATE, ("tiny", "tool"), [])
+    monkeypatch.setattr(checks, "_template", lambda *a: [])
     plan = flowrl.compile(graph)
     assert plan.spec.nodes["rollout"].params.tools == ("my_tools.py:echo",)
     assert any("max_turn_tokens = 900 exceeds" in w for w in plan.warnings)
