@@ -218,10 +218,8 @@ def test_verl_interactions_from_their_yaml_and_class_reference(tools_dir):
 
     assert run(go()) == ((False, "again", 0.0), (True, "right", 1.0))
     assert judge.instance.live == {}
-    (single,) = load_interactions("verl_tools.py:Interaction", "", tools_dir).values()
-    assert (
-        single.instance.name == "interaction"
-    )  # verl's default: the class name without the suffix
+    (single,) = load_interactions("verl_tools.py:JudgeInteraction", "", tools_dir).values()
+    assert single.instance.name == "judge"  # verl's default: the class name, no "Interaction"
 
 
 def check(tools_dir, rows=None, **params):
