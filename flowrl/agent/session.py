@@ -55,9 +55,10 @@ class Session:
 
     async def start(self) -> None:
         for tool in self.tools:
-            state = await run_call(
-                tool.names[0], tool.open, {"tools_kwargs": self.tools_kwargs}, self.create_timeout
-            )
+            args = {
+                "tools_kwargs": self.tools_kwargs
+            }  # its own key: a hung call is not a hung create
+            state = await run_call(f"{tool.names[0]}:create", tool.open, args, self.create_timeout)
             self.opened.append((tool, state))
             self.functions.update(tool.handles(state))
 
@@ -68,7 +69,8 @@ class Session:
         for tool, state in opened:
             try:
                 close = functools.partial(tool.close, state)
-                rewards.update(await run_call(tool.names[0], close, {}, self.create_timeout))
+                name = f"{tool.names[0]}:release"
+                rewards.update(await run_call(name, close, {}, self.create_timeout))
             except Exception as e:
                 errors.append(f"{tool.names[0]}: release: {type(e).__name__}: {e}")
         return rewards, errors
