@@ -175,6 +175,7 @@ def _place(name, model: schema.ModelConfig, pools, errors, overridden) -> schema
             f'pools: {one_of(pools)}; or leave rollout_pool out to generate on "{model.pool}"',
         )
     _check_rollout_device(name, model, pools, errors, overridden)
+    _check_rollout_dtype(name, model, errors, overridden)
     return model
 
 
@@ -192,6 +193,21 @@ def _check_rollout_device(name, model: schema.ModelConfig, pools, errors, overri
         f'{override}rollout = "{model.rollout}" runs on "{need}" only, but its pool "{pool}" has '
         f'device = "{pools[pool].device}"',
         f'set device = "{need}" in [pools.{pool}], or rollout = "hf" (CPU and GPU)',
+    )
+
+
+def _check_rollout_dtype(name, model: schema.ModelConfig, errors, overridden) -> None:
+    """SGLang's attention kernels (flashinfer, fa3) are bf16 / fp16: a float32 model is refused
+    here, before any model loads, not handed to them."""
+    if model.rollout != "sglang" or model.dtype in ("bfloat16", "float16"):
+        return
+    override = said(overridden, f"models.{name}.dtype") or said(
+        overridden, f"models.{name}.rollout"
+    )
+    errors.add(
+        f"[models.{name}] dtype",
+        f'{override}rollout = "sglang" serves 16-bit weights, but dtype = "{model.dtype}"',
+        f'set dtype = "bfloat16" in [models.{name}] (or "float16"), or rollout = "hf"',
     )
 
 
