@@ -51,9 +51,15 @@ def synthetic(split: str, size: int, seed: int) -> list[dict]:
     rows = []
     for index in range(size):
         a, b, c = rng.randint(2, 20), rng.randint(2, 12), rng.randint(1, 30)
-        question = f"A shop sells {a} boxes of {b} pencils and {c} loose pencils. How many pencils does it sell?"
-        total = a * b + c
-        answer_raw = f"{a}*{b}=<<{a}*{b}={a * b}>>{a * b}; {a * b}+{c}=<<{a * b}+{c}={total}>>{total}\n#### {total}"
+        question = (
+            f"A shop sells {a} boxes of {b} pencils and {c} loose pencils. "
+            "How many pencils does it sell?"
+        )
+        product, total = a * b, a * b + c
+        answer_raw = (
+            f"{a}*{b}=<<{a}*{b}={product}>>{product}; "
+            f"{product}+{c}=<<{product}+{c}={total}>>{total}\n#### {total}"
+        )
         rows.append(verl_row(question, answer_raw, str(total), split, index))
     return rows
 

@@ -11,8 +11,8 @@ import pytest
 from flowrl.agent.chat import ChatTokens
 from flowrl.agent.driver import run_sync, run_waves
 from flowrl.agent.episode import Episode, Limits
-from flowrl.agent.parsers import make_parser
 from flowrl.agent.interactions import FunctionInteraction
+from flowrl.agent.parsers import make_parser
 from flowrl.agent.tools import FunctionTool, Toolbox
 from flowrl.testing import ScriptedTurns, tiny_tokenizer
 

@@ -55,7 +55,8 @@ class Sandbox(Base):
         self.url = config["sandbox_fusion_url"]
 
     async def execute(self, instance_id, parameters, **kwargs):
-        return Response(f"{self.url} ran {parameters['code']} t={parameters.get('timeout')}"), 0.0, {}
+        text = f"{self.url} ran {parameters['code']} t={parameters.get('timeout')}"
+        return Response(text), 0.0, {}
 
     async def calc_reward(self, instance_id, **kwargs):
         return [1.0, 0.5]
