@@ -307,3 +307,37 @@ def test_params_state_their_rules(change, says):
     with pytest.raises(ValueError) as info:
         attrs.evolve(PARAMS, **change)
     assert says in str(info.value)
+
+
+def test_failed_requests_reach_samples_and_the_log_with_their_rows(tmp_path):
+    import io
+    import json
+
+    from flowrl.runtime import step_log
+
+    infos = [
+        {"termination": "stop", "error": None, "messages": [], "trained_spans": [["a", 1]]},
+        {"termination": "error", "error": "TypeError: bad", "messages": [], "trained_spans": []},
+        {
+            "termination": "stop",
+            "error": None,
+            "release_errors": ["t: release: OSError: gone"],
+            "messages": [],
+            "trained_spans": [],
+        },
+    ]
+    batch = DataProto.from_dict(
+        {"uid": torch.tensor([7, 8, 9]), "response_mask": torch.tensor([[1], [0], [1]])},
+        {"rollout_info": infos, "prompt_text": ["p0", "p1", "p2"]},
+    )
+    assert step_log.failed_requests(batch) == [1, 2]
+    lines = step_log.failure_lines(batch, [1, 2])
+    assert lines[0] == "  request 1 (row uid 8, error): TypeError: bad | 'p1'"
+    assert "OSError: gone" in lines[1]
+    out = io.StringIO()
+    step_log.log_samples(out, 3, batch, count=1)  # one logged row, plus both failures
+    rows = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [r.get("error") for r in rows] == [None, "TypeError: bad", "t: release: OSError: gone"]
+    assert not step_log.trained_nothing(batch)
+    batch["response_mask"] = torch.zeros(3, 1, dtype=torch.long)
+    assert step_log.trained_nothing(batch)
