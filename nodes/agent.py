@@ -8,8 +8,11 @@ in it are parsed, run (concurrently, each under a timeout) and their output appe
 the policy did not sample; until a turn makes no call or a limit ends it. All requests advance
 turn by turn on the engine's KV cache (flowrl/engines/wave_rollout.py). `response_mask` is 1
 on sampled tokens only; `response_attention` on tool output too. `rollout_info` carries each
-request's turns, calls, tool rewards and why it ended (verl's names), for reward.rule with
-`rollout_info = true`. Replaces [nodes.generate] in a graph; docs/multi-turn.md.
+request's turns, calls, tool rewards and why it ended (verl's names and counts), for
+reward.rule with `rollout_info = true`. Tools are functions, classes, or verl's tool YAML
+(`tool_config`); interactions a function, a verl class or verl's YAML; the prompt carries the
+tools' schemas (the data loader templates it with `tools=`). Replaces [nodes.generate] in a
+graph; docs/multi-turn.md.
 """
 
 from __future__ import annotations

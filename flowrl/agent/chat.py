@@ -137,3 +137,16 @@ def _first_difference(a: list[int], b: list[int]) -> int:
         if x != y:
             return i
     return min(len(a), len(b))
+
+
+def truncate_chars(text: str, length: int, side: str) -> str:
+    """verl's cut of a tool response longer than `length` characters (tool_agent_loop.py):
+    "left" keeps the first characters, "right" the last, "middle" half of each."""
+    if len(text) <= length:
+        return text
+    if side == "left":
+        return text[:length] + "...(truncated)"
+    if side == "right":
+        return "(truncated)..." + text[-length:]
+    half = length // 2
+    return text[:half] + "...(truncated)..." + (text[-half:] if half else "")

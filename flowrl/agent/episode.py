@@ -29,6 +29,7 @@ import uuid
 
 import attrs
 
+from flowrl.agent.chat import truncate_chars
 from flowrl.agent.runner import run_call
 
 GENERATING, TOOLS, INTERACTING, DONE = "generating", "tools", "interacting", "done"
@@ -59,19 +60,6 @@ class Limits:
     request_timeout_s: float = 120.0  # a request's time in tools and interactions, summed
     max_invalid_calls: int = 3  # invalid calls in a row that end the request (0 = no limit)
     obs_role: str = "tool"  # the role of tool output messages
-
-
-def truncate_chars(text: str, length: int, side: str) -> str:
-    """verl's cut of a tool response longer than `length` characters (tool_agent_loop.py):
-    "left" keeps the first characters, "right" the last, "middle" half of each."""
-    if len(text) <= length:
-        return text
-    if side == "left":
-        return text[:length] + "...(truncated)"
-    if side == "right":
-        return "(truncated)..." + text[-length:]
-    half = length // 2
-    return text[:half] + "...(truncated)..." + (text[-half:] if half else "")
 
 
 class Episode:

@@ -13,7 +13,7 @@ import pytest
 from flowrl.nodes import agent
 
 from flowrl.agent import runner
-from flowrl.agent.episode import truncate_chars
+from flowrl.agent.chat import truncate_chars
 from flowrl.agent.interactions import load_interactions
 from flowrl.agent.parsers import ToolCall
 from flowrl.agent.tools import Toolbox
