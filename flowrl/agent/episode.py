@@ -193,9 +193,9 @@ class Episode:
         if not calls:
             self.state = INTERACTING
             return None
+        if len(self.ids) >= limits.max_new_tokens:  # verl: the budget ends it, calls not run
+            return self._end("length")
         if not ended:  # cut by max_turn_tokens: close the turn as the template would
-            if len(self.ids) >= self.limits.max_new_tokens:
-                return self._end("length")
             self._append([self.chat.eos], trained=False)
             self._unfed = [self.chat.eos]
         self._pending_calls, self.state = calls, TOOLS

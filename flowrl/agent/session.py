@@ -48,6 +48,8 @@ class Session:
         self.create_timeout = create_timeout
         self.opened: list = []  # (tool, state) of the tools created so far
         self.functions = {}
+        # verl's tools give every call a step reward, 0.0 when it failed (tool_agent_loop.py)
+        self.failed_reward = 0.0 if tools and all(t.verl for t in tools) else None
 
     @property
     def names(self) -> list[str]:
@@ -81,24 +83,23 @@ class Session:
         if call.error:
             text = f"error: could not parse the tool call: {call.error}"
             return ToolResult(name, text, "invalid")
+        failed = functools.partial(ToolResult, name, reward=self.failed_reward)
         function = self.functions.get(name)
         if function is None:
             known = ", ".join(self.functions) or "none"
-            text = f'error: unknown tool "{name}"; the tools are: {known}'
-            return ToolResult(name, text, "invalid")
+            return failed(f'error: unknown tool "{name}"; the tools are: {known}', "invalid")
         arguments, problem = bind_arguments(function, call.arguments)
         if problem:
-            return ToolResult(name, f"error: {name}: {problem}", "invalid")
+            return failed(f"error: {name}: {problem}", "invalid")
         try:
             out = await run_call(name, function, arguments, timeout)
         except ToolStuck as e:
-            return ToolResult(name, f"error: TimeoutError: {e}", "timeout")
+            return failed(f"error: TimeoutError: {e}", "timeout")
         except TimeoutError:
             text = f"error: TimeoutError: {name} took longer than {timeout:g} s"
-            return ToolResult(name, text, "timeout", time.monotonic() - start)
+            return failed(text, "timeout", time.monotonic() - start)
         except Exception as e:
-            text = f"error: {type(e).__name__}: {e}"
-            return ToolResult(name, text, "error", time.monotonic() - start)
+            return failed(f"error: {type(e).__name__}: {e}", "error", time.monotonic() - start)
         text, reward = tool_output(out)
         return ToolResult(name, text, "ok", time.monotonic() - start, reward)
 

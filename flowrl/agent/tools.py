@@ -51,6 +51,8 @@ def function_schema(function) -> dict:
 class FunctionTool:
     """A stateless function: one tool, shared by every request."""
 
+    verl = False  # a failed call gives no step reward
+
     def __init__(self, function):
         self.function = function
         self.schemas = [function_schema(function)]
@@ -74,6 +76,8 @@ class FunctionTool:
 
 class ClassTool:
     """A class whose instance holds one request's state; its public methods are tools."""
+
+    verl = False  # a failed call gives no step reward
 
     def __init__(self, cls):
         self.cls = cls

@@ -66,6 +66,8 @@ def _reference(class_name: str, folder: Path) -> str:
 class VerlTool:
     """One verl tool instance shared by the requests of a rank; one `create`d id each."""
 
+    verl = True  # a failed call gives a 0.0 step reward, as verl's agent loop
+
     def __init__(self, cls, config: dict | None = None, schema: dict | None = None):
         schema = schema or getattr(cls, "tool_schema", None)
         if isinstance(schema, dict):

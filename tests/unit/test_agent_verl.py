@@ -341,3 +341,17 @@ def test_a_tool_with_too_many_stuck_calls_is_not_started_again():
     for thread in [t for t in threading.enumerate() if t.name == "flowrl-tool:hang_test"]:
         thread.join(5)
     assert runner.stuck_threads("hang_test") == 0
+
+
+def test_a_failed_call_of_a_verl_tool_gets_verls_zero_step_reward(tools_dir):
+    (tools_dir / "tools.yaml").write_text(yaml_of(("Hangs", {}, schema("slow"))))
+    session = Toolbox([], tools_dir, "tools.yaml").open({})
+
+    async def go():
+        await session.start()
+        unknown = await session.call(ToolCall("nope", {}), 1.0)
+        missing = await session.call(ToolCall("slow", {}), 1.0)  # "code" is required
+        return unknown, missing
+
+    # verl's _call_tool returns 0.0 for any call that fails, and the loop keeps it
+    assert [r.reward for r in run(go())] == [0.0, 0.0]
