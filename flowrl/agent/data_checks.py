@@ -57,10 +57,14 @@ def row_problems(row: dict, toolbox, interactions: dict) -> list[str]:
         missing = [k for k in tool.create_kwargs_needed() if k not in given]
         if missing:
             out.append(f"{tool.names[0]} requires create_kwargs {missing}, the row gives none")
-    if interactions and "" not in interactions:
-        name = (extra.get("interaction_kwargs") or {}).get("name")
-        if name not in interactions:
-            out.append(f"interaction_kwargs.name = {name!r} is not one of {sorted(interactions)}")
+    kwargs = extra.get("interaction_kwargs") or {}
+    chosen = interactions.get("", interactions.get(kwargs.get("name")))
+    if interactions and chosen is None:
+        out.append(
+            f"interaction_kwargs.name = {kwargs.get('name')!r} is not one of {sorted(interactions)}"
+        )
+    elif chosen is not None:
+        out += [f"interaction: {problem}" for problem in chosen.refuses(kwargs)]
     return out
 
 

@@ -17,6 +17,7 @@ import inspect
 from flowrl.agent.objects import ToolError, load_object
 from flowrl.agent.session import maybe_await
 from flowrl.agent.verl import (
+    binding_problem,
     default_name,
     is_verl_interaction,
     load_interaction_config,
@@ -30,6 +31,11 @@ class FunctionInteraction:
 
     def __init__(self, function):
         self.function = function
+
+    def refuses(self, kwargs: dict) -> list[str]:
+        """Why a row's interaction_kwargs cannot be passed to the function."""
+        problem = binding_problem(self.function, ([],), kwargs)
+        return [f"{getattr(self.function, '__name__', 'reply')}{problem}"] if problem else []
 
     async def start(self, request_id: str, **kwargs) -> None:
         return None

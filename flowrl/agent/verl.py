@@ -205,12 +205,33 @@ class VerlInteraction:
         done, text, reward = out[:3]  # verl's 4th item (metrics) is not used
         return done, text, reward
 
+    def refuses(self, kwargs: dict) -> list[str]:
+        """Why a row's interaction_kwargs cannot be passed to this interaction's methods."""
+        out = []
+        start = self.instance.start_interaction
+        for method, args in ((start, ("id",)), (self.instance.generate_response, ("id", []))):
+            problem = binding_problem(method, args, kwargs)
+            if problem:
+                out.append(f"{method.__name__}{problem}")
+        return out
+
     async def finish(self, request_id: str) -> None:
         finalize = getattr(self.instance, "finalize_interaction", None)
         if finalize is None:
             return
         parameters = inspect.signature(finalize).parameters
         await maybe_await(finalize(request_id) if parameters else finalize())
+
+
+def binding_problem(function, args: tuple, kwargs: dict) -> str:
+    """ "" when `function(*args, **kwargs)` binds, else ": <why>"."""
+    try:
+        inspect.signature(function).bind(*args, **kwargs)
+    except TypeError as e:
+        return f": {e}"
+    except ValueError:  # no signature (a builtin): nothing to check
+        pass
+    return ""
 
 
 def make_interaction(cls, name: str, config: dict | None = None) -> VerlInteraction:

@@ -355,3 +355,18 @@ def test_a_failed_call_of_a_verl_tool_gets_verls_zero_step_reward(tools_dir):
 
     # verl's _call_tool returns 0.0 for any call that fails, and the loop keeps it
     assert [r.reward for r in run(go())] == [0.0, 0.0]
+
+
+def test_check_warns_about_rows_whose_interaction_kwargs_the_interaction_cannot_take(tools_dir):
+    (tools_dir / "strict.py").write_text(
+        "class StrictInteraction:\n"
+        "    def __init__(self, config):\n        self.name = config['name']\n"
+        "    async def start_interaction(self, instance_id=None, ground_truth=None):\n"
+        "        return instance_id\n"
+        "    async def generate_response(self, instance_id, messages, **kwargs):\n"
+        "        return True, '', 0.0, {}\n"
+    )
+    rows = [{"extra_info": {"interaction_kwargs": {"ground_truth": "1", "query": "q"}}}]
+    findings = check(tools_dir, rows, interaction="strict.py:StrictInteraction")
+    (message,) = [f.message for f in findings if "interaction" in f.message]
+    assert "row 0 (1 of 1 rows): interaction: start_interaction: got an unexpected" in message
