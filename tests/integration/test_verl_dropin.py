@@ -74,6 +74,8 @@ def test_verls_gsm8k_recipe_runs_as_it_is(tmp_path, monkeypatch):
         f'nodes.reward.scorer="{tmp_path / "scorer.py"}:compute_score"',
         'nodes.generate.chat_template=""',  # the tiny model's positions: no tool block
         "nodes.generate.max_new_tokens=400",
+        "nodes.generate.max_turn_tokens=0",  # the tiny run's script is replaced by ours
+        "nodes.generate.script_first_turn=false",
         "nodes.generate.max_assistant_turns=3",
         "data.max_prompt_len=1024",
     ]
