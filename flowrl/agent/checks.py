@@ -171,14 +171,24 @@ def _template_problems(path: str, obs_role: str, template=None, tools=()) -> lis
 
 def _shows_tools(path: str, template: str | None) -> bool | None:
     """Whether the (override) template renders tools=; None when the tokenizer is not at
-    hand (the embedded model before its first conversion)."""
+    hand (the embedded model before its first conversion). Kept like the template check."""
     from flowrl.agent.prompt import template_shows_tools
 
-    try:
-        tokenizer = tokenizer_of(path)
-    except Exception:
-        return None
-    return None if tokenizer is None else template_shows_tools(tokenizer, template)
+    key = ("shows_tools", path, _variant(template, []))
+    if key not in _TEMPLATE:
+        stored = _stored(path, "|".join(key[::2]))
+        _TEMPLATE[key] = stored.get() if stored else None
+        if _TEMPLATE[key] is None:
+            try:
+                tokenizer = tokenizer_of(path)
+            except Exception:
+                return None
+            if tokenizer is None:
+                return None
+            _TEMPLATE[key] = template_shows_tools(tokenizer, template)
+            if stored:
+                stored.put(_TEMPLATE[key])
+    return _TEMPLATE[key]
 
 
 class _Stored:
@@ -205,10 +215,10 @@ class _Stored:
         except (OSError, ValueError):
             return {}
 
-    def get(self) -> list[str] | None:
+    def get(self) -> list[str] | bool | None:
         return self._read().get(self.key)
 
-    def put(self, problems: list[str]) -> None:
+    def put(self, problems: list[str] | bool) -> None:
         try:
             data = {**self._read(), self.key: problems}
             self.file.parent.mkdir(parents=True, exist_ok=True)
