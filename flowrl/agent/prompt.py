@@ -94,10 +94,6 @@ class AgentPrompt:
     def schemas(self, extra) -> list[dict]:
         return [s for tool in self.toolbox.select(extra) for s in tool.schemas]
 
-    def messages(self, row: dict) -> list:
-        schemas = self.schemas(row.get("extra_info"))
-        return with_system_prompt(row["prompt"], self.system_prompt, schemas)
-
     def __call__(self, row: dict) -> str:
         schemas = self.schemas(row.get("extra_info"))
         messages = with_system_prompt(row["prompt"], self.system_prompt, schemas)

@@ -51,10 +51,6 @@ class Session:
         # verl's tools give every call a step reward, 0.0 when it failed (tool_agent_loop.py)
         self.failed_reward = 0.0 if tools and all(t.verl for t in tools) else None
 
-    @property
-    def names(self) -> list[str]:
-        return [name for tool in self.tools for name in tool.names]
-
     async def start(self) -> None:
         for tool in self.tools:
             args = {
