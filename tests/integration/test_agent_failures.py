@@ -16,6 +16,8 @@ import pytest
 
 from flowrl.agent.runner import MAX_STUCK
 
+pytestmark = pytest.mark.slow  # the integration tier: trains in a child process
+
 ROOT = Path(__file__).parents[2]
 TOOLS = '''
 import threading, time
@@ -105,7 +107,6 @@ def flowrl_run(tmp_path, **values) -> tuple[subprocess.CompletedProcess, float, 
     return done, exited, run_dir
 
 
-@pytest.mark.slow
 def test_hung_and_blocking_tools_time_out_and_the_process_exits_after_its_last_step(tmp_path):
     tools = '["bad_tools.py:hang", "bad_tools.py:block"]'
     done, exited, run_dir = flowrl_run(tmp_path, steps=3, tools=tools, parser="bad_tools.py:both")
@@ -124,7 +125,6 @@ def test_hung_and_blocking_tools_time_out_and_the_process_exits_after_its_last_s
     assert any("TimeoutError" in a for a in answers)
 
 
-@pytest.mark.slow
 def test_a_run_whose_requests_all_fail_stops_with_the_error_and_the_replay_command(tmp_path):
     done, _, run_dir = flowrl_run(
         tmp_path, steps=5, tools='["bad_tools.py:Broken"]', parser="hermes"

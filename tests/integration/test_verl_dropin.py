@@ -14,6 +14,8 @@ import pytest
 from flowrl.agent import rows as agent_rows
 from flowrl.cli import main
 
+pytestmark = pytest.mark.slow  # the integration tier: a tiny training run
+
 EXAMPLE = Path(__file__).parents[2] / "examples" / "verl_gsm8k"
 SCORER = """
 import json
@@ -58,7 +60,6 @@ class HermesPolicy:
         pass
 
 
-@pytest.mark.slow
 def test_verls_gsm8k_recipe_runs_as_it_is(tmp_path, monkeypatch):
     example = tmp_path / "verl_gsm8k"
     shutil.copytree(EXAMPLE, example, ignore=shutil.ignore_patterns("*.parquet"))
