@@ -10,13 +10,13 @@ import time
 
 import attrs
 import pytest
-from flowrl.nodes import agent
 
 from flowrl.agent import runner
 from flowrl.agent.chat import truncate_chars
 from flowrl.agent.interactions import load_interactions
 from flowrl.agent.parsers import ToolCall
 from flowrl.agent.tools import Toolbox
+from flowrl.nodes import agent
 from flowrl.nodespec import CheckContext
 
 TOOLS = '''
