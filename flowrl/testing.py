@@ -313,11 +313,10 @@ def scripted_request(
         **limits: `flowrl.agent.episode.Limits` fields (`max_assistant_turns`,
             `max_user_turns`, `tool_timeout_s`, ...).
     """
-    import concurrent.futures
-
     from flowrl.agent.chat import ChatTokens
     from flowrl.agent.driver import run_sync, run_waves
     from flowrl.agent.episode import Episode, Limits
+    from flowrl.agent.interactions import FunctionInteraction
     from flowrl.agent.objects import load_object
     from flowrl.agent.parsers import make_parser
     from flowrl.agent.tools import Toolbox
@@ -328,20 +327,20 @@ def scripted_request(
         interaction = load_object(interaction, base_dir, "interaction")
     messages = [{"role": "user", "content": prompt}]
     script = [tokenizer(t, add_special_tokens=False)["input_ids"] + [chat.eos] for t in turns]
-    limits = {"max_user_turns": 1 if interaction else 0, **limits}
-    limits.setdefault("max_assistant_turns", len(turns))
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        episode = Episode(
-            chat.encode(messages, generation_prompt=True),
-            chat,
-            make_parser(parser, box.names, base_dir),
-            box.open(tools_kwargs, pool),
-            Limits(**limits),
-            messages=messages,
-            interaction=interaction,
-            interaction_kwargs=interaction_kwargs,
-        )
-        run_sync(run_waves([episode], ScriptedTurns({0: script})))
+    # verl's turn limit is checked before the user's reply: one more turn lets the
+    # interaction answer the last scripted turn
+    limits.setdefault("max_assistant_turns", len(turns) + (1 if interaction else 0))
+    episode = Episode(
+        chat.encode(messages, generation_prompt=True),
+        chat,
+        make_parser(parser, box.names, base_dir),
+        box.open({"tools_kwargs": tools_kwargs or {}}),
+        Limits(**limits),
+        messages=messages,
+        interaction=FunctionInteraction(interaction) if interaction else None,
+        interaction_kwargs=interaction_kwargs,
+    )
+    run_sync(run_waves([episode], ScriptedTurns({0: script})))
     return episode
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import toml
 from tqdm import tqdm
 
+from flowrl.agent.prompt import agent_prompt
 from flowrl.data import PromptDataset, PromptLoader
 from flowrl.data.split import train_and_validation_rows
 from flowrl.models import load_tokenizer
@@ -57,12 +58,13 @@ class Trainer:
         rows, val_rows, note = train_and_validation_rows(
             data, spec.run.val_size, spec.run.seed, spec.base_dir
         )  # never validates on training rows (flowrl/data/split.py)
-        self.train_set = PromptDataset(rows, self.tokenizer, data.max_prompt_len)
+        render = agent_prompt(spec, self.tokenizer)  # an agent node's prompts show its tools
+        self.train_set = PromptDataset(rows, self.tokenizer, data.max_prompt_len, render)
         self.loader = PromptLoader(self.train_set, data.batch_size, spec.run.seed, data.shuffle)
         self.val_batch = None
         if val_rows:
             print(note)
-            val_set = PromptDataset(val_rows, self.tokenizer, data.max_prompt_len)
+            val_set = PromptDataset(val_rows, self.tokenizer, data.max_prompt_len, render)
             self.val_batch = val_set.collate(list(range(len(val_set))))
         self.executor = make_executor(backend, plan, num_cpus=spec.run.num_cpus or None)
         self.trace = Trace()
@@ -97,7 +99,7 @@ class Trainer:
         self.trace.write(self.run_dir / "trace.json")
 
     def _loop(self, start_step: int, loggers: Loggers, samples_file) -> None:
-        run, nonfinite = self.spec.run, 0
+        run, nonfinite, failed_steps = self.spec.run, 0, 0
         bar = tqdm(
             range(start_step + 1, run.steps + 1),
             initial=start_step,
@@ -115,6 +117,7 @@ class Trainer:
                 metrics.update(self.validate(step))
             loggers.log(metrics)  # metrics.jsonl, and TensorBoard / W&B when chosen
             step_log.log_samples(samples_file, step, batch, run.log_samples)
+            failed_steps = self._failures(step, batch, loggers, failed_steps)
             faults.point("logged", step)
             skipped = sorted(
                 k.rpartition("/")[0]
@@ -140,6 +143,28 @@ class Trainer:
             if last or (run.save_every and step % run.save_every == 0):
                 self.save(step)
             bar.set_postfix(step_log.postfix(metrics))
+
+    def _failures(self, step: int, batch, loggers: Loggers, failed_steps: int) -> int:
+        """Show this step's failed requests (the first few with their rows); stop after
+        run.max_failed_steps steps in a row that trained on nothing. Returns that count."""
+        failed = step_log.failed_requests(batch)
+        lines = step_log.failure_lines(batch, failed)
+        if failed:
+            loggers.log({"event": "failed_requests", "step": step, "count": len(failed)})
+            tqdm.write(
+                f"step {step}: {len(failed)} of {len(batch)} requests failed\n" + "\n".join(lines)
+            )
+        failed_steps = failed_steps + 1 if step_log.trained_nothing(batch) else 0
+        if failed_steps >= self.spec.run.max_failed_steps:
+            raise guards.FailedStepsStop(
+                f"{failed_steps} steps in a row (up to step {step}) trained on nothing: every "
+                "request failed or had no sampled token. First failures:\n"
+                + ("\n".join(lines) or "  (none failed: every response was empty)")
+                + f"\nFix the tools or rows (flowrl check {self.spec.file}), then replay with "
+                f"flowrl run {self.spec.file} --resume {self.run_dir} "
+                "(run.max_failed_steps sets how many are tolerated)"
+            )
+        return failed_steps
 
     def step(self, step: int) -> StepResult:
         """One training step: the walk's StepResult, its metrics completed with the step's
