@@ -19,6 +19,8 @@ def make_rows(source: str, split: str, size: int, seed: int, base_dir=".") -> li
         return arithmetic_rows(split, size, seed)
     if source == "calculator":
         return calculator_rows(split, size, seed)
+    if source == "calculator_tools":  # the tool shown by its schema only
+        return calculator_rows(split, size, seed, schema_only=True)
     path = Path(source) if Path(source).is_absolute() else Path(base_dir) / source
     return load_rows(path)
 
@@ -26,9 +28,13 @@ def make_rows(source: str, split: str, size: int, seed: int, base_dir=".") -> li
 class PromptDataset:
     """Tokenized prompts; rows longer than max_prompt_len tokens are dropped (counted in
     `filtered`), rows equal to an earlier one in prompt and ground truth are counted in
-    `duplicates` (kept: a data set may repeat a prompt on purpose)."""
+    `duplicates` (kept: a data set may repeat a prompt on purpose). `render(row) -> text`
+    replaces the plain chat template (an agent node's prompts carry its tools:
+    flowrl/agent/prompt.py); `source` names the rows' file in messages."""
 
-    def __init__(self, rows: list[dict], tokenizer, max_prompt_len: int, source: str = "data"):
+    def __init__(
+        self, rows: list[dict], tokenizer, max_prompt_len: int, render=None, source: str = "data"
+    ):
         self.tokenizer, self.source, self.max_prompt_len = tokenizer, source, max_prompt_len
         self.pad = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -36,8 +42,12 @@ class PromptDataset:
         self.items, self.longest, seen = [], 0, set()
         for index, row in enumerate(rows):
             try:
-                text = tokenizer.apply_chat_template(
-                    row["prompt"], add_generation_prompt=True, tokenize=False
+                text = (
+                    render(row)
+                    if render
+                    else tokenizer.apply_chat_template(
+                        row["prompt"], add_generation_prompt=True, tokenize=False
+                    )
                 )
             except Exception as e:  # the template rejects the messages (roles, order)
                 raise DataError(

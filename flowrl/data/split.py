@@ -56,7 +56,7 @@ def train_and_validation_rows(data, val_size: int, seed: int, base_dir) -> tuple
     return train, val, note
 
 
-def prompt_sets(spec, tokenizer) -> tuple[PromptDataset, object, list[str]]:
+def prompt_sets(spec, tokenizer, render=None) -> tuple[PromptDataset, object, list[str]]:
     """(the training prompts, the validation batch or None, notes) of a graph's [data]: each
     file checked (flowrl/data/verl_format.py); where validation comes from, and what was
     dropped or repeated, said on stderr and returned as notes."""
@@ -64,11 +64,11 @@ def prompt_sets(spec, tokenizer) -> tuple[PromptDataset, object, list[str]]:
     rows, val_rows, note = train_and_validation_rows(
         data, spec.run.val_size, spec.run.seed, spec.base_dir
     )  # never validates on training rows
-    train = PromptDataset(rows, tokenizer, data.max_prompt_len, data.source)
+    train = PromptDataset(rows, tokenizer, data.max_prompt_len, render, source=data.source)
     notes, val_batch = [train.summary()], None
     if val_rows:
         source = data.val_source or data.source
-        val_set = PromptDataset(val_rows, tokenizer, data.max_prompt_len, source)
+        val_set = PromptDataset(val_rows, tokenizer, data.max_prompt_len, render, source=source)
         if not len(val_set):
             raise DataError(f"validation: {val_set.summary()}: raise data.max_prompt_len")
         val_batch = val_set.collate(list(range(len(val_set))))

@@ -2,8 +2,8 @@
 
     for step in steps:
         batch = next(loader)                      # prompts, prompt_mask, uid, ground truths
-        batch, metrics = executor.run_step(batch) # every plan item, independent ones overlapped
-        log(metrics); validate / checkpoint when due
+        result = executor.run_step(batch)         # every plan item, independent ones overlapped
+        log(result.metrics); validate / checkpoint when due
 
 A run directory holds graph.toml (the resolved graph), run.json (where the graph file was:
 its relative paths resolve from there), metrics.jsonl, samples.jsonl, trace.json (Chrome /
@@ -20,6 +20,7 @@ from pathlib import Path
 import toml
 from tqdm import tqdm
 
+from flowrl.agent.prompt import agent_prompt
 from flowrl.data import PromptLoader
 from flowrl.data.split import prompt_sets
 from flowrl.models import load_tokenizer
@@ -27,6 +28,7 @@ from flowrl.nodespec import GREEDY
 from flowrl.runtime import checkpoint, faults, guards, make_executor, outcome, rng, step_log, stop
 from flowrl.runtime import resume as resuming
 from flowrl.runtime import run_dir as run_dirs
+from flowrl.runtime.executor import StepResult
 from flowrl.runtime.inputs import Recording
 from flowrl.runtime.loggers import Loggers
 from flowrl.runtime.refill import refilled_step
@@ -94,7 +96,8 @@ class Trainer:
         policy = _rollout_model(spec)
         self.tokenizer = load_tokenizer(spec.models[policy].path)  # also fills the model cache
         guards.check_models(spec, policy, self.tokenizer)
-        self.train_set, self.val_batch, _ = prompt_sets(spec, self.tokenizer)
+        render = agent_prompt(spec, self.tokenizer)  # an agent node's prompts show its tools
+        self.train_set, self.val_batch, _ = prompt_sets(spec, self.tokenizer, render)
         self.loader = PromptLoader(
             self.train_set, spec.data.batch_size, spec.run.seed, spec.data.shuffle
         )
@@ -158,7 +161,7 @@ class Trainer:
             raise guards.RunDirError(outcome.failed_write(self, what, e)) from e
 
     def _loop(self, start_step: int, loggers: Loggers, samples_file) -> None:
-        run, nonfinite = self.spec.run, 0
+        run, nonfinite, failed_steps = self.spec.run, 0, 0
         bar = tqdm(
             range(start_step + 1, run.steps + 1),
             initial=start_step,
@@ -167,7 +170,8 @@ class Trainer:
             dynamic_ncols=True,
         )
         for step in bar:
-            metrics, batch = self.step(step)
+            result = self.step(step)
+            metrics, batch = result.metrics, result.batch
             last = step == run.steps
             if self.val_batch is not None and (
                 last or (run.val_every and step % run.val_every == 0)
@@ -177,6 +181,7 @@ class Trainer:
                 loggers.log(metrics)  # metrics.jsonl, and TensorBoard / W&B when chosen
                 step_log.log_samples(samples_file, step, batch, run.log_samples)
             self.steps_done = step
+            failed_steps = self._failures(step, batch, loggers, failed_steps)
             faults.point("logged", step)
             skipped = sorted(
                 k.rpartition("/")[0]
@@ -207,21 +212,44 @@ class Trainer:
                 self.save(step)
             bar.set_postfix(step_log.postfix(metrics))
 
-    def step(self, step: int) -> tuple[dict, object]:
+    def _failures(self, step: int, batch, loggers: Loggers, failed_steps: int) -> int:
+        """Show this step's failed requests (the first few with their rows); stop after
+        run.max_failed_steps steps in a row that trained on nothing. Returns that count."""
+        failed = step_log.failed_requests(batch)
+        lines = step_log.failure_lines(batch, failed)
+        if failed:
+            loggers.log({"event": "failed_requests", "step": step, "count": len(failed)})
+            tqdm.write(
+                f"step {step}: {len(failed)} of {len(batch)} requests failed\n" + "\n".join(lines)
+            )
+        failed_steps = failed_steps + 1 if step_log.trained_nothing(batch) else 0
+        if failed_steps >= self.spec.run.max_failed_steps:
+            raise guards.FailedStepsStop(
+                f"{failed_steps} steps in a row (up to step {step}) trained on nothing: every "
+                "request failed or had no sampled token. First failures:\n"
+                + ("\n".join(lines) or "  (none failed: every response was empty)")
+                + f"\nFix the tools or rows (flowrl check {self.spec.file}), then replay with "
+                f"flowrl run {self.spec.file} --resume {self.run_dir} "
+                "(run.max_failed_steps sets how many are tolerated)"
+            )
+        return failed_steps
+
+    def step(self, step: int) -> StepResult:
+        """One training step: the walk's StepResult, its metrics completed with the step's
+        timings, throughput and process metrics (what metrics.jsonl logs)."""
         start = time.time()
         batch = self._prompts(step)
         run = self.spec.run
         record = self._record(step, step - 1, keep=tuple(run.save_inputs))
         if self.plan.refill is not None:  # a filter that samples more prompts (DAPO)
             more = functools.partial(self._prompts, step)
-            batch, metrics, slices = refilled_step(
-                self.executor, self.plan.refill, batch, more, record
-            )
+            walked = refilled_step(self.executor, self.plan.refill, batch, more, record)
         else:
             only = None
-            if step <= run.critic_warmup:  # the critic alone trains: plan.held waits
-                only = set(self.spec.nodes) - set(self.plan.held)
-            batch, metrics, slices = self.executor.run_step(batch, only=only, record=record)
+            if step <= run.critic_warmup:  # the critic alone trains
+                only = set(self.spec.nodes) - set(self.plan.after_warmup)
+            walked = self.executor.run_step(batch, only=only, record=record)
+        batch, metrics, slices = walked.batch, walked.metrics, walked.slices
         seconds = time.time() - start
         self.trace.add(slices, step)
         out = {"step": step, "time_s": seconds, **step_log.batch_metrics(batch), **metrics}
@@ -236,7 +264,7 @@ class Trainer:
         )
         out["tokens_per_s"] = tokens / seconds
         out.update(step_log.process_metrics())
-        return out, batch
+        return StepResult(batch, out, slices)
 
     def _prompts(self, step: int, round_: int = 0):
         """The next prompt batch, with the meta that seeds its sampling."""
@@ -262,9 +290,10 @@ class Trainer:
         batch = self.val_batch.index(slice(0, len(self.val_batch)))
         batch.meta.update(step=0, seed=self.spec.run.seed)
         record = self._record(step, step, validation=True)
-        out, metrics, _ = self.executor.run_step(
-            batch, only=set(validation.nodes), overrides=greedy, record=record
+        walked = self.executor.run_step(
+            batch, only=set(validation.nodes), param_changes=greedy, record=record
         )
+        out, metrics = walked.batch, walked.metrics
         result = {"val/score": float(out["scores"].float().mean())}
         for key, value in metrics.items():  # failed scorer calls count in validation too
             if key.endswith(("/errors", "/timeouts")):

@@ -18,6 +18,10 @@ class NonFiniteStop(FlowrlError, RuntimeError):
     """Too many steps in a row had a non-finite loss or gradient norm."""
 
 
+class FailedStepsStop(FlowrlError, RuntimeError):
+    """Too many steps in a row trained on nothing (every request failed)."""
+
+
 class DeviceError(FlowrlError, RuntimeError):
     """A pool asks for a device this machine does not have."""
 
