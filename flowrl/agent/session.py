@@ -103,7 +103,7 @@ class Session:
         try:
             reward = None if reward is None else finite(reward, f"tool {name}")
         except BadValue as e:
-            return ToolResult(name, text, "bad_value", time.monotonic() - start, error=str(e))
+            return failed(text, "bad_value", time.monotonic() - start, error=str(e))
         return ToolResult(name, text, "ok", time.monotonic() - start, reward)
 
 

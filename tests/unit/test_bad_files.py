@@ -336,10 +336,10 @@ def test_a_tool_returning_a_bad_reward_is_recorded_not_raised():
     from flowrl.agent.parsers import ToolCall
     from flowrl.agent.session import Session
 
-    session = Session(None, {})
+    session = Session([], {})
     session.functions = {"calc": lambda: ("7", float("nan"))}
     result = asyncio.run(session.call(ToolCall(name="calc", arguments={}), timeout=5))
-    assert result.status == "bad_value" and result.reward is None
+    assert result.status == "bad_value" and result.reward is None  # as any failed call's
     assert result.error == "tool calc returned nan (not a finite number)"
 
 
