@@ -59,6 +59,8 @@ def batch_plan(graph: Graph, refill, errors: Collector) -> tuple[BatchPlan, list
     spec, warnings = graph.spec, []
     prompts = spec.data.batch_size
     rows, samples = node_rows(graph, refill, prompts)
+    rollout = [d.model for d in spec.nodes.values() if d.mode == "rollout"] + list(spec.models)
+    policy = spec.models[rollout[0]].path if rollout and rollout[0] in spec.models else ""
     for node, decl in spec.nodes.items():
         where = f"[nodes.{node}]"
         if decl.spec.groups and samples[node] < 2:
@@ -71,7 +73,14 @@ def batch_plan(graph: Graph, refill, errors: Collector) -> tuple[BatchPlan, list
         workers = spec.pools[spec.pool_of(node)].workers if decl.model else 1
         model_path = spec.models[decl.model].path if decl.model in spec.models else ""
         context = CheckContext(
-            node, rows[node], samples[node], prompts, workers, str(spec.base_dir), model_path
+            node,
+            rows[node],
+            samples[node],
+            prompts,
+            workers,
+            str(spec.base_dir),
+            model_path,
+            policy,
         )
         for finding in decl.spec.findings(decl.params, context):
             if finding.warning:
