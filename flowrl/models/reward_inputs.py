@@ -76,3 +76,19 @@ def policy_tokenizer(path: str):
     from flowrl.models.loading import load_tokenizer
 
     return load_tokenizer(path)
+
+
+def preference_chats(batch) -> list[list[dict]]:
+    """Preference rows (flowrl/data/preferences.py) -> 2b conversations, interleaved: row k's
+    prompt with its chosen response at 2k, with its rejected one at 2k + 1."""
+    out = []
+    for prompt, extra in zip(batch["raw_prompt"], batch["extra_info"], strict=True):
+        if not isinstance(extra, dict) or "chosen" not in extra or "rejected" not in extra:
+            raise ValueError(
+                "a preference row needs extra_info.chosen and extra_info.rejected (or top-level "
+                '"chosen" / "rejected" in the data file): data.source must hold preference '
+                'pairs, e.g. "arithmetic_preferences"'
+            )
+        prompt = [dict(m) for m in prompt]
+        out += [prompt + [dict(m) for m in extra[k]] for k in ("chosen", "rejected")]
+    return out

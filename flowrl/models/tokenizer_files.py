@@ -18,17 +18,18 @@ TINY = "tiny"
 
 def local_dir(path: str, base_dir: str = ".") -> Path | None:
     """The directory behind a model or tokenizer path, if it is on this machine already: the
-    embedded model's cache, a directory (relative to `base_dir`), or a hub name's cached
+    embedded model's cache, a directory (as given, else relative to `base_dir`), or a hub
+    name's cached
     snapshot. None for "tiny" and for what is not here (the run reports that)."""
     if path == embedded.ALIAS:
         cached = embedded.cache_root() / "models" / embedded.ALIAS
         return cached if (cached / "config.json").is_file() else None
     if path in ("", TINY):
         return None
-    local = Path(path) if Path(path).is_absolute() else Path(base_dir) / path
-    if local.is_dir():
-        return local
-    if not local.exists() and "/" in path and not path.startswith((".", "/")):
+    for local in (Path(path), Path(base_dir) / path):  # as the loader, then the graph's folder
+        if local.is_dir():
+            return local
+    if "/" in path and not path.startswith((".", "/")) and not Path(path).exists():
         from flowrl.models import hub
 
         return hub.cached_snapshot(path)

@@ -85,12 +85,12 @@ def policy_rows(tokenizer, chats=CHATS, eos=True):
     """Rows as generate / agent write them with the policy `tokenizer`: prompts (b, p)
     left-padded, responses (b, t) right-padded; a multi-turn row's tool output is attended
     (response_attention) but not trained (response_mask)."""
-    prompts, responses, trained = [], [], []
+    prompts, responses = [], []
     for chat in chats:
         prompt = tokenizer.apply_chat_template(chat[:1], add_generation_prompt=True, tokenize=False)
         prompts.append(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         ids, mask = [], []
-        for k, m in enumerate(chat[1:]):
+        for m in chat[1:]:
             if m["role"] == "assistant":  # sampled, ending with eos
                 part = tokenizer(m["content"], add_special_tokens=False)["input_ids"]
                 part += [tokenizer.eos_token_id] if eos else []
