@@ -19,8 +19,12 @@ def test_tiny_overrides_put_every_shipped_graph_on_the_tiny_model(graph, tmp_pat
     assert all(m.lr == 0.01 for m in spec.models.values() if m.trainable)
     assert (spec.run.steps, spec.run.val_size, spec.data.batch_size) == (2, 4, 2)
     assert spec.run.out_dir == str(tmp_path)
-    assert spec.nodes["generate"].params.max_new_tokens == 6
-    assert spec.nodes["reward"].params.scorer == VARIED_SCORER
+    params = [decl.params for decl in spec.nodes.values()]
+    assert all(p.max_new_tokens == 6 for p in params if hasattr(p, "max_new_tokens"))
+    assert all(p.scorer == VARIED_SCORER for p in params if hasattr(p, "scorer"))
+    if Path(graph).name != "reward_model.toml":  # the one graph that samples nothing
+        assert spec.nodes["generate"].params.max_new_tokens == 6
+        assert any(hasattr(p, "scorer") for p in params)
     assert all(p.cpus_per_worker == 1 for p in spec.pools.values())
 
 
