@@ -6,13 +6,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from flowrl.nodes import generate, logprob, values
-from flowrl.nodes.reward import model as reward_model
 
 from flowrl.engines import RolloutEngine, TrainEngine
 from flowrl.engines.kv_cache import PreallocatedLayer, preallocated_cache
 from flowrl.engines.sampling import nucleus, sample_tokens
 from flowrl.models import load_model
+from flowrl.nodes import generate, logprob, values
+from flowrl.nodes.reward import model as reward_model
 from flowrl.protocol import DataProto
 from flowrl.testing import tiny_model, tiny_tokenizer
 
