@@ -128,3 +128,13 @@ def test_check_refuses_a_tokenizer_mismatch_it_cannot_resolve(tmp_path):
     same = tmp_path / "same"
     classifier_dir(same, tiny_tokenizer())  # the policy's vocabulary: ids pass through
     compile_file(reward_graph(tmp_path, same, tokenizer="policy"))
+
+
+def test_mix_weighs_a_reward_model_and_a_rule():
+    from flowrl.nodes.reward import mix
+
+    rm, rule = torch.tensor([1.0, 3.0]), torch.tensor([1.0, 0.0])
+    got = mix.mixed_scores(rm, rule, rm_weight=0.5, rule_weight=2.0, rm_center=False)
+    assert got.tolist() == [2.5, 1.5]  # 0.5 * 1 + 2 * 1, 0.5 * 3 + 0
+    centred = mix.mixed_scores(rm, rule, rm_weight=1.0, rule_weight=1.0, rm_center=True)
+    assert centred.tolist() == [0.0, 1.0]  # rm minus its mean 2: -1 + 1, 1 + 0
