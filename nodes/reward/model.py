@@ -27,6 +27,7 @@ class Params:
     tokenizer: str = ""  # "": the reward model's own; "policy": the policy's ids; or a path
     retemplate: bool = False  # write the conversation with the RM's template even if vocab match
     rollout_info: bool = False  # multi-turn rows: read their messages from the agent node
+    whiten: bool = False  # scores to zero mean, unit std over the rank's rows (then x scale)
 
 
 def check(p: Params, context: CheckContext) -> list[Finding]:
@@ -59,6 +60,19 @@ def check(p: Params, context: CheckContext) -> list[Finding]:
             )
         ]
     return []
+
+
+def whitened(scores, eps: float = 1e-6):
+    """scores (b,) -> (b,) with zero mean and unit standard deviation over the rows.
+
+    A Bradley-Terry reward model is defined up to a constant and its scale depends on its
+    training (a short run leaves scores within a few hundredths), so `kl_coef` would weigh
+    differently against each one. OpenRLHF normalises with its training data's mean and std
+    (`normalize_reward`); this uses the step's rows instead, which needs nothing from training
+    but amplifies noise when the rows are all alike."""
+    if len(scores) < 2:
+        return scores - scores.mean() if len(scores) else scores
+    return (scores - scores.mean()) / (scores.std() + eps)
 
 
 class RewardModelWorker:
@@ -101,8 +115,12 @@ class RewardModelWorker:
         from flowrl.engines.sequence_scores import infer_scores
 
         ids, mask = self.inputs(batch)
-        scores = infer_scores(self.engine, ids, mask) * self.params.scale  # (b,)
-        return {"scores": scores}, {"score": float(scores.mean()) if len(scores) else 0.0}
+        raw = infer_scores(self.engine, ids, mask)  # (b,)
+        scores = whitened(raw) if self.params.whiten else raw
+        metrics = {"score": float(raw.mean()) if len(raw) else 0.0}
+        if len(raw) > 1:
+            metrics["score_std"] = float(raw.std())
+        return {"scores": scores * self.params.scale}, metrics
 
 
 SPEC = NodeSpec(

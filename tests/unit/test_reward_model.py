@@ -212,6 +212,19 @@ def test_tiny_reward_model_scores_vary_with_the_input():
     assert scores.abs().min() > 0 and scores.unique().numel() == 3
 
 
+def test_whitened_scores_and_the_raw_mean_as_metric():
+    got = reward_model.whitened(torch.tensor([1.0, 2.0, 3.0]))
+    torch.testing.assert_close(got, torch.tensor([-1.0, 0.0, 1.0]), atol=1e-5, rtol=0)
+    assert reward_model.whitened(torch.tensor([4.0])).tolist() == [0.0]
+    engine = TrainEngine(tiny_model(head="value", seed=0), tiny_tokenizer(), trainable=False)
+    batch = policy_rows(tiny_tokenizer())
+    params = reward_model.Params(tokenizer="policy", whiten=True, scale=2.0)
+    out, metrics = reward_model.RewardModelWorker(engine, params)(batch)
+    raw = reward_model.RewardModelWorker(engine, reward_model.Params(tokenizer="policy"))(batch)
+    assert metrics["score"] == pytest.approx(float(raw[0]["scores"].mean()))
+    torch.testing.assert_close(out["scores"], 2.0 * reward_model.whitened(raw[0]["scores"]))
+
+
 # -- checkpoint formats ----------------------------------------------------------------------
 
 
