@@ -44,6 +44,32 @@ def reward_model_summary(run_dir: Path) -> dict:
     }
 
 
+def transformers_accuracy(directory: Path, pairs: int, seed: int) -> dict:
+    """The held-out pairwise accuracy of an exported reward model computed by transformers
+    alone (AutoModelForSequenceClassification on each templated conversation, no padding),
+    on the same pairs the graph validates on: it should equal the run's last val/score."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from flowrl.data import make_rows
+
+    model = AutoModelForSequenceClassification.from_pretrained(directory).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+
+    def score(chat) -> float:
+        ids = tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+        with torch.no_grad():
+            return float(model(torch.tensor([ids])).logits[0, 0])
+
+    rows = make_rows("arithmetic_preferences", "validation", pairs, seed)
+    right = 0.0
+    for row in rows:
+        chosen = score(row["prompt"] + row["extra_info"]["chosen"])
+        rejected = score(row["prompt"] + row["extra_info"]["rejected"])
+        right += 1.0 if chosen > rejected else 0.5 if chosen == rejected else 0.0
+    return {"directory": str(directory), "pairs": len(rows), "accuracy": right / len(rows)}
+
+
 def correlation(xs: list[float], ys: list[float]) -> float | None:
     if len(xs) < 3 or statistics.pstdev(xs) == 0 or statistics.pstdev(ys) == 0:
         return None
@@ -80,10 +106,18 @@ def main(argv=None) -> None:
     parser.add_argument("--rm-run", type=Path, required=True)
     parser.add_argument("--ppo-run", type=Path)
     parser.add_argument("--baseline", type=Path, help="bench/algorithms.py --json results")
+    parser.add_argument(
+        "--export", type=Path, help="the exported reward model: transformers' own accuracy"
+    )
     parser.add_argument("--json", type=Path, help="write the summary here")
     parser.add_argument("--note", default="", help="conditions, kept in the summary")
     args = parser.parse_args(argv)
     out = {"note": args.note, "reward_model": reward_model_summary(args.rm_run)}
+    if args.export:
+        run = toml.loads((args.rm_run / "graph.toml").read_text())["run"]
+        out["transformers_check"] = transformers_accuracy(
+            args.export, run.get("val_size", 128), run.get("seed", 0)
+        )
     if args.ppo_run:
         out["ppo_rm"] = ppo_summary(args.ppo_run)
     if args.baseline:
