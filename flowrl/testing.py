@@ -25,7 +25,12 @@ __all__ = [
     "ScriptedTurns",
     "VARIED_SCORER",
     "TinyRun",
+    "load_node",
+    "load_ref",
+    "loss_params",
     "run_tiny",
+    "scripted_request",
+    "tiny_engine",
     "tiny_model",
     "tiny_overrides",
     "tiny_plan",
@@ -46,22 +51,27 @@ def tiny_plan(graph: str | Path, out_dir: str | Path, **extra):
 class TinyRun:
     run_dir: Path
     metrics: list[dict]  # metrics.jsonl, one dict per logged row (step 0: validation)
+    summary: str = ""  # what was real and what was stubbed, as `flowrl run --tiny` prints it
 
 
 def run_tiny(graph: str | Path, out_dir: str | Path, backend: str = "local", **extra) -> TinyRun:
     """Train `graph` on the tiny model (2 steps unless `"run.steps"` is given) and return its
     run directory and logged metrics. backend "local" runs every node in this process (no Ray).
     """
+    from flowrl.front.tiny_run import summary
     from flowrl.runtime.controller import run
 
-    run_dir = run(tiny_plan(graph, out_dir, **extra), backend=backend)
+    plan = tiny_plan(graph, out_dir, **extra)
+    run_dir = run(plan, backend=backend)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return TinyRun(run_dir, [json.loads(line) for line in lines])
+    metrics = [json.loads(line) for line in lines]
+    return TinyRun(run_dir, metrics, summary(plan.spec, metrics))
 
 
 def update_batch(b: int = 4, p: int = 5, t: int = 4, seed: int = 0):
-    """A random DataProto an `update.policy` worker takes: b rows of p prompt tokens and
-    responses of 1 to t tokens (right-padded), with advantages and old log-probs; ids in
+    """A random DataProto with every key an `update.policy` worker reads: b rows of p prompt
+    tokens and responses of 1 to t tokens (right-padded), their response_mask and
+    response_attention (the same: no tool output), advantages and old log-probs; ids in
     [3, 100), so they fit the tiny tokenizer's vocabulary."""
     import torch
 
@@ -75,10 +85,111 @@ def update_batch(b: int = 4, p: int = 5, t: int = 4, seed: int = 0):
             "prompt_mask": torch.ones(b, p, dtype=torch.long),
             "responses": torch.randint(3, 100, (b, t), generator=g) * response_mask,
             "response_mask": response_mask.long(),
+            "response_attention": response_mask.long(),  # no tool output: as response_mask
             "advantages": torch.randn(b, 1, generator=g) * response_mask,
             "old_logprobs": torch.randn(b, t, generator=g) * 0.1 - 3.0,
         }
     )
+
+
+def tiny_engine(head: str = "lm", lr: float = 1e-2, seed: int = 0, **kwargs):
+    """A `TrainEngine` (flowrl/engines/train.py) on `tiny_model(head, seed)` and the tiny
+    tokenizer, one rank, no Ray: what an update or logprob node's worker receives as `engine`.
+    `kwargs` go to TrainEngine (`micro_tokens`, `grad_clip`, `trainable`, ...)."""
+    from flowrl.engines import TrainEngine
+
+    return TrainEngine(tiny_model(head=head, seed=seed), tiny_tokenizer(), lr=lr, **kwargs)
+
+
+def load_node(uses: str | Path):
+    """The module of a node: a node file's path (imported as a graph's `uses` imports it, so
+    its sibling modules import too) or a built-in name ("reward.rule"): its `SPEC`, `Params`,
+    pure functions and worker."""
+    from flowrl.front import registry
+
+    if str(uses).endswith(".py"):
+        return registry.node_module(str(Path(uses).resolve()))
+    return registry.node_module(str(uses))
+
+
+def load_ref(ref: str, base_dir: str | Path = "."):
+    """The object a graph-file reference names, as the graph resolves it: "file.py:name"
+    (relative to base_dir) or "package.module:name": a tool, parser, scorer or interaction."""
+    from flowrl.agent.objects import load_object
+
+    return load_object(ref, base_dir, what="reference")
+
+
+def scripted_request(
+    turns: list[str],
+    tools=(),
+    parser: str = "hermes",
+    prompt: str = "Hi.",
+    base_dir: str | Path = ".",
+    tools_kwargs: dict | None = None,
+    interaction=None,
+    interaction_kwargs: dict | None = None,
+    **limits,
+):
+    """One agent request run to its end through the agent node's own machinery (its tools,
+    parser, chat-template deltas, limits, interaction) with `turns` as the policy's turns, on
+    the tiny tokenizer. Returns the finished `flowrl.agent.episode.Episode`: `.info()` has
+    its calls (`{name, status, seconds}`), `messages`, `tool_rewards`, `turn_scores`,
+    `rollout_reward_scores` and `termination`.
+
+    Args:
+        turns: the text of each assistant turn, in order (each ends with the eos).
+        tools: tool references as in the graph ("calculator", "my_tools.py:convert").
+        parser: "hermes", "tag" or "file.py:parse", as in the graph.
+        prompt: the user message.
+        base_dir: where relative references resolve (the graph's folder).
+        tools_kwargs, interaction_kwargs: the row's `extra_info` entries of those names.
+        interaction: a `reply(messages, **kwargs) -> (done, text, reward)` function, or its
+            "file.py:reply" reference.
+        **limits: `flowrl.agent.episode.Limits` fields (`max_assistant_turns`,
+            `max_user_turns`, `tool_timeout_s`, ...).
+    """
+    import concurrent.futures
+
+    from flowrl.agent.chat import ChatTokens
+    from flowrl.agent.driver import run_sync, run_waves
+    from flowrl.agent.episode import Episode, Limits
+    from flowrl.agent.objects import load_object
+    from flowrl.agent.parsers import make_parser
+    from flowrl.agent.tools import Toolbox
+
+    tokenizer = tiny_tokenizer()
+    chat, box = ChatTokens(tokenizer), Toolbox(list(tools), base_dir)
+    if isinstance(interaction, str):
+        interaction = load_object(interaction, base_dir, "interaction")
+    messages = [{"role": "user", "content": prompt}]
+    script = [tokenizer(t, add_special_tokens=False)["input_ids"] + [chat.eos] for t in turns]
+    limits = {"max_user_turns": 1 if interaction else 0, **limits}
+    limits.setdefault("max_assistant_turns", len(turns))
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        episode = Episode(
+            chat.encode(messages, generation_prompt=True),
+            chat,
+            make_parser(parser, box.names, base_dir),
+            box.open(tools_kwargs, pool),
+            Limits(**limits),
+            messages=messages,
+            interaction=interaction,
+            interaction_kwargs=interaction_kwargs,
+        )
+        run_sync(run_waves([episode], ScriptedTurns({0: script})))
+    return episode
+
+
+def loss_params(**fields):
+    """The params a policy loss of `flowrl.math.losses` reads, for calling one directly:
+    update.policy's defaults overridden by `fields`, unvalidated (so e.g. CISPO's
+    clip_low=None, no floor, can be tried)."""
+    from types import SimpleNamespace
+
+    from flowrl.nodes.update.policy import Params
+
+    return SimpleNamespace(**(attrs.asdict(Params()) | fields))
 
 
 class ScriptedTurns:

@@ -45,6 +45,7 @@ class Params(RolloutParams):
     )  # response_text; full = verl
     interaction: str = ""  # "file.py:reply", reply(messages, **kwargs) -> (done, text, reward)
     max_user_turns: int = checked(0, count(0, 10_000))  # interaction replies per request
+    script_first_turn: bool = False  # first turn = a call of each tool (--tiny sets it)
 
 
 def limits(p: Params):
@@ -66,16 +67,26 @@ def check(p: Params, context: CheckContext) -> list[Finding]:
     return agent_findings(p, context)
 
 
+def scripted_turn(setup, p: Params) -> list[int]:
+    """The ids of a first turn that calls each tool once (flowrl/agent/script.py), ending
+    the turn; [] for a parser of the user's own."""
+    from flowrl.agent.script import first_turn_text
+
+    text = first_turn_text(setup.toolbox.schemas, p.parser)
+    if not text:
+        return []
+    return setup.chat.tokenizer(text, add_special_tokens=False)["input_ids"] + [setup.chat.eos]
+
+
 class AgentWorker:
     def __init__(self, engine, params: Params):
         self.engine, self.params = engine, params
 
     def __call__(self, batch):
-        from flowrl.nodes.generate import generation_metrics, step_generator
-
         from flowrl.agent.driver import run_sync, run_waves
         from flowrl.agent.rows import agent_metrics, agent_setup, assemble, episodes_for
         from flowrl.engines.wave_rollout import WaveRollout
+        from flowrl.nodes.generate import generation_metrics, step_generator
 
         p, start = self.params, time.perf_counter()
         setup = agent_setup(p, batch.meta.get("base_dir", "."), self.engine.tokenizer)
@@ -87,6 +98,7 @@ class AgentWorker:
             top_k=p.top_k,
             do_sample=p.do_sample,
             generator=step_generator(batch.meta, self.engine.device),
+            first_turn=scripted_turn(setup, p) if p.script_first_turn else (),
         )
         try:
             episodes = episodes_for(batch, setup, limits(p), p.n, pool)

@@ -4,6 +4,10 @@ tokenizer (never the weights), once per model path and observation role."""
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 from flowrl.nodespec import CheckContext, Finding
 
 PARSERS = ("hermes", "tag")
@@ -107,32 +111,108 @@ def _parser_findings(p, context, toolbox) -> list[Finding]:
 def _template(path: str, obs_role: str) -> list[str]:
     key = (path, obs_role)
     if key not in _TEMPLATE:
-        from flowrl.agent.chat import template_problems
-
-        try:
-            tokenizer = tokenizer_of(path)
-        except Exception as e:
-            _TEMPLATE[key] = [f"cannot load the tokenizer of {path!r}: {e}"]
-        else:
-            _TEMPLATE[key] = template_problems(tokenizer, obs_role) if tokenizer else []
+        stored = _stored(path, obs_role)
+        _TEMPLATE[key] = stored.get() if stored else None
+        if _TEMPLATE[key] is None:
+            _TEMPLATE[key] = _template_problems(path, obs_role)
+            loaded = not any(p.startswith("cannot load") for p in _TEMPLATE[key])
+            if stored and loaded:  # a tokenizer that failed to load is tried again next time
+                stored.put(_TEMPLATE[key])
     return _TEMPLATE[key]
 
 
-def tokenizer_of(path: str):
+def _template_problems(path: str, obs_role: str) -> list[str]:
+    from flowrl.agent.chat import template_problems
+    from flowrl.agent.file_tokenizer import FileTokenizer
+
+    try:
+        tokenizer = tokenizer_of(path)
+        problems = template_problems(tokenizer, obs_role) if tokenizer else []
+        if problems and isinstance(tokenizer, FileTokenizer):
+            # found through tokenizers + jinja2: transformers, the authority, confirms
+            tokenizer = tokenizer_of(path, fast=False)
+            problems = template_problems(tokenizer, obs_role) if tokenizer else []
+    except Exception as e:
+        return [f"cannot load the tokenizer of {path!r}: {e}"]
+    return problems
+
+
+class _Stored:
+    """The template check's result for one model directory, kept in FLOWRL_CACHE
+    (~/.cache/flowrl/chat_template_checks.json) under the directory, the observation role and
+    the size and mtime of its tokenizer files: loading a real tokenizer costs about 0.1-0.4 s
+    of the under-a-second `flowrl check`, and its files seldom change."""
+
+    VERSION = 1  # bump when template_problems finds other things
+
+    def __init__(self, directory: Path, obs_role: str):
+        from flowrl.models import embedded
+
+        self.file = embedded.cache_root() / "chat_template_checks.json"
+        stats = []
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            info = (directory / name).stat() if (directory / name).is_file() else None
+            stats.append(f"{name}:{info.st_size}:{info.st_mtime_ns}" if info else f"{name}:-")
+        self.key = "|".join([f"v{self.VERSION}", str(directory.resolve()), obs_role, *stats])
+
+    def _read(self) -> dict:
+        try:
+            return json.loads(self.file.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def get(self) -> list[str] | None:
+        return self._read().get(self.key)
+
+    def put(self, problems: list[str]) -> None:
+        try:
+            data = {**self._read(), self.key: problems}
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            temp = self.file.with_suffix(f".tmp{os.getpid()}")
+            temp.write_text(json.dumps(data, indent=1, sort_keys=True))
+            temp.replace(self.file)  # atomic: a concurrent check reads the old or the new
+        except OSError:  # a read-only cache only costs the next check its time
+            pass
+
+
+def _stored(path: str, obs_role: str) -> _Stored | None:
+    """Where a model path's template check is kept; None for the tiny model (built in code,
+    cheap) and for paths that are not directories here."""
+    from flowrl.models import embedded
+
+    if path == embedded.ALIAS:
+        directory = embedded.cache_root() / "models" / embedded.ALIAS
+        return _Stored(directory, obs_role) if (directory / "config.json").is_file() else None
+    if path != "tiny" and Path(path).is_dir():
+        return _Stored(Path(path), obs_role)
+    return None
+
+
+def tokenizer_of(path: str, fast: bool = True):
     """The tokenizer of a model path, without torch (`flowrl check` runs where torch is not
     installed); None for the embedded model before its one-off conversion, which needs torch
-    (the first `flowrl run` converts it, and checks the template then)."""
+    (the first `flowrl run` converts it, and checks the template then). `fast`: read the
+    tokenizer's files through `tokenizers` and `jinja2` (flowrl/agent/file_tokenizer.py), not
+    transformers, whose import takes a second, where the files allow."""
+    from flowrl.agent.file_tokenizer import FileTokenizer
     from flowrl.models import embedded
 
     if path == "tiny":
-        from flowrl.models.tiny import tiny_tokenizer
+        from flowrl.models import tiny
 
-        return tiny_tokenizer()
+        if fast:
+            special = {"eos_token": "<|im_end|>", "pad_token": "<pad>"}
+            return FileTokenizer(tiny._tokenizer_json(), tiny.CHAT_TEMPLATE, special)
+        return tiny.tiny_tokenizer()
     if path == embedded.ALIAS:
         directory = embedded.cache_root() / "models" / embedded.ALIAS
         if not (directory / "config.json").is_file():
             return None
         path = str(directory)
+    if fast and Path(path).is_dir():
+        tokenizer = FileTokenizer.from_dir(path)
+        if tokenizer is not None:
+            return tokenizer
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -27,6 +27,7 @@ def load_object(ref: str, base_dir: str | Path = ".", what: str = "tool"):
         module = sys.modules.get(key)
         if module is None:
             spec = importlib.util.spec_from_file_location(key, path)
+            _importable_siblings(path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             sys.modules[key] = module
@@ -38,3 +39,13 @@ def load_object(ref: str, base_dir: str | Path = ".", what: str = "tool"):
     if not hasattr(module, name):
         raise ToolError(f'{what} "{ref}": {module_ref} has no "{name}"')
     return getattr(module, name)
+
+
+def _importable_siblings(path: Path) -> None:
+    """Put a user file's folder on sys.path, so `import helpers` beside it works the same under
+    the `flowrl` script (whose sys.path[0] is its bin folder) as under `python -m flowrl.cli`
+    (whose sys.path[0] is the working directory). Appended: an installed package of the same
+    name wins over a file there."""
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.append(folder)

@@ -133,4 +133,9 @@ def agent_metrics(episodes: list[Episode], stats) -> dict:
     }
     for reason in REASONS:
         out[f"termination/{reason}"] = sum(i["termination"] == reason for i in infos) / count
+    calls = [c for i in infos for c in i["calls"] if c["name"]]
+    for name in sorted({c["name"] for c in calls}):  # per tool: calls and answered calls
+        out[f"calls/{name}"] = sum(c["name"] == name for c in calls) / count
+        ok = [c for c in calls if c["name"] == name and c["status"] == "ok"]
+        out[f"calls/{name}/ok"] = len(ok) / count
     return out

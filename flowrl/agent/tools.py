@@ -4,7 +4,8 @@ A reference is a built-in name ("calculator", "python", "answer_check") or "file
 (relative to the graph file) or "package.module:name", naming one of:
 
 - a function, sync or `async def`, with type hints and a Google-style docstring (its schema
-  comes from them, through transformers' `get_json_schema`). It returns the text the model
+  comes from them: flowrl/agent/schema.py, the output of transformers' `get_json_schema`
+  without importing transformers). It returns the text the model
   sees, or (text, step_reward).
 - a class with per-request state: `__init__(self, **create_kwargs)` gets the row's
   `extra_info.tools_kwargs[<class or method name>].create_kwargs`; its public documented
@@ -25,6 +26,7 @@ import uuid
 from pathlib import Path
 
 from flowrl.agent.objects import ToolError, load_object
+from flowrl.agent.schema import function_schema
 from flowrl.agent.session import Session, maybe_await
 
 BUILTIN_TOOLS = {
@@ -33,19 +35,6 @@ BUILTIN_TOOLS = {
     "answer_check": "flowrl.agent.builtin:AnswerCheck",
 }
 LIFECYCLE = ("reward", "close")  # class-tool methods that are not tools
-
-
-def function_schema(function) -> dict:
-    """The OpenAI function schema of a typed, documented function (or method)."""
-    from transformers.utils import get_json_schema
-
-    try:
-        return get_json_schema(function)
-    except Exception as e:
-        raise ToolError(
-            f"{getattr(function, '__qualname__', function)}: {e} (a tool needs a type hint "
-            "on every argument and a Google-style docstring describing each under Args:)"
-        ) from e
 
 
 class FunctionTool:

@@ -17,6 +17,7 @@ linearly, hence the 1/4 threshold below.
 
 import torch
 
+from flowrl.engines.forward import cache_argument
 from flowrl.engines.kv_cache import preallocated_cache
 from flowrl.engines.sampling import sample_tokens
 
@@ -154,7 +155,7 @@ class HFRollout:
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=self.cache,
+            **cache_argument(self.module, self.cache),
             use_cache=True,
             logits_to_keep=1,  # the LM head only where the next token is chosen
         )

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -118,7 +119,12 @@ def rollout_class(name: str) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
-def make_rollout(name: str, module, tokenizer, device: str = "cpu") -> RolloutBackend:
+def make_rollout(
+    name: str, module, tokenizer, device: str = "cpu", where: str = ""
+) -> RolloutBackend:
     """A rollout engine of backend `name` over `module` (shared with the train engine when
-    colocated, so a weight sync costs nothing) and `tokenizer`, on `device`."""
-    return rollout_class(name)(module, tokenizer, device)
+    colocated, so a weight sync costs nothing) and `tokenizer`, on `device`. `where` ("pool p,
+    rank r, model m") goes to a backend whose constructor takes it, for its error messages."""
+    cls = rollout_class(name)
+    takes_where = "where" in inspect.signature(cls).parameters
+    return cls(module, tokenizer, device, **({"where": where} if takes_where else {}))

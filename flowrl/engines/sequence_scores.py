@@ -4,7 +4,7 @@ transformers' `*ForSequenceClassification` (and so TRL's RewardTrainer and verl'
 worker) applies its `score` head to the hidden state of the last real token: the rightmost
 token whose id is not the config's `pad_token_id` (which handles left and right padding alike),
 or the last token when the config has no pad id. A critic is read differently: its value at
-response token k comes from the state *before* token k (engines/scoring.py), so a reward model
+response token k comes from the state *before* token k (engines/forward.py), so a reward model
 must not reuse the critic's per-token values, or it never sees the final token.
 
 Sequences here are joined prompt + response rows with an attention mask that may hold holes
@@ -50,9 +50,9 @@ def forward_scores(engine, ids, mask, *, grad: bool) -> torch.Tensor:
     engine.passes += 1
     empty = ids[:, :0]
     with torch.enable_grad() if grad else engine.sharding.no_grad():
-        scores = engine.scorer(ids, mask, empty, empty, read_at=at)["scores"]
+        scores = engine.forward_module(ids, mask, empty, empty, read_at=at)["scores"]
     if not grad:
-        engine.sharding.after_inference(engine.scorer)
+        engine.sharding.after_inference(engine.forward_module)
         scores = scores.cpu()
     return scores
 

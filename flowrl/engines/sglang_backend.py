@@ -1,14 +1,27 @@
 """The `sglang` rollout backend: an in-process SGLang engine on the rank's GPU.
 
 Chosen per model with `rollout = "sglang"` in `[models.<m>]`; this module loads only then, and
-imports sglang only when the engine is built (`pip install -e ".[sglang]"`). The engine runs
+imports sglang only when the engine is built (`pip install -e ".[sglang]"`, which pins
+sglang==0.5.21, the release whose torch pin is the project's torch 2.13.0). The engine runs
 token ids in, token ids out (tokenizer init skipped) with the memory saver on, so the plan's
 offload / reload of the model's `weights` and `kv_cache` parts release and resume SGLang's
 memory regions of the same names. It keeps its own copy of the weights: it starts with dummy
 weights and receives the train engine's module's parameters (no second copy on this side: the
 tensors are handed over as they are, in buckets), after every update and after every resume of
-its weights, whose values a release drops. Each push ends with a prefix-cache flush, so no
-cached prefix computed with old weights is reused.
+its weights, whose values a release drops.
+
+A push (`_push`) is one weight-update session: `begin_weight_update()`, the buckets, then
+`end_weight_update()` (closed on any error), then a prefix-cache flush, so no cached prefix
+computed with old weights is reused. Since 0.5.21 SGLang refuses `update_weights_from_tensor`
+outside a session, and every refusal comes back as a `(success, message)` return value, never
+an exception: each one is read, and a refusal raises `PushRefused` with SGLang's message and
+the pool, rank and model. With `verify` (on in the tests and the GPU smoke command; in a run:
+FLOWRL_SGLANG_VERIFY=1) a few pushed parameters are read back (`get_weights_by_name`) and
+compared with the trainer's. A LoRA model's adapters are folded into the pushed weights, under
+the base model's names (SGLang skips names it does not know with a hidden warning). The model's
+dtype must be 16-bit (SGLang's attention kernels are; `flowrl check` refuses float32 first).
+SGLang's signal handlers and its shutdown (which kill the whole process tree) are replaced:
+flowrl/engines/sglang_process.py; the tensors crossing over: flowrl/engines/sglang_io.py.
 
 When what happens (the order tests/unit/test_sglang_backend.py checks around a plan's steps):
 - build: engine up, weights pushed, cache flushed;
@@ -25,45 +38,68 @@ a run is not reproducible sample for sample; log-probs are SGLang's (after tempe
 top-k / top-p; greedy: the model's at temperature 1), which differ slightly from the trainer's:
 truncated importance sampling (update.policy's tis_cap) corrects for that.
 
-SGLang API relied on, read in sgl-project/sglang's main branch at commit
-001067fffe33427bee0ed2f007fb7551a1d76b44 (python/sglang/srt/entrypoints/engine.py,
-server_args.py, sampling/sampling_params.py, constants.py, managers/schedule_batch.py; the
-newest release on PyPI is 0.5.23, pyproject asks for >= 0.5); verl v0.6.1's in-process rollout
-(sglang_rollout.py) calls the same names. Nothing here has run against a real SGLang: this
-task had no GPU machine.
+SGLang API relied on, read in the sglang 0.5.21 wheel (python/sglang/srt/entrypoints/engine.py,
+managers/tokenizer_control_mixin.py, managers/scheduler_components/weight_updater.py,
+arg_groups/fields/, managers/schedule_batch.py, models/llama.py). Not yet run against a real
+SGLang: this task had no GPU machine (`make gpu-smoke` is the check).
 - `sglang.Engine(**server_args)`, ServerArgs fields used: model_path, skip_tokenizer_init,
   enable_memory_saver, load_format ("dummy": random weights, replaced by the first push),
-  dtype, mem_fraction_static, tp_size, base_gpu_id, random_seed, port, log_level.
+  dtype, mem_fraction_static, tp_size, base_gpu_id, random_seed, port, log_level,
+  custom_sigquit_handler (unknown names raise TypeError: ServerArgs is a msgspec Struct).
 - `Engine.generate(input_ids=list[list[int]], sampling_params=dict, return_logprob=bool)` ->
-  one dict per request: "output_ids" (list[int], every sampled token, a matched stop token
-  included: schedule_batch.py's Req finish check keeps it) and "meta_info":
-  {"output_token_logprobs": [(logprob, token_id, text|None)], "finish_reason": {"type":
-  "stop" | "length", ...}}. Sampling params: max_new_tokens, temperature (0 = greedy:
-  SGLang sets top_k = 1), top_p, top_k (-1 = off), stop_token_ids.
-- `Engine.update_weights_from_tensor(named_tensors: list[tuple[str, Tensor]],
-  load_format: str | None = None, flush_cache: bool = True)`; names are the HF checkpoint's.
-- `Engine.flush_cache()`, `Engine.release_memory_occupation(tags: list[str] | None)`,
-  `Engine.resume_memory_occupation(tags: list[str] | None)` with tags "weights", "kv_cache"
-  (GPU_MEMORY_TYPE_WEIGHTS / _KV_CACHE; "cuda_graph" is left in place), `Engine.shutdown()`.
+  one dict per request: "output_ids" (list[int], a matched stop token included) and
+  "meta_info": {"output_token_logprobs": [(logprob, token_id, text|None)], "finish_reason":
+  {"type": "stop" | "length" | "abort", ...}}; an abort's "message" says why.
+- `begin_weight_update(selector="all")`, `end_weight_update()`,
+  `update_weights_from_tensor(named_tensors, load_format=None, flush_cache=True)`: each
+  returns `(success: bool, message: str)`; `flush_cache()` returns an object with `success`
+  and `message`; `get_weights_by_name(name, truncate_size=100)` returns the parameter's first
+  `truncate_size` rows as nested float lists, or None (a model class without it: Qwen2).
+- `release_memory_occupation(tags)`, `resume_memory_occupation(tags)` (tags "weights",
+  "kv_cache"; return None) and the tokenizer manager's `auto_create_handle_loop()`,
+  `event_loop`, `_subprocess_watchdog` (sglang_process.py).
+- `mem_fraction_static = f`: SGLang keeps (1 - f) of the GPU memory that is free when the
+  engine starts as headroom (model_runner_components/kv_pool_runtime.py:65-67) and fills the
+  rest with its weights and KV cache: a fraction of the free memory at start, after the
+  trainer's models are on the GPU and before their optimizer state exists, not of the GPU.
 """
 
 from __future__ import annotations
 
-import copy
+import os
 import shutil
-import socket
 import tempfile
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from flowrl.engines.rollout import INSTALL
+from flowrl.engines.sglang_io import (
+    empty_responses,
+    free_port,
+    prompt_ids,
+    response_tensors,
+    rollout_weights,
+    sampling_params,
+    verify_names,
+    weight_buckets,
+    write_model_dir,
+)
+from flowrl.engines.sglang_process import EngineGuard
 
 BUCKET_BYTES = 512 * 1024**2  # weights pushed per update_weights_from_tensor call
-MEM_FRACTION = 0.5  # of the GPU for SGLang's weights and KV cache; the trainer shares the rest
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# of the GPU memory free when the engine starts (see the module docstring), for SGLang's
+# weights and KV cache; the trainer's later optimizer state and activations use the rest
+MEM_FRACTION = 0.5
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}  # SGLang's kernels
+VERIFY_ROWS = 4  # rows of each checked parameter read back in verify mode
+
+
+class PushRefused(RuntimeError):
+    """SGLang refused a weight push, or serves other weights than the ones pushed."""
 
 
 def sglang_engine(**server_args):
@@ -81,12 +117,16 @@ class SGLangRollout:
     to `offload` / `reload`.
 
     Args:
-        module: the train engine's module (its parameters are what SGLang serves).
+        module: the train engine's module (its parameters are what SGLang serves), 16-bit.
         tokenizer: the model's tokenizer (eos and pad ids; the generate node decodes with it).
         device: "cuda:<k>": the engine runs on GPU k.
         engine_factory: builds the engine from server args; default the real `sglang.Engine`
-            (tests pass a fake that records calls).
+            (tests pass a fake that behaves as the pinned SGLang does).
         seed: SGLang's random seed.
+        mem_fraction: SGLang's `mem_fraction_static`, of the GPU memory free at its start.
+        verify: read a few parameters back after each push and compare them with the
+            module's; default: the environment variable FLOWRL_SGLANG_VERIFY is "1".
+        where: "pool <p>, rank <r>, model <m>", for error messages.
     """
 
     parts = ("weights", "kv_cache")
@@ -101,23 +141,32 @@ class SGLangRollout:
         seed: int = 0,
         mem_fraction: float = MEM_FRACTION,
         bucket_bytes: int = BUCKET_BYTES,
+        verify: bool | None = None,
+        where: str = "",
     ):
         self.module, self.tokenizer, self.device = module, tokenizer, torch.device(device)
+        self.where = where or f"device {device}"
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
         self.bucket_bytes = bucket_bytes
+        self.verify = os.environ.get("FLOWRL_SGLANG_VERIFY") == "1" if verify is None else verify
         self.released: set[str] = set()  # memory tags released and not yet resumed
+        dtype = _served_dtype(module, self.where)
+        self.guard = EngineGuard(self.where)
         self.model_dir = Path(tempfile.mkdtemp(prefix="flowrl-sglang-"))
         # removed by shutdown, or when this object goes or the process exits
         self._remove_dir = weakref.finalize(self, shutil.rmtree, self.model_dir, True)
         write_model_dir(module, tokenizer, self.model_dir)
-        factory = engine_factory or sglang_engine
         try:
-            self.engine = self._start(factory, mem_fraction, seed)
+            self.engine = self._start(engine_factory or sglang_engine, dtype, mem_fraction, seed)
         except BaseException:
             self._remove_dir()
             raise
-        self._push()
+        try:
+            self._push()
+        except BaseException:
+            self.shutdown()
+            raise
 
     def generate(
         self,
@@ -137,23 +186,26 @@ class SGLangRollout:
         tokens (its left padding stripped) are sent n times, so its samples come back next to
         each other and SGLang's prefix cache prefills the prompt once. `generator` is not used
         (SGLang samples on its own). With `logprobs`, also "logprobs": (b*n, t) float32, the
-        sampled tokens' log-probs as SGLang reports them, 0 past each response."""
+        sampled tokens' log-probs as SGLang reports them, 0 past each response. A request
+        SGLang aborted raises (its response would be silently short)."""
         rows = prompts.shape[0] * n
         if rows == 0 or max_new_tokens <= 0:
             return empty_responses(rows, logprobs)
         self._ready()
         requests = [ids for ids in prompt_ids(prompts, prompt_mask) for _ in range(n)]
         params = sampling_params(max_new_tokens, temperature, top_p, top_k, do_sample, self.eos)
-        outputs = self.engine.generate(
-            input_ids=requests, sampling_params=params, return_logprob=logprobs
-        )
-        return response_tensors(outputs, self.eos, self.pad, logprobs)
+        with self._calling():
+            outputs = self.engine.generate(
+                input_ids=requests, sampling_params=params, return_logprob=logprobs
+            )
+        return response_tensors(outputs, self.eos, self.pad, logprobs, self.where)
 
     def offload(self, parts: tuple[str, ...] = ("weights", "kv_cache")) -> None:
         """Release the memory of `parts` ("weights", "kv_cache") still held on the GPU."""
         tags = [p for p in self.parts if p in parts and p not in self.released]
         if tags:
-            self.engine.release_memory_occupation(tags=tags)
+            with self._calling():
+                self.engine.release_memory_occupation(tags=tags)  # returns None (0.5.21)
             self.released.update(tags)
 
     def reload(self, parts: tuple[str, ...] = ("weights", "kv_cache")) -> None:
@@ -170,129 +222,130 @@ class SGLangRollout:
             self._push()
 
     def shutdown(self) -> None:
-        """Stop the engine's processes and remove the model directory written for it."""
-        self.engine.shutdown()
+        """Stop the engine's own processes (not `Engine.shutdown()`, which kills every child
+        of the process, flowrl's scorers included) and remove its model directory."""
+        self.guard.stop(self.engine)
         self._remove_dir()
 
-    def _start(self, factory: Callable, mem_fraction: float, seed: int):
+    def _start(self, factory: Callable, dtype: str, mem_fraction: float, seed: int):
         """The engine on this rank's GPU, with dummy weights (the module's are pushed next)."""
-        return factory(
+        engine = factory(
             model_path=str(self.model_dir),
             skip_tokenizer_init=True,  # token ids in and out
             enable_memory_saver=True,  # release / resume by tag
             load_format="dummy",  # the weights come from the module, pushed next
-            dtype=DTYPE_NAMES[next(self.module.parameters()).dtype],
+            dtype=dtype,
             mem_fraction_static=mem_fraction,
             tp_size=1,
             base_gpu_id=self.device.index or 0,
             random_seed=seed,
-            port=_free_port(),  # ranks sharing a machine each get their own
+            port=free_port(),  # ranks sharing a machine each get their own
             log_level="error",
+            **self.guard.server_args(),  # flowrl's SIGQUIT handler
         )
+        self.guard.started(engine)
+        return engine
+
+    @contextmanager
+    def _calling(self):
+        """Around every engine call: a dead engine raises at once, and a child dying during
+        the call raises inside it (sglang_process.on_sigquit)."""
+        if self.guard.find_dead():
+            raise self.guard.error()
+        self.guard.busy = True
+        try:
+            yield
+        finally:
+            self.guard.busy = False
 
     def _ready(self) -> None:
         """Resume released memory: the weights first, then push them (a release dropped their
         values) and flush, then the KV cache."""
         if "weights" in self.released:
-            self.engine.resume_memory_occupation(tags=["weights"])
+            with self._calling():
+                self.engine.resume_memory_occupation(tags=["weights"])
             self.released.discard("weights")
             self._push()
         if "kv_cache" in self.released:
-            self.engine.resume_memory_occupation(tags=["kv_cache"])
+            with self._calling():
+                self.engine.resume_memory_occupation(tags=["kv_cache"])
             self.released.discard("kv_cache")
 
     def _push(self) -> None:
-        """The module's parameters into SGLang, bucket by bucket, then a prefix-cache flush."""
+        """The module's weights into SGLang in one weight-update session, bucket by bucket,
+        then a prefix-cache flush, every answer checked; in verify mode, a read-back."""
+        session = hasattr(self.engine, "begin_weight_update")  # SGLang >= 0.5.21
+        wanted, checked = verify_names(self.module) if self.verify else (), []
         with torch.no_grad():
-            for bucket in weight_buckets(self.module.named_parameters(), self.bucket_bytes):
-                self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False)
-        self.engine.flush_cache()
+            if session:
+                self._check("begin_weight_update", self._call("begin_weight_update"))
+            try:
+                for bucket in weight_buckets(rollout_weights(self.module), self.bucket_bytes):
+                    answer = self._call(
+                        "update_weights_from_tensor", named_tensors=bucket, flush_cache=False
+                    )
+                    self._check("update_weights_from_tensor", answer, bucket)
+                    checked += [(n, t[:VERIFY_ROWS].clone()) for n, t in bucket if n in wanted]
+            except BaseException:
+                if session:  # close the session; the first error is the one to report
+                    try:
+                        self._call("end_weight_update")
+                    except Exception:
+                        pass
+                raise
+            if session:
+                self._check("end_weight_update", self._call("end_weight_update"))
+        flushed = self._call("flush_cache")
+        if not getattr(flushed, "success", True):
+            self._refused("flush_cache", getattr(flushed, "message", repr(flushed)))
+        if self.verify:
+            self._verify(checked)
 
+    def _call(self, method: str, **kwargs):
+        with self._calling():
+            return getattr(self.engine, method)(**kwargs)
 
-def weight_buckets(
-    named: Iterable[tuple[str, torch.Tensor]], limit: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive (name, tensor) groups of at most `limit` bytes each (a larger tensor alone).
-    The tensors are the module's own, detached, not copies: the engine copies them into its
-    weights (over CUDA IPC when they are on the GPU)."""
-    bucket, size = [], 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > limit:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor.detach()))
-        size += nbytes
-    if bucket:
-        yield bucket
+    def _check(self, method: str, answer, bucket=()) -> None:
+        """SGLang answers (success, message): a refusal raises."""
+        if not isinstance(answer, tuple | list) or len(answer) < 2:
+            self._refused(method, f"an answer that is not (success, message): {answer!r}")
+        if not answer[0]:
+            names = [name for name, _ in bucket]
+            what = f" (a bucket of {len(names)}: {', '.join(names[:3])}...)" if names else ""
+            self._refused(method, f"{answer[1]}{what}")
 
+    def _refused(self, method: str, message: str):
+        raise PushRefused(
+            f"SGLang refused {method} on {self.where}: {message}. Its weights are not the "
+            "trainer's, so every rollout would come from other weights: stopping"
+        )
 
-def prompt_ids(prompts: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
-    """(b, p) ids and mask -> each row's real tokens as a list (its padding removed)."""
-    rows = zip(prompts.cpu(), prompt_mask.cpu(), strict=True)
-    return [row[mask.bool()].tolist() for row, mask in rows]
-
-
-def sampling_params(max_new_tokens, temperature, top_p, top_k, do_sample, eos) -> dict:
-    """flowrl's sampling settings in SGLang's terms: greedy is temperature 0; top_k 0 (off) is
-    -1; EOS is a stop token whatever the model config says, as in the `hf` backend."""
-    greedy = not do_sample or temperature == 0
-    return {
-        "max_new_tokens": max_new_tokens,
-        "temperature": 0.0 if greedy else float(temperature),
-        "top_p": 1.0 if greedy else float(top_p),
-        "top_k": top_k if top_k > 0 and not greedy else -1,
-        "stop_token_ids": [eos],
-    }
-
-
-def response_tensors(outputs: list[dict], eos: int, pad: int, logprobs: bool) -> dict:
-    """SGLang's per-request outputs -> {"responses": (r, t) int64 right-padded with `pad`,
-    "response_mask": (r, t) int64, 1 up to and including the first EOS} (+ "logprobs" (r, t)
-    float32, 0 past each response), t the longest response."""
-    ids, values = [], []
-    for out in outputs:
-        tokens = [int(x) for x in out["output_ids"]]
-        if logprobs:
-            reported = out["meta_info"]["output_token_logprobs"]  # [(logprob, id, text)]
-            if len(reported) != len(tokens):
-                raise RuntimeError(
-                    f"SGLang returned {len(tokens)} tokens but {len(reported)} log-probs"
+    def _verify(self, checked: list[tuple[str, torch.Tensor]]) -> None:
+        """Read the checked parameters back from SGLang: their first rows must be exactly the
+        pushed ones (SGLang returns them as float32 lists)."""
+        for name, tensor in checked:
+            served = self._call("get_weights_by_name", name=name, truncate_size=VERIFY_ROWS)
+            if served is None:
+                self._refused(
+                    "get_weights_by_name",
+                    f"nothing read back for {name} (verify needs a model class with "
+                    "get_weights_by_name: Llama has it, Qwen2 not in 0.5.21)",
                 )
-            values.append([float(entry[0]) for entry in reported])
-        if eos in tokens:  # nothing after the first EOS is part of the response
-            tokens = tokens[: tokens.index(eos) + 1]
-        ids.append(tokens)
-    t = max((len(x) for x in ids), default=0)
-    responses = torch.full((len(ids), t), pad, dtype=torch.long)
-    mask = torch.zeros(len(ids), t, dtype=torch.long)
-    chosen = torch.zeros(len(ids), t, dtype=torch.float32)
-    for row, tokens in enumerate(ids):
-        responses[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        mask[row, : len(tokens)] = 1
-        if logprobs:
-            chosen[row, : len(tokens)] = torch.tensor(values[row][: len(tokens)])
-    out = {"responses": responses, "response_mask": mask}
-    return {**out, "logprobs": chosen} if logprobs else out
+            got, want = torch.tensor(served, dtype=torch.float32), tensor[:VERIFY_ROWS].float()
+            if got.shape != want.shape or not torch.equal(got, want.cpu()):
+                self._refused(
+                    "the pushed weights",
+                    f"verify read back {name} and it differs from the trainer's "
+                    f"(first values {got.flatten()[:3].tolist()} vs "
+                    f"{want.flatten()[:3].tolist()})",
+                )
 
 
-def empty_responses(rows: int, logprobs: bool) -> dict:
-    empty = torch.zeros(rows, 0, dtype=torch.long)
-    out = {"responses": empty, "response_mask": empty.clone()}
-    return {**out, "logprobs": torch.zeros(rows, 0)} if logprobs else out
-
-
-def write_model_dir(module: torch.nn.Module, tokenizer, path: Path) -> None:
-    """What SGLang loads with dummy weights: the module's config.json (its architecture named,
-    EOS the tokenizer's) and the tokenizer files."""
-    config = copy.deepcopy(module.config)
-    config.architectures = config.architectures or [type(module).__name__]
-    config.eos_token_id = tokenizer.eos_token_id
-    config.to_json_file(str(path / "config.json"))
-    tokenizer.save_pretrained(str(path))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _served_dtype(module: torch.nn.Module, where: str) -> str:
+    dtype = next(module.parameters()).dtype
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(
+            f"{where}: SGLang serves 16-bit weights (its attention kernels are bf16/fp16), but "
+            f'the model is {dtype}: set dtype = "bfloat16" in the model\'s table'
+        )
+    return DTYPE_NAMES[dtype]

@@ -3,7 +3,7 @@
 - "ddp" (`Replicated`): every rank holds the whole model, its gradients and its optimizer
   state; after the backward passes one all-reduce over a flat buffer sums the gradients.
 - "fsdp" (`FullyShard`): PyTorch's FSDP2 (`fully_shard`) on each decoder layer and on the
-  root (the engine's `Scorer`, which owns the embeddings, final norm and head). Each rank
+  root (the engine's `ResponseForward`, which owns the embeddings, final norm and head). Each rank
   holds 1/ranks of every parameter, gradient and AdamW moment as DTensor shards; a layer's
   weights are all-gathered before its forward and its gradients reduce-scattered after its
   backward. On cuda, a model's `param_dtype` makes FSDP2 gather and compute in that dtype

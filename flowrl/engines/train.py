@@ -4,7 +4,7 @@ its strategy (ddp or fsdp: sharding.py), offload/reload, checkpoints.
 
 Frozen models (a reference policy) use the same engine with trainable=False: forward only.
 
-The forward pass (scoring.py) does only the work the outputs need: padding columns are trimmed,
+The forward pass (forward.py) does only the work the outputs need: padding columns are trimmed,
 the LM head runs only at the positions that predict response tokens, and a prompt repeated over
 its n samples runs once. Measured on the 2-core CPU machine, SmolLM2-135M, 4 prompts x 8
 samples (prompt width 46, up to 20 response tokens), median of 3: forward + backward 10.7 s ->
@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from flowrl.engines import sharding
-from flowrl.engines.scoring import Scorer, checkpoint_layers, decoder_layers
+from flowrl.engines.forward import ResponseForward, checkpoint_layers, decoder_layers
+from flowrl.engines.update_loop import UpdateLoop
 from flowrl.math import ops
 from flowrl.models import lora
 from flowrl.protocol import DataProto
@@ -29,7 +30,7 @@ PARTS = ("weights", "grads", "optimizer")
 MIN_SAVED_PROMPT_TOKENS = 64
 
 
-class TrainEngine:
+class TrainEngine(UpdateLoop):
     def __init__(
         self,
         module,
@@ -65,10 +66,10 @@ class TrainEngine:
             module.requires_grad_(False)
         module.eval()  # no dropout in RL updates: the sampled policy is the one we score
         # the whole forward is one call of the root module, as FSDP2's hooks need
-        self.scorer = Scorer(module)
+        self.forward_module = ResponseForward(module)
         compute = sharding.compute_dtype(param_dtype)
         self.sharding = sharding.make_sharding(strategy, group, world_size, device, compute)
-        self.sharding.wrap(self.scorer, decoder_layers(module))
+        self.sharding.wrap(self.forward_module, decoder_layers(module))
         self.optimizer = self.scheduler = None
         self.resident = {"weights"}  # the parts now on `device` (see offload / reload)
         if trainable:
@@ -162,7 +163,7 @@ class TrainEngine:
         with torch.enable_grad() if grad else self.sharding.no_grad():
             out, keep = self._forward(rows, entropy, temperature, grad)
         if not grad:
-            self.sharding.after_inference(self.scorer)
+            self.sharding.after_inference(self.forward_module)
         # outside inference mode, so callers may use the results in a graph
         return {k: _pad_right(v * keep, t) for k, v in out.items()}
 
@@ -172,12 +173,14 @@ class TrainEngine:
         prompts, prompt_mask = prompts.to(self.device), prompt_mask.to(self.device)
         responses, attention = responses.to(self.device), attention.to(self.device)
         share = self._share_prompts(prompts, prompt_mask, grad)
-        out = self.scorer(prompts, prompt_mask, responses, attention, entropy, temperature, share)
+        module = self.forward_module
+        out = module(prompts, prompt_mask, responses, attention, entropy, temperature, share)
         return out, attention
 
     def _share_prompts(self, prompts, prompt_mask, grad: bool) -> bool:
-        """Run each distinct prompt once (`Scorer.hidden`) when that saves enough tokens; never
-        under fsdp or while recomputing checkpointed layers, which cannot run a layer twice."""
+        """Run each distinct prompt once (`ResponseForward.hidden`) when that saves enough
+        tokens; never under fsdp or while recomputing checkpointed layers, which cannot run a
+        layer twice."""
         if self.sharding.sharded or (grad and self.checkpointing):
             return False
         distinct = torch.unique(torch.cat([prompts, prompt_mask], dim=1), dim=0)  # (g, 2p)
@@ -243,7 +246,7 @@ class TrainEngine:
         if unknown:
             raise ValueError(f"unknown model parts {sorted(unknown)}; parts are {PARTS}")
         if "weights" in parts:
-            self.sharding.move_weights(self.scorer, device)
+            self.sharding.move_weights(self.forward_module, device)
         if "grads" in parts:
             for p in self.module.parameters():
                 if p.grad is not None:

@@ -31,7 +31,15 @@ class WaveRollout:
     tokenizer): `start` prefills, each `turn` appends and decodes, `close` drops the cache."""
 
     def __init__(
-        self, rollout, *, temperature=1.0, top_p=1.0, top_k=0, do_sample=True, generator=None
+        self,
+        rollout,
+        *,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        do_sample=True,
+        generator=None,
+        first_turn: list[int] = (),
     ):
         if not hasattr(rollout, "_forward") or not hasattr(rollout, "_prefill"):
             raise TypeError(
@@ -41,6 +49,10 @@ class WaveRollout:
         self.eos, self.pad = rollout.eos, rollout.pad
         self.sampling = (temperature, top_k, top_p, do_sample, generator)
         self.temperature = temperature if do_sample and temperature > 0 else 1.0
+        # ids every request's first turn is made of (the agent's script_first_turn): decoded
+        # as forced tokens, each with the policy's own log-prob of it
+        self.first_turn = list(first_turn)
+        self.had_turn: set[int] = set()
 
     def start(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, n: int, reserve_tokens: int):
         """Prefill prompts (b, p) left-padded with prompt_mask (b, p); rows are then the b * n
@@ -65,7 +77,9 @@ class WaveRollout:
         with torch.inference_mode():
             self._select(rows)
             self._extend([self.pending[k] + list(extra) for k, extra in enumerate(append)])
-            return self._decode(limits)
+            forced = [self.first_turn if i not in self.had_turn else [] for i in rows]
+            self.had_turn.update(rows)
+            return self._decode(limits, forced)
 
     def close(self) -> None:
         self.rollout.cache = None
@@ -108,10 +122,11 @@ class WaveRollout:
         self.position = self.position + new.sum(-1)
         self.pending = [[] for _ in chunks]
 
-    def _decode(self, limits: list[int]) -> list[tuple[list[int], list[float]]]:
+    def _decode(self, limits: list[int], forced=None) -> list[tuple[list[int], list[float]]]:
         r = len(limits)
         limit = torch.tensor(limits, dtype=torch.long, device=self.device)
         steps = max(limits, default=0)
+        script, scripted = _forced(forced or [[]] * r, self.device)  # (r, f), (r,)
         tokens = torch.full((r, max(steps, 0)), self.pad, dtype=torch.long, device=self.device)
         logprobs = torch.zeros((r, max(steps, 0)), device=self.device)
         lengths = torch.zeros(r, dtype=torch.long, device=self.device)
@@ -120,6 +135,8 @@ class WaveRollout:
         for step in range(steps):
             live = ~done
             token = sample_tokens(logits, *self.sampling)  # (r,)
+            if step < script.shape[1]:  # a forced turn takes its ids, sampled or not
+                token = torch.where(step < scripted, script[:, step], token)
             logprob = torch.log_softmax(logits / self.temperature, -1)
             logprob = logprob.gather(-1, token[:, None]).squeeze(-1)  # (r,)
             tokens[:, step] = torch.where(live, token, self.pad)
@@ -142,3 +159,13 @@ class WaveRollout:
             out.append((ids, logprobs[k, :length].tolist()))
             self.pending[k] = ids[-1:]
         return out
+
+
+def _forced(forced: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's forced ids, right-padded (r, f), and how many each has (r,)."""
+    width = max((len(f) for f in forced), default=0)
+    script = torch.zeros((len(forced), width), dtype=torch.long)
+    for k, ids in enumerate(forced):
+        script[k, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    lengths = torch.tensor([len(f) for f in forced], dtype=torch.long)
+    return script.to(device), lengths.to(device)

@@ -53,6 +53,24 @@ def node_rows(graph: Graph, refill, prompts: int) -> tuple[dict[str, int], dict[
     return rows, samples
 
 
+def unwired_findings(spec, errors: Collector) -> None:
+    """The nodes' own check hooks for a graph that could not be wired (so its errors come with
+    the wiring's): each node receives the prompts times the samples of the rollout nodes above
+    it in the file, which is what the row edges make of a graph. Errors only."""
+    prompts, n = spec.data.batch_size, 1
+    for node, decl in spec.nodes.items():
+        workers = spec.pools[spec.pool_of(node)].workers if decl.model else 1
+        model_path = spec.models[decl.model].path if decl.model in spec.models else ""
+        context = CheckContext(
+            node, prompts * n, n, prompts, workers, str(spec.base_dir), model_path
+        )
+        for finding in decl.spec.findings(decl.params, context):
+            if not finding.warning:
+                errors.add(f"[nodes.{node}]", finding.message, finding.fix)
+        if decl.spec.rows == "repeat":
+            n *= decl.params.n
+
+
 def batch_plan(graph: Graph, refill, errors: Collector) -> tuple[BatchPlan, list[str]]:
     """Rows, groups and samples per node; every node's own checks (mini-batches vs rows, ...)
     against them. Returns the batch plan and the warnings; errors go to `errors`."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import networkx as nx
 
-from flowrl.errors import Collector
+from flowrl.errors import Collector, GraphErrors
 from flowrl.front import batching, dsl, memory, schema
 from flowrl.front.graph import DATASET, Graph, build
 from flowrl.front.plan import BatchPlan, ExecutionPlan, Item, PoolPlan, ValidationPlan
@@ -32,8 +32,36 @@ PARTS = ("weights", "grads", "optimizer", "rollout_weights", "kv_cache")
 
 
 def compile_file(file: str | Path, overrides=()) -> ExecutionPlan:
-    """Parse, check and compile a graph file; raises GraphErrors listing every problem."""
-    return compile_graph(build(dsl.load(file, list(overrides))))
+    """Parse, check and compile a graph file; raises GraphErrors listing every problem: the
+    file's own, then those of the stages after it (wiring, batch arithmetic, the nodes' check
+    hooks) as far as the file lets them run."""
+    spec, problems = dsl.load_partial(file, list(overrides))
+    if spec is None:
+        raise GraphErrors(problems)
+    try:
+        built = build(spec)
+    except GraphErrors as e:  # unwired: the nodes' own checks still run, on file-order rows
+        later = Collector(spec.file)
+        try:
+            batching.unwired_findings(spec, later)
+        except Exception:  # a hook that trips over a problem already reported
+            later.problems = []
+        raise GraphErrors([*problems, *e.problems, *later.problems]) from None
+    except Exception:
+        if problems:
+            raise GraphErrors(problems) from None
+        raise
+    try:
+        plan = compile_graph(built)
+    except GraphErrors as e:
+        raise GraphErrors([*problems, *e.problems]) from None
+    except Exception:
+        if problems:  # a later stage tripped over a problem already reported
+            raise GraphErrors(problems) from None
+        raise
+    if problems:
+        raise GraphErrors(problems)
+    return plan
 
 
 def compile_graph(built: Graph) -> ExecutionPlan:

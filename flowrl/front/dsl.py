@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 
 from flowrl.engines.rollout import DEVICE
-from flowrl.errors import Collector, did_you_mean, one_of
+from flowrl.errors import Collector, GraphErrors, Problem, did_you_mean, one_of
 from flowrl.front import registry, schema
 from flowrl.front.overrides import TOP_LEVEL, addressable, apply_overrides, said
 from flowrl.front.schema import DEFAULT_POOL, GraphSpec, NodeDecl
@@ -32,17 +32,32 @@ def load(file: str | Path, overrides: list[str] = (), base_dir: str | Path = "")
     `base_dir`: where its relative paths (node files, data, scorers) resolve; default the
     file's folder (`flowrl replay` loads a run directory's graph.toml against the original's).
     """
-    file = str(file)
-    errors = Collector(file)
-    raw = read_toml(Path(file), errors)
-    errors.raise_if_any()
-    overridden = apply_overrides(raw, overrides, errors)
-    spec = _build(file, raw, errors, overridden, str(base_dir))
-    errors.raise_if_any()
+    spec, problems = load_partial(file, overrides, base_dir)
+    if problems:
+        raise GraphErrors(problems)
     return spec
 
 
+def load_partial(
+    file: str | Path, overrides: list[str] = (), base_dir: str | Path = ""
+) -> tuple[GraphSpec | None, list[Problem]]:
+    """(spec, problems): as `load`, but a file whose every table could be built still gives
+    its spec beside its problems (a missing data file, a pool of 3 workers over 2 nodes ...),
+    so the later checks (wiring, batch arithmetic, each node's own check hook) can add theirs
+    and `flowrl check` shows every error at once. spec is None when a table could not be
+    built (then the later checks would only report its absence)."""
+    file = str(file)
+    errors = Collector(file)
+    raw = read_toml(Path(file), errors)
+    if errors.problems:
+        return None, errors.problems
+    overridden = apply_overrides(raw, overrides, errors)
+    spec = _build(file, raw, errors, overridden, str(base_dir))
+    return spec, errors.problems
+
+
 def _build(file, raw, errors: Collector, overridden: dict[str, str], root="") -> GraphSpec | None:
+    """The spec; None when a table (run, data, a model, a pool, a node) could not be built."""
     for key in raw:
         if key not in TOP_LEVEL:
             errors.add(
@@ -80,20 +95,60 @@ def _build(file, raw, errors: Collector, overridden: dict[str, str], root="") ->
     base_dir = Path(root) if root else Path(file).parent
     if data:
         _check_data(data, base_dir, errors, overridden)
-    nodes = {}
-    for node_id, table in _tables(raw, "nodes", errors).items():
+    nodes, tables = {}, _tables(raw, "nodes", errors)
+    for node_id, table in tables.items():
         decl = _node(node_id, table, models, base_dir, errors, overridden)
         if decl is not None:
             nodes[node_id] = decl
     if not raw.get("nodes"):
         errors.add("[nodes]", "the graph has no nodes", "add [nodes.<id>] tables with `uses`")
-    if errors.problems:
+    built = [run, data, *models.values(), *pools.values()]
+    if any(part is None for part in built):
         return None
+    if not nodes or len(nodes) < len(tables):
+        _checks_above_the_first_failed_node(
+            GraphSpec(file, run, data, models, pools, nodes, raw, root), list(tables), errors
+        )
+        return None
+    if errors.problems and set(raw.get("nodes", {})) != set(tables):
+        return None  # a node entry that is not a table
     return GraphSpec(file, run, data, models, pools, nodes, raw, root)
 
 
+def _checks_above_the_first_failed_node(spec: GraphSpec, order: list[str], errors) -> None:
+    """A node table that could not be built leaves no spec to wire; the nodes above it in the
+    file still get their own checks (an agent's tools, a scorer that does not import), since
+    the rows they receive do not depend on it. Those below it might, so they wait."""
+    from flowrl.front import batching
+
+    failed = next((i for i, n in enumerate(order) if n not in spec.nodes), len(order))
+    above = {n: spec.nodes[n] for n in order[:failed]}
+    if not above:
+        return
+    try:
+        batching.unwired_findings(attrs.evolve(spec, nodes=above), errors)
+    except Exception:  # a hook tripping over a problem already reported
+        pass
+
+
 def _check_data(data: schema.DataConfig, base_dir: Path, errors: Collector, overridden) -> None:
-    """A data file must exist and have a format the loader reads (its rows are read at run)."""
+    """A data file must exist and have a format the loader reads (its rows are read at run);
+    validation must not be the training file itself (docs/data.md)."""
+    files = [
+        Path(s) if Path(s).is_absolute() else base_dir / s for s in (data.source, data.val_source)
+    ]
+    if (
+        data.val_source
+        and data.source not in schema.BUILTIN_SOURCES
+        and files[0].resolve() == files[1].resolve()
+    ):
+        errors.add(
+            "[data] val_source",
+            f'val_source names the training file "{data.source}": validation would measure '
+            "prompts the policy trains on",
+            "leave val_source out (run.val_size rows of the file are then held out of training), "
+            "or name a file of other rows",
+        )
     for key in ("source", "val_source"):
         source = getattr(data, key)
         if not source or source in schema.BUILTIN_SOURCES:
@@ -175,6 +230,7 @@ def _place(name, model: schema.ModelConfig, pools, errors, overridden) -> schema
             f'pools: {one_of(pools)}; or leave rollout_pool out to generate on "{model.pool}"',
         )
     _check_rollout_device(name, model, pools, errors, overridden)
+    _check_rollout_dtype(name, model, errors, overridden)
     return model
 
 
@@ -192,6 +248,21 @@ def _check_rollout_device(name, model: schema.ModelConfig, pools, errors, overri
         f'{override}rollout = "{model.rollout}" runs on "{need}" only, but its pool "{pool}" has '
         f'device = "{pools[pool].device}"',
         f'set device = "{need}" in [pools.{pool}], or rollout = "hf" (CPU and GPU)',
+    )
+
+
+def _check_rollout_dtype(name, model: schema.ModelConfig, errors, overridden) -> None:
+    """SGLang's attention kernels (flashinfer, fa3) are bf16 / fp16: a float32 model is refused
+    here, before any model loads, not handed to them."""
+    if model.rollout != "sglang" or model.dtype in ("bfloat16", "float16"):
+        return
+    override = said(overridden, f"models.{name}.dtype") or said(
+        overridden, f"models.{name}.rollout"
+    )
+    errors.add(
+        f"[models.{name}] dtype",
+        f'{override}rollout = "sglang" serves 16-bit weights, but dtype = "{model.dtype}"',
+        f'set dtype = "bfloat16" in [models.{name}] (or "float16"), or rollout = "hf"',
     )
 
 
@@ -254,6 +325,14 @@ def _node(node_id, table, models, base_dir, errors: Collector, overridden) -> No
         )
         return None
     spec = ref.spec
+    if spec.rows == "filter" and spec.writes:
+        errors.add(
+            where,
+            f'{uses} is a filter (rows = "filter") but declares writes {list(spec.writes)}: '
+            "a filter returns only its keep mask, which the runtime applies and no node reads",
+            "declare writes=() in its SPEC, and move any other output into a node of its own",
+        )
+        return None
     model = table.get("model")
     _check_model(where, spec, model, models, errors, said(overridden, f"nodes.{node_id}.model"))
     rename = table.get("rename", {})

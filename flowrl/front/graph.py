@@ -204,9 +204,9 @@ def _check_cycles(dag: nx.DiGraph, errors: Collector) -> None:
 def _warnings(spec: GraphSpec, writers: dict[str, str]) -> list[str]:
     read = {k for d in spec.nodes.values() for k in d.reads} | set(CONTROLLER_READS)
     out = [
-        f'[nodes.{node}] writes "{key}", which no node reads'
+        _unread(spec.nodes[node], key)
         for key, node in sorted(writers.items())
-        if node != DATASET and key not in read
+        if node != DATASET and key not in read and _unread(spec.nodes[node], key)
     ]
     used = {d.model for d in spec.nodes.values()}
     trained = {d.model for d in spec.nodes.values() if d.mode == "train"}
@@ -222,3 +222,19 @@ def _warnings(spec: GraphSpec, writers: dict[str, str]) -> list[str]:
                 "before loading a model)"
             )
     return out
+
+
+def _unread(decl, key: str) -> str:
+    """The warning for a key a node writes and no node reads, or "" when that is no sign of a
+    mistake. A node's writes are its contract, whatever the graph reads of them (the agent's
+    rollout_logprobs come free with sampling; ReMax's greedy responses are renamed out of the
+    way and only scored); a node none of whose writes is read is dropped instead, and a reader
+    that misspells a key is an error of its own. An optional write that the node's params turn
+    on and nobody reads is worth a word: it is computed for nothing."""
+    declared = next((k for k, v in decl.rename.items() if v == key), key)
+    if declared in decl.spec.optional_writes:
+        return (
+            f'[nodes.{decl.id}] writes "{key}", which its params turn on and no node reads '
+            "(computed for nothing)"
+        )
+    return ""

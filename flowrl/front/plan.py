@@ -164,8 +164,7 @@ class ExecutionPlan:
                 lines.append(f"    {model}: {info}")
         b = self.batch
         lines.append(f"batch: {b.prompts} prompts x {b.samples} samples = {b.rows} rows")
-        if self.refill:
-            lines.append(self.refill.text())
+        lines += self.filter_lines()
         if self.held:
             lines.append(
                 f"critic warm-up: {', '.join(self.held)} skip steps 1-"
@@ -185,6 +184,41 @@ class ExecutionPlan:
                 lines.append(f"  {name} || {', '.join(others)}")
         lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines) + "\n"
+
+    def filters(self) -> tuple[str, ...]:
+        """The filter nodes (rows = "filter") of the step, in plan order."""
+        return tuple(n for n in self.graph.order if self.spec.nodes[n].spec.rows == "filter")
+
+    def after(self, node: str) -> list[str]:
+        """The nodes that run after `node` on its output rows, in plan order."""
+        later = nx.descendants(self.graph.dag, node)
+        return [n for n in self.graph.order if n in later]
+
+    def filter_lines(self) -> list[str]:
+        """For each filter node: how it refills (if it does) and the rows the nodes after it
+        receive (what it keeps: at most the rows it receives, or its refill's target)."""
+        lines = []
+        for node in self.filters():
+            after = self.after(node)
+            refill = self.refill if self.refill and self.refill.node == node else None
+            if refill and refill.groups:
+                lines.append(refill.text())
+            if not after:
+                continue
+            rows, names = self.batch.rows_per_node[after[0]], ", ".join(after)
+            if refill and refill.groups:
+                samples = rows // refill.groups
+                lines.append(
+                    f"after {node}: {names} receive {refill.groups} groups x {samples} samples "
+                    f"= {rows} rows (fewer when the {refill.rounds} prompt batches run out)"
+                )
+            else:
+                samples = rows // self.batch.prompts
+                lines.append(
+                    f"after {node}: {names} receive the rows {node} keeps: at most {rows} "
+                    f"({self.batch.prompts} prompts x {samples} samples), varying by step"
+                )
+        return lines
 
     def to_json(self) -> str:
         data = {

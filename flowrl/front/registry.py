@@ -53,6 +53,15 @@ def builtin_names() -> tuple[str, ...]:
 
 def resolve(uses: str, base_dir: Path | None = None) -> NodeRef:
     """The node that `uses` names; raises UnknownNode with a message that says what to write."""
+    module = node_module(uses, base_dir)
+    spec = getattr(module, "SPEC", None)
+    if not isinstance(spec, NodeSpec):
+        raise UnknownNode(f'{module.__file__} has no `SPEC = NodeSpec(...)` (uses = "{uses}")')
+    return NodeRef(uses, spec, module.__file__, _spec_line(module.__file__), _first_line(module))
+
+
+def node_module(uses: str, base_dir: Path | None = None):
+    """The module `uses` names: a node file's path, a built-in name or a dotted module."""
     if uses.endswith(".py"):
         path = Path(uses) if base_dir is None else Path(base_dir) / uses
         if not path.is_file():
@@ -64,10 +73,7 @@ def resolve(uses: str, base_dir: Path | None = None) -> NodeRef:
         module = importlib.import_module(uses)
     else:
         raise UnknownNode(f'unknown node "{uses}"')
-    spec = getattr(module, "SPEC", None)
-    if not isinstance(spec, NodeSpec):
-        raise UnknownNode(f'{module.__file__} has no `SPEC = NodeSpec(...)` (uses = "{uses}")')
-    return NodeRef(uses, spec, module.__file__, _spec_line(module.__file__), _first_line(module))
+    return module
 
 
 def _importable(name: str) -> bool:
@@ -84,6 +90,8 @@ def _import_file(path: Path):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    if str(path.resolve().parent) not in sys.path:  # its sibling modules import, as in tools
+        sys.path.append(str(path.resolve().parent))
     spec.loader.exec_module(module)
     return module
 

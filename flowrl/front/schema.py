@@ -110,7 +110,7 @@ class RunConfig:
     out_dir: str = "runs"  # run directories go under it
     num_cpus: int = checked(0, count(0, MAX_WORKERS))  # for Ray; 0 = all cores
     val_every: int = checked(0, count(0, MAX_STEPS))  # 0 = first and last only
-    val_size: int = checked(64, count(0, MAX_ROWS))  # held-out prompts; 0 = off
+    val_size: int = checked(64, count(0, MAX_ROWS))  # held-out prompts; 0 = off (docs/data.md)
     save_every: int = checked(0, count(0, MAX_STEPS))  # 0 = at the end only
     keep_checkpoints: int = checked(2, count(1, MAX_STEPS))  # newest kept
     log_samples: int = checked(2, count(0, MAX_ROWS))  # generations per step
@@ -126,7 +126,7 @@ class RunConfig:
 @attrs.frozen
 class DataConfig:
     source: str = checked("arithmetic", not_empty())  # "arithmetic", or a .parquet / .jsonl file
-    val_source: str = ""  # default: the validation split of `source`
+    val_source: str = ""  # default: the task's split, or val_size rows of the file held out
     batch_size: int = checked(4, count(1, MAX_ROWS))  # prompts per step
     max_prompt_len: int = checked(256, count(1, MAX_TOKENS))  # longer are dropped
     train_size: int = checked(0, count(0, MAX_DATASET))  # synthetic task; 0 = all

@@ -6,9 +6,10 @@ Every model's path becomes "tiny" (flowrl/models/tiny.py: a character-level toke
 most 6 tokens; 2 steps; validation on 4 prompts, at the start and the end; reward nodes score
 by length (flowrl/rewards/varied.py), so the updates see nonzero advantages; a node's
 `mini_batch_size` shrinks with the prompt batch, so an update keeps its number of optimizer
-steps (at least the rows allow). Trainable models
-get lr 0.01, so a test can see their parameters move; GPU pools and GPU-only rollout backends
-fall back to CPU and flowrl's own decode loop. No torch or ray here.
+steps (at least the rows allow); an agent node's first turn calls each of its tools (so the
+tools run: a random policy never calls one). Trainable models get lr 0.01, so a test can see
+their parameters move; GPU pools and GPU-only rollout backends fall back to CPU and flowrl's
+own decode loop. No torch or ray here.
 """
 
 from pathlib import Path
@@ -51,6 +52,7 @@ def tiny_overrides(graph, out_dir=None, scorer: str | None = VARIED_SCORER, **ex
             out.append(f"nodes.{node_id}.mini_batch_size={minis[node_id]}")
         if scorer is not None and "scorer" in fields:
             out.append(f'nodes.{node_id}.scorer="{scorer}"')
+    out += scripted_agents(spec)
     if out_dir is not None:
         out.append(f'run.out_dir="{out_dir}"')
     declared_pools = spec.raw.get("pools", {})  # a graph without [pools] gets one by default
@@ -82,6 +84,35 @@ def tiny_mini_batches(spec) -> dict[str, int]:
     return {node: max(1, -(-mini * tiny[node] // full[node])) for node, mini in minis.items()}
 
 
+def scripted_agents(spec) -> list[str]:
+    """An agent node's first turn calls each of its tools once (flowrl/agent/script.py), so a
+    tiny run runs the tool code, its arguments and its rewards, which a random policy never
+    would. Its budget fits that turn (the tiny tokenizer: one token per character), the tools'
+    answers and a sampled turn after them; every call is allowed in the one turn."""
+    from flowrl.agent.script import first_turn_text
+    from flowrl.agent.tools import Toolbox
+
+    out = []
+    for node_id, decl in spec.nodes.items():
+        p = decl.params
+        if "script_first_turn" not in attrs.fields_dict(type(p)) or not p.tools:
+            continue
+        try:
+            toolbox = Toolbox(p.tools, spec.base_dir)
+        except Exception:  # `flowrl check` reports the tool; no script for it here
+            continue
+        text = first_turn_text(toolbox.schemas, p.parser)
+        if not text:  # a parser of the user's own: flowrl cannot write its format
+            continue
+        turn = len(text) + 1  # + the turn's eos
+        calls = len(toolbox.schemas)
+        where = f"nodes.{node_id}"
+        out += [f"{where}.script_first_turn=true", f"{where}.max_turn_tokens={turn}"]
+        out.append(f"{where}.max_new_tokens={2 * turn + calls * (p.max_obs_tokens + 32)}")
+        out.append(f"{where}.max_calls_per_turn={max(p.max_calls_per_turn, calls)}")
+    return out
+
+
 def cpu_fallback(spec) -> list[str]:
     """A GPU graph (e.g. graphs/grpo_sglang.toml) runs tiny on the CPU: its pools on "cpu" and
     flowrl's own decode loop in place of a GPU-only rollout backend, so its wiring is tried
@@ -95,4 +126,66 @@ def cpu_fallback(spec) -> list[str]:
         if p.device != "cpu" and n in declared
     ]
     out += [f'models.{n}.rollout="hf"' for n, m in spec.models.items() if m.rollout in DEVICE]
+    return out
+
+
+def summary(spec, metrics: list[dict]) -> str:
+    """What a tiny run exercised for real and what it stubbed, from the plan's spec (the tiny
+    overrides applied) and the run's metrics.jsonl rows; `flowrl run --tiny` prints it last."""
+    lines = ["tiny run: what was real and what was stubbed"]
+    models = ", ".join(spec.models)
+    lines.append(
+        f'  stubbed  model weights: {models} on path = "tiny" (random 2-layer Llama, '
+        "character tokenizer): what they generate and score means nothing"
+    )
+    for node_id, decl in spec.nodes.items():
+        scorer = getattr(decl.params, "scorer", None)
+        if scorer == VARIED_SCORER:
+            lines.append(f"  stubbed  scorer of [nodes.{node_id}]: by response length (varied.py)")
+        elif scorer is not None:
+            lines.append(f"  real     scorer of [nodes.{node_id}]: {scorer}")
+        if decl.model and decl.uses.startswith("reward."):
+            lines.append(
+                f"  stubbed  reward model of [nodes.{node_id}]: {decl.model}, random weights"
+            )
+        lines += _tool_lines(node_id, decl, metrics, spec.base_dir)
+        if getattr(decl.params, "interaction", ""):
+            lines.append(f"  real     interaction of [nodes.{node_id}]: {decl.params.interaction}")
+    source = spec.data.source
+    lines.append(f"  real     data: {source} ({spec.data.batch_size} prompts per step)")
+    if spec.run.val_size:
+        lines.append(
+            f"  stubbed  validation: {spec.run.val_size} prompts on the random model (and an "
+            "agent's scripted first turn): its score means nothing"
+        )
+    lines.append("  real     node code, the plan, the executor, checkpoints and metrics")
+    return "\n".join(lines)
+
+
+def _tool_lines(node_id: str, decl, metrics: list[dict], base_dir) -> list[str]:
+    """One line per tool of an agent node: calls and answered calls per request, by step."""
+    tools = getattr(decl.params, "tools", ())
+    if not tools:
+        return []
+    from flowrl.agent.tools import Toolbox
+
+    scripted = getattr(decl.params, "script_first_turn", False)
+    how = "first turn scripted, placeholder arguments" if scripted else "policy's own calls"
+    out = []
+    try:
+        names = Toolbox(tools, base_dir).names
+    except Exception:  # the run could not have started with it: nothing to say
+        return []
+    for name in names:
+        key = f"{node_id}/calls/{name}"
+        rows = [m for m in metrics if key in m]  # the training steps (validation has none)
+        calls, ok = [m[key] for m in rows], [m.get(f"{key}/ok", 0.0) for m in rows]
+        if not calls:
+            out.append(f"  NOT RUN  tool {name} of [nodes.{node_id}]: never called ({how})")
+            continue
+        mean, answered = sum(calls) / len(calls), sum(ok) / len(ok)
+        out.append(
+            f"  real     tool {name} of [nodes.{node_id}]: {mean:.2f} calls per request, "
+            f"{answered:.2f} answered ({how})"
+        )
     return out

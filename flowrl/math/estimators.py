@@ -1,17 +1,22 @@
-"""Group advantage estimators as pure functions: GRPO's (arXiv 2402.03300), pass@k (arXiv
-2508.10751), OPO (arXiv 2505.23585) and GPG's corrected group advantage (arXiv 2504.02546).
+"""Advantage estimators as pure functions: every formula of the nodes under nodes/advantage/,
+each tested against a plain reference loop (tests/unit/test_advantages.py, test_estimators.py).
 
-Each maps per-row scores (b,) and group ids `uid` (b,) (rows sampled from the same prompt share
-one) to per-row advantages (b,); a node broadcasts them over the response tokens as
-`adv[:, None] * response_mask`. They live here, beside `flowrl.math.ops`, rather than as node
-modules under nodes/advantage/, so that the node that exposes one to graph files (its params,
-its reads and writes, its docs entries) can be written and reviewed on its own.
+Token-level estimators map per-token rewards (b, t) to advantages and returns (b, t): GAE
+(arXiv 1506.02438), REINFORCE++'s discounted returns and its group baseline (arXiv 2501.03262),
+ReMax (arXiv 2310.10505). Group estimators map per-row scores (b,) and group ids `uid` (b,)
+(rows sampled from the same prompt share one) to per-row advantages (b,), which a node
+broadcasts over the response tokens as `adv[:, None] * response_mask`: GRPO's (arXiv
+2402.03300), RLOO's (arXiv 2402.14740), pass@k (arXiv 2508.10751), OPO (arXiv 2505.23585) and
+GPG's corrected group advantage (arXiv 2504.02546). A node module holds its params, the call
+and its spec (docs/extending.md, "Where the math lives").
 """
 
 from __future__ import annotations
 
 from flowrl.lazy import torch
 from flowrl.math import ops
+
+# -- group estimators: per-row scores (b,) and group ids (b,) -> (b,) ---------------------------
 
 
 def group_advantages(scores, uid, scale_by_std: bool = True, eps: float = 1e-6):
@@ -26,6 +31,17 @@ def group_advantages(scores, uid, scale_by_std: bool = True, eps: float = 1e-6):
         squares, _ = ops.group_sum_count(centered**2, uid)
         centered = centered / ((squares / (count - 1).clamp(min=1)).sqrt() + eps)
     return torch.where(count > 1, centered, torch.zeros_like(centered))
+
+
+def leave_one_out_advantages(scores, uid):
+    """scores (b,), uid (b,) -> (b,): score minus the mean of the OTHER samples of its group.
+
+    With k samples: A_i = s_i - (sum_j s_j - s_i) / (k - 1); groups of one get 0.
+    """
+    scores = scores.float()
+    total, count = ops.group_sum_count(scores, uid)
+    baseline = (total - scores) / (count - 1).clamp(min=1)
+    return torch.where(count > 1, scores - baseline, torch.zeros_like(scores))
 
 
 def _comb_ratio(top, bottom, k: int):
@@ -131,3 +147,80 @@ def gpg_advantages(scores, uid, scale_by_std: bool = False, eps: float = 1e-6):
     valid = (highest != lowest)[index]  # rows of groups whose rewards differ
     alpha = len(scores) / max(int(valid.sum()), 1)
     return torch.where(valid, alpha * centred, torch.zeros_like(centred))
+
+
+# -- token-level estimators: per-token rewards (b, t) -> (b, t) ------------------------------
+
+
+def gae_advantages(token_rewards, values, response_mask, gamma: float, lam: float):
+    """(b, t) each -> advantages, returns (b, t).
+
+    delta_t = r_t + gamma V_{t+1} - V_t;  A_t = delta_t + gamma lam A_{t+1}; returns = A + V.
+    The recursion runs over the positions where response_mask is 1, so t+1 is the next such
+    position: a 0 inside a row (tool output in a multi-turn row) is skipped, its reward and
+    value unused, and V and A are carried across it (verl's convention). Past a row's last
+    token V and A count as 0; advantages and returns are 0 where the mask is 0.
+    """
+    mask = response_mask.to(values.dtype)
+    trained = response_mask.bool()
+    values = values * mask
+    advantages = torch.zeros_like(values)
+    running = torch.zeros(values.shape[0])
+    next_value = torch.zeros(values.shape[0])
+    for t in reversed(range(values.shape[1])):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        running = torch.where(trained[:, t], delta + gamma * lam * running, running)
+        next_value = torch.where(trained[:, t], values[:, t], next_value)
+        advantages[:, t] = running * mask[:, t]
+    return advantages, (advantages + values) * mask
+
+
+def discounted_returns(token_rewards, response_mask, gamma: float):
+    """(b, t) -> (b, t): G_t = r_t + gamma G_{t+1}, zero where response_mask is 0.
+
+    t+1 is the next position where the mask is 1: a 0 inside a row (tool output in a
+    multi-turn row) is skipped, its reward unused, and the return carried across it.
+    """
+    mask = response_mask.to(token_rewards.dtype)
+    trained = response_mask.bool()
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros(token_rewards.shape[0])
+    for t in reversed(range(token_rewards.shape[1])):
+        running = torch.where(trained[:, t], token_rewards[:, t] + gamma * running, running)
+        returns[:, t] = running * mask[:, t]
+    return returns
+
+
+def group_baseline(token_rewards, response_mask, uid):
+    """(b,): the mean total reward of each row's group."""
+    totals = (token_rewards * response_mask.to(token_rewards.dtype)).sum(-1)
+    total, count = ops.group_sum_count(totals, uid)
+    return total / count
+
+
+def baseline_advantages(token_rewards, response_mask, uid):
+    """(b, t) x2, uid (b,) -> (b, t): (row total - group mean) on every trained token, whitened
+    over the batch's trained tokens (verl's REINFORCE++-baseline). A group of one sample has
+    baseline 0, so its row keeps its total (where GRPO and RLOO give it 0)."""
+    mask = response_mask.to(token_rewards.dtype)
+    totals = (token_rewards * mask).sum(-1)  # (b,)
+    _, count = ops.group_sum_count(totals, uid)
+    baseline = torch.where(count > 1, group_baseline(token_rewards, response_mask, uid), 0.0)
+    shifted = (totals - baseline)[:, None] * mask
+    return ops.masked_whiten(shifted, mask) * mask
+
+
+def remax_advantages(scores, baseline_scores, response_mask):
+    """(b,), (b,), (b, t) -> (b, t): score - greedy score on every response token (the
+    outcome-only case of `remax_return_advantages`)."""
+    return (scores.float() - baseline_scores.float())[:, None] * response_mask
+
+
+def remax_return_advantages(token_rewards, baseline_scores, response_mask):
+    """(b, t), (b,), (b, t) -> (b, t): reward-to-go minus the greedy score, on trained tokens.
+
+    G_t = sum_{s >= t, mask_s = 1} r_s (undiscounted; rewards under mask 0 are not counted).
+    """
+    mask = response_mask.to(token_rewards.dtype)
+    returns = torch.flip(torch.cumsum(torch.flip(token_rewards * mask, [-1]), -1), [-1])
+    return (returns - baseline_scores.float()[:, None]) * mask

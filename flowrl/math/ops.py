@@ -94,11 +94,6 @@ def kl_estimate(logprobs, ref_logprobs, kind: str = "k1"):
     raise ValueError(f"unknown KL estimator {kind!r}; use one of {KL_KINDS}")
 
 
-def entropy_from_logits(logits):
-    """logits (b, t, v) -> entropy (b, t) = logsumexp(z) - sum softmax(z) z."""
-    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
-
-
 def last_one(mask):
     """mask (b, t) 0/1 -> (b,) int64: the index of each row's last 1 (0 for a row of zeros).
 

@@ -3,6 +3,7 @@ extra_info)`, returning a float or a dict with "score". Plain Python, no torch."
 
 import importlib.util
 import inspect
+import sys
 from pathlib import Path
 
 from flowrl.errors import FlowrlError
@@ -39,6 +40,8 @@ def resolve_scorer(spec: str, base_dir: str | Path = "."):
         raise ScorerError(f'scorer file "{path}" not found')
     module_spec = importlib.util.spec_from_file_location(f"flowrl_scorer_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
+    if str(path.resolve().parent) not in sys.path:  # its sibling modules import, as in tools
+        sys.path.append(str(path.resolve().parent))
     module_spec.loader.exec_module(module)
     function = getattr(module, name, None)
     if not callable(function):

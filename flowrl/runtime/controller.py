@@ -20,7 +20,8 @@ from pathlib import Path
 import toml
 from tqdm import tqdm
 
-from flowrl.data import PromptDataset, PromptLoader, make_rows
+from flowrl.data import PromptDataset, PromptLoader
+from flowrl.data.split import train_and_validation_rows
 from flowrl.models import load_tokenizer
 from flowrl.nodespec import GREEDY
 from flowrl.runtime import checkpoint, faults, guards, make_executor, rng, step_log
@@ -54,18 +55,15 @@ class Trainer:
         # a reward model with its own tokenizer compares vocabularies with it (reward.model)
         self.batch_meta = {"seed": spec.run.seed, "policy_tokenizer": spec.models[policy].path}
         data = spec.data
-        rows = make_rows(data.source, "train", data.train_size, spec.run.seed, spec.base_dir)
+        rows, val_rows, note = train_and_validation_rows(
+            data, spec.run.val_size, spec.run.seed, spec.base_dir
+        )  # never validates on training rows (flowrl/data/split.py)
         self.train_set = PromptDataset(rows, self.tokenizer, data.max_prompt_len)
         self.loader = PromptLoader(self.train_set, data.batch_size, spec.run.seed, data.shuffle)
         self.val_batch = None
-        if spec.run.val_size:
-            source = data.val_source or data.source
-            val_rows = make_rows(
-                source, "validation", spec.run.val_size, spec.run.seed, spec.base_dir
-            )
-            val_set = PromptDataset(
-                val_rows[: spec.run.val_size], self.tokenizer, data.max_prompt_len
-            )
+        if val_rows:
+            print(note)
+            val_set = PromptDataset(val_rows, self.tokenizer, data.max_prompt_len)
             self.val_batch = val_set.collate(list(range(len(val_set))))
         self.executor = make_executor(backend, plan, num_cpus=spec.run.num_cpus or None)
         self.trace = Trace()

@@ -9,6 +9,8 @@ keeping a failed call's inputs for `flowrl replay` (the `save_to` hook, flowrl/r
 
 from collections.abc import Callable
 
+import torch
+
 from flowrl.errors import FlowrlError
 from flowrl.nodespec import KEEP, NodeSpec, split_output
 from flowrl.protocol import DataProto
@@ -69,6 +71,19 @@ def call_node(
         )
         hint = save_to.failed(batch, error) if save_to is not None else ""
         raise NodeFailure(f"{error}{hint}")
+    if spec.rows == "filter":
+        _check_keep(node_id, writes[KEEP], len(batch), where)
     if not writes:
         return DataProto.from_dict({}), metrics
     return DataProto.from_columns({rename.get(k, k): v for k, v in writes.items()}), metrics
+
+
+def _check_keep(node_id: str, keep, rows: int, where: str) -> None:
+    """A filter's `keep` is a bool mask over its rows (an int tensor would pick rows by index)."""
+    if not (isinstance(keep, torch.Tensor) and keep.dtype == torch.bool and keep.shape == (rows,)):
+        shape = tuple(keep.shape) if hasattr(keep, "shape") else type(keep).__name__
+        kind = getattr(keep, "dtype", "")
+        raise NodeFailure(
+            f"filter node {node_id} returned keep {kind} {shape} {where}, but keep must be a "
+            f"torch.bool tensor of shape ({rows},): True for each row to keep"
+        )

@@ -96,7 +96,10 @@ class PoolWorker:
                 activation_checkpointing=config.activation_checkpointing,
             )
             if name in setup.rollout_models:
-                self.rollout[name] = make_rollout(config.rollout, rollout_module, tokenizer, device)
+                where = f"pool {setup.pool}, rank {rank}, model {name}"
+                self.rollout[name] = make_rollout(
+                    config.rollout, rollout_module, tokenizer, device, where
+                )
         self.workers = {}
         for node in setup.nodes:
             spec = registry.resolve(node.uses, Path(setup.base_dir)).spec

@@ -1,4 +1,5 @@
 """Group-relative advantages (GRPO, arXiv 2402.03300); Dr. GRPO without the std (2503.20783).
+The math is `flowrl.math.estimators.group_advantages`.
 
 reads: scores, uid, response_mask -> writes: advantages
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 import attrs
 
 from flowrl.front.validators import checked, positive
-from flowrl.math.estimators import group_advantages
+from flowrl.math import estimators
 from flowrl.nodespec import NodeSpec
 
 
@@ -19,7 +20,9 @@ class Params:
 
 
 def run(batch, params):
-    adv = group_advantages(batch["scores"], batch["uid"], params.scale_by_std, params.eps)
+    adv = estimators.group_advantages(
+        batch["scores"], batch["uid"], params.scale_by_std, params.eps
+    )
     return {"advantages": adv[:, None] * batch["response_mask"]}  # (b, t)
 
 

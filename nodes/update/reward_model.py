@@ -6,8 +6,10 @@ loss = -log sigmoid(r(x, y_chosen) - r(x, y_rejected)), the reward model of Inst
 optional centring term `center` * mean((r_chosen + r_rejected)^2) (Eisenstein et al. 2023,
 arXiv 2312.09244) that keeps scores near zero. Each conversation is written with the reward
 model's chat template (flowrl/models/reward_inputs.py) and scored at its last real token, as a
-sequence classifier (flowrl/engines/sequence_scores.py); a chosen / rejected pair always
-shares a micro-batch. Rows come from a preference source (flowrl/data/preferences.py).
+sequence classifier (flowrl/engines/sequence_scores.py). The engine's shared update loop
+(`engine.update`) runs epochs x mini-batches (of pairs) x micro-batches, and a chosen /
+rejected pair is one of its rows, so a pair always shares a micro-batch. Rows come from a
+preference source (flowrl/data/preferences.py).
 """
 
 from __future__ import annotations
@@ -42,41 +44,65 @@ def bradley_terry_loss(chosen, rejected, center: float = 0.0):
     return loss, metrics
 
 
+def pair_rows(tokenizer, batch):
+    """Preference rows -> one row per pair, as the engine's update loop batches rows: the chosen
+    conversation under `prompts` / `prompt_mask` (b, p), left-padded, and the rejected one
+    under `responses` / `response_mask` (b, t), right-padded, each written with the reward
+    model's chat template. The loop then sizes micro-batches by both conversations' tokens and
+    never splits a pair."""
+    from flowrl.models import reward_inputs
+    from flowrl.protocol import DataProto
+
+    chats = reward_inputs.preference_chats(batch) if len(batch) else []
+    chosen, chosen_mask = reward_inputs.templated(tokenizer, chats[0::2])  # (b, p)
+    rejected, rejected_mask = reward_inputs.templated(tokenizer, chats[1::2])  # (b, t)
+    width = rejected_mask.sum(-1, keepdim=True)  # (b, 1): left -> right padding
+    order = (torch.arange(rejected.shape[1]) + (rejected.shape[1] - width)) % rejected.shape[1]
+    return DataProto.from_dict(
+        {
+            "prompts": chosen,
+            "prompt_mask": chosen_mask,
+            "responses": rejected.gather(1, order),
+            "response_mask": rejected_mask.gather(1, order),
+        }
+    )
+
+
 class RewardModelUpdateWorker:
     def __init__(self, engine, params: Params):
         self.engine, self.params = engine, params
 
     def __call__(self, batch):
-        from flowrl.math import ops
+        p = self.params
+        rows = pair_rows(self.engine.tokenizer, batch)
+        metrics = ("bt_loss", "accuracy", "margin")
+        return {}, self.engine.update(
+            rows,
+            self.micro_loss,
+            epochs=p.epochs,
+            mini_batch_size=p.mini_batch_size,
+            metrics=metrics,
+        )
 
-        p, engine = self.params, self.engine
-        steps = [
-            self.mini_batch(mini)
-            for _ in range(p.epochs)
-            for mini in engine.mini_batches(batch, p.mini_batch_size)
-        ]
-        return {}, ops.mean_metrics(steps)
+    def micro_loss(self, micro, counts):
+        """Scores of both conversations of each pair (one forward over 2m sequences), the
+        loss summed over the pairs / the mini-batch's pairs (`counts.num_seqs`)."""
+        from flowrl.engines.sequence_scores import forward_scores
 
-    def mini_batch(self, mini) -> dict:
-        from flowrl.engines.sequence_scores import chunks, forward_scores
-        from flowrl.models import reward_inputs
-
-        engine = self.engine
-        pairs = max(engine.all_reduce_sum(len(mini)), 1)
-        totals = {"bt_loss": 0.0, "accuracy": 0.0, "margin": 0.0}
-        chats = reward_inputs.preference_chats(mini) if len(mini) else []
-        ids, mask = reward_inputs.templated(engine.tokenizer, chats)  # (2m, s) interleaved
-        parts = [part for part in chunks(mask, engine.micro_tokens, group=2) if len(part)]
-        # under fsdp every rank makes as many passes (TrainEngine._in_lockstep)
-        for part in engine._in_lockstep(parts, grad=True):
-            scores = forward_scores(engine, ids[part], mask[part], grad=True)
-            loss, metrics = bradley_terry_loss(scores[0::2], scores[1::2], self.params.center)
-            engine.backward(loss / pairs)
-            totals["bt_loss"] += float(loss.detach())
-            totals["accuracy"] += metrics["accuracy"]
-            totals["margin"] += metrics["margin"]
-        totals = {k: engine.all_reduce_sum(v) / pairs for k, v in totals.items()}
-        return {**totals, **engine.step()}
+        m, p = len(micro), micro["prompts"].shape[1]
+        width = max(p, micro["responses"].shape[1])
+        ids = torch.zeros(2 * m, width, dtype=torch.long)
+        mask = torch.zeros(2 * m, width, dtype=torch.long)
+        ids[:m, width - p :], mask[:m, width - p :] = micro["prompts"], micro["prompt_mask"]
+        t = micro["responses"].shape[1]
+        ids[m:, :t], mask[m:, :t] = micro["responses"], micro["response_mask"]
+        scores = forward_scores(self.engine, ids, mask, grad=True)  # (2m,)
+        loss, metrics = bradley_terry_loss(scores[:m], scores[m:], self.params.center)
+        metrics = {k: v / counts.num_seqs for k, v in metrics.items()}
+        return loss / counts.num_seqs, {
+            "bt_loss": float(loss.detach()) / counts.num_seqs,
+            **metrics,
+        }
 
 
 SPEC = NodeSpec(

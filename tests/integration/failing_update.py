@@ -2,6 +2,7 @@
 docs/debugging.md): with `fail_at_step = N`, step N's update raises; 0 never fails."""
 
 import attrs
+
 from flowrl.nodes.update import policy
 
 

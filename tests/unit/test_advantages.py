@@ -5,11 +5,14 @@ import torch
 
 from flowrl.engines.sequence_scores import read_positions
 from flowrl.math import ops
-from flowrl.nodes.advantage.gae import gae_advantages
-from flowrl.nodes.advantage.grpo import group_advantages
-from flowrl.nodes.advantage.reinforce_pp import discounted_returns, group_baseline
-from flowrl.nodes.advantage.remax import remax_advantages
-from flowrl.nodes.advantage.rloo import leave_one_out_advantages
+from flowrl.math.estimators import (
+    discounted_returns,
+    gae_advantages,
+    group_advantages,
+    group_baseline,
+    leave_one_out_advantages,
+    remax_advantages,
+)
 from flowrl.nodes.filter.dynamic_sampling import varied_groups
 from flowrl.nodes.reward.kl_penalty import Params as KLParams
 from flowrl.nodes.reward.kl_penalty import kl_token_rewards, next_kl_coef

@@ -1,8 +1,12 @@
 """The CLI's error handling and choices: one error base, constants from one place."""
 
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import attrs
 import pytest
-from flowrl.nodes.update import critic, policy
 
 from flowrl import cli, nodespec
 from flowrl.data import DataError
@@ -11,7 +15,10 @@ from flowrl.front import schema
 from flowrl.front.registry import UnknownNode
 from flowrl.math import ops
 from flowrl.models import ModelNotFound
+from flowrl.nodes.update import critic, policy
 from flowrl.rewards import ScorerError
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("cls", [GraphErrors, DataError, ModelNotFound, ScorerError, UnknownNode])
@@ -61,3 +68,66 @@ def test_loss_aggregation_modes_are_defined_once():
             assert params(agg=mode).agg == mode
     assert not hasattr(critic, "AGG") and not hasattr(policy, "AGG")
     assert attrs.fields(policy.Params).agg.default in ops.AGG_MODES
+
+
+def test_a_directory_as_the_graph_says_it_is_one(tmp_path):
+    (tmp_path / "aux").mkdir()
+    (tmp_path / "aux" / "grpo.toml").write_text("")
+    result = subprocess.run(
+        [sys.executable, "-m", "flowrl.cli", "check", "aux"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert "aux: file: is a directory, not a graph file" in result.stderr
+    assert "aux/grpo.toml" in result.stderr and "shipped graph" not in result.stderr
+
+
+def test_a_tool_file_imports_its_sibling_from_any_working_directory(tmp_path):
+    """The `flowrl` script puts its bin folder, not the working directory, first on sys.path;
+    a tool file's folder is put there by flowrl itself, so its siblings import either way."""
+    folder = tmp_path / "algo"
+    folder.mkdir()
+    (folder / "units.py").write_text("FACTOR = 0.3048\n")
+    (folder / "unit_tool.py").write_text(
+        "from units import FACTOR\n\n\n"
+        "def feet_to_metres(feet: float) -> str:\n"
+        '    """Convert feet to metres.\n\n    Args:\n        feet: a length in feet\n    """\n'
+        "    return str(feet * FACTOR)\n"
+    )
+    graph = (ROOT / "graphs/grpo_tools.toml").read_text()
+    graph = graph.replace(
+        'tools = ["calculator"]', 'tools = ["calculator", "unit_tool.py:feet_to_metres"]'
+    )
+    graph = graph.replace('parser = "tag"', 'parser = "hermes"')
+    (folder / "g.toml").write_text(graph)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code = (
+        "import sys; sys.path[0] = sys.prefix\n"
+        "from flowrl.cli import main\nsys.exit(main(sys.argv[1:]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, "check", str(folder / "g.toml")],
+        capture_output=True,
+        text=True,
+        cwd=elsewhere,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_run_uses_the_chosen_pythons_flowrl():
+    """`make run PYTHON=venv/bin/python` runs that Python's flowrl, not a `flowrl` on PATH."""
+    result = subprocess.run(
+        ["make", "-n", "run", "PYTHON=/opt/venv/bin/python", "GRAPH=graphs/grpo.toml"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (
+        result.stdout.splitlines()[-1] == "/opt/venv/bin/python -m flowrl.cli run graphs/grpo.toml"
+    )
+    assert not any(line.startswith("flowrl ") for line in result.stdout.splitlines())

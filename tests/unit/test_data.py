@@ -139,3 +139,97 @@ def test_verl_agent_name_is_kept_in_extra_info_and_raw_prompt_reaches_the_batch(
     assert "agent_name" not in loaded[1]["extra_info"]
     batch = PromptDataset(loaded, tiny_tokenizer(), max_prompt_len=64).collate([0, 1])
     assert list(batch["raw_prompt"]) == [r["prompt"] for r in loaded]
+
+
+# -- which rows validate (flowrl/data/split.py) ----------------------------------------------
+
+
+def verl_file(path, count: int):
+    rows = [
+        {"prompt": f"Q{i}?", "data_source": "mine", "reward_model": {"ground_truth": str(i)}}
+        for i in range(count)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_file_without_val_source_holds_out_rows_training_never_sees(tmp_path):
+    from flowrl.data.split import train_and_validation_rows
+    from flowrl.front.schema import DataConfig
+
+    verl_file(tmp_path / "train.jsonl", 100)
+    data = DataConfig(source="train.jsonl", batch_size=4)
+    train, val, note = train_and_validation_rows(data, 10, 0, tmp_path)
+    truths = lambda rows: {r["reward_model"]["ground_truth"] for r in rows}  # noqa: E731
+    assert len(val) == 10 and len(train) == 90 and not truths(train) & truths(val)
+    assert "10 rows of train.jsonl held out (training uses the other 90)" in note
+    _, val_seed_1, _ = train_and_validation_rows(data, 10, 1, tmp_path)
+    assert truths(val_seed_1) == truths(val)  # the same rows whatever run.seed
+    assert truths(val) != {str(i) for i in range(10)}  # not simply the file's first rows
+
+
+def test_a_file_too_small_to_hold_out_is_refused_with_the_fix(tmp_path):
+    from flowrl.data.split import train_and_validation_rows
+    from flowrl.front.schema import DataConfig
+
+    verl_file(tmp_path / "train.jsonl", 66)
+    data = DataConfig(source="train.jsonl", batch_size=4)
+    with pytest.raises(DataError, match="66 rows: holding out run.val_size = 64") as info:
+        train_and_validation_rows(data, 64, 0, tmp_path)
+    assert "set data.val_source" in str(info.value)
+    train, val, _ = train_and_validation_rows(data, 0, 0, tmp_path)  # validation off
+    assert len(train) == 66 and val == []
+
+
+def test_val_source_and_built_in_tasks_keep_their_own_validation(tmp_path):
+    from flowrl.data.split import train_and_validation_rows
+    from flowrl.front.schema import DataConfig
+
+    verl_file(tmp_path / "train.jsonl", 20)
+    verl_file(tmp_path / "val.jsonl", 5)
+    data = DataConfig(source="train.jsonl", val_source="val.jsonl", batch_size=4)
+    train, val, note = train_and_validation_rows(data, 64, 0, tmp_path)
+    assert len(train) == 20 and len(val) == 5 and "val.jsonl (data.val_source)" in note
+    data = DataConfig(source="arithmetic", batch_size=4, train_size=32)
+    train, val, _ = train_and_validation_rows(data, 8, 0, tmp_path)
+    questions = lambda rows: {r["prompt"][-1]["content"] for r in rows}  # noqa: E731
+    assert len(train) == 32 and len(val) == 8 and not questions(train) & questions(val)
+
+
+def test_the_rows_of_docs_data_md_load(tmp_path, monkeypatch):
+    """The JSONL row and the parquet script of docs/data.md, through the loader."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs/data.md").read_text()
+    line = re.search(r"```json\n(.*?)\n```", page, flags=re.S)[1]
+    (tmp_path / "one.jsonl").write_text(line + "\n")
+    (row,) = load_rows(tmp_path / "one.jsonl")
+    assert row["reward_model"]["ground_truth"] == "42" and row["prompt"][1]["role"] == "user"
+    assert row["extra_info"] == {"index": 0, "split": "train"}
+    script = re.search(r"```python\n(.*?)```", page, flags=re.S)[1]
+    monkeypatch.chdir(tmp_path)
+    exec(script, {})
+    rows = load_rows(tmp_path / "train.parquet")
+    assert [r["reward_model"]["ground_truth"] for r in rows] == ["3", "7", "11", "15"]
+    batch = PromptDataset(rows, tiny_tokenizer(), 256).collate([0, 1])
+    assert batch["data_source"].tolist() == ["arithmetic", "arithmetic"]
+
+
+def test_val_source_naming_the_training_file_is_refused_at_check(tmp_path):
+    from pathlib import Path
+
+    from flowrl.errors import GraphErrors
+    from flowrl.front import compiler
+
+    verl_file(tmp_path / "train.jsonl", 100)
+    graph = (Path(__file__).resolve().parents[2] / "graphs/grpo.toml").read_text()
+    graph = graph.replace(
+        'source = "arithmetic"', 'source = "train.jsonl"\nval_source = "./train.jsonl"'
+    )
+    (tmp_path / "g.toml").write_text(graph)
+    with pytest.raises(GraphErrors) as info:
+        compiler.compile_file(tmp_path / "g.toml")
+    (problem,) = info.value.problems
+    assert problem.where == "[data] val_source" and "names the training file" in problem.message
+    assert "leave val_source out" in problem.fix

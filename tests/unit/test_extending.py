@@ -1,14 +1,19 @@
 """The node examples of docs/extending.md, taken from the page, work as the page says."""
 
 import copy
+import importlib.util
 import re
 from pathlib import Path
 
+import attrs
+import pytest
 import torch
 from test_update_workers import assert_same, batch
 
 from flowrl.engines import TrainEngine
+from flowrl.errors import GraphErrors
 from flowrl.front import compiler, registry
+from flowrl.nodespec import CheckContext
 from flowrl.protocol import DataProto
 from flowrl.testing import tiny_model, tiny_tokenizer
 
@@ -68,3 +73,129 @@ def test_the_custom_loss_example_compiles_and_takes_the_formulas_gradient(tmp_pa
     expected = {n: p.grad for n, p in reference.module.named_parameters()}
     assert_same(grads[0], expected)  # micro-batches of 9 tokens add up to the whole loss
     assert abs(metrics["pg_loss"] - float(loss.detach())) < 1e-5 and metrics["grad_norm"] > 0
+
+
+def test_the_policy_loss_example_is_one_function_and_one_table_line(tmp_path, monkeypatch):
+    # the page's function, saved as a module, and its table line, evaluated as it stands in
+    # LOSSES: update.policy with loss = "plain" then takes the gradient of -A r (token-mean)
+    from flowrl.math import losses
+    from flowrl.nodes.update import policy
+
+    path = tmp_path / "plain.py"
+    path.write_text(example("# flowrl/math/losses/plain.py"))
+    module_spec = importlib.util.spec_from_file_location("plain", path)
+    plain = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(plain)
+    line = re.search(r"```python\n(    \"plain\": Loss\(.*?\),)\n```", PAGE).group(1)
+    entry = eval("{" + line + "}", {"Loss": losses.Loss, "plain": plain})
+    monkeypatch.setattr(losses, "LOSSES", losses.LOSSES | entry)
+    monkeypatch.setattr(policy, "LOSSES", losses.LOSSES)
+
+    model, rows = tiny_model(seed=0), batch()
+    params = policy.Params(loss="plain")
+    assert policy.check(params, context(rows)) == []
+    refused = policy.check(attrs.evolve(params, tau_pos=2.0), context(rows))
+    assert [f.message.split(" = ")[0] for f in refused] == ["tau_pos"]
+
+    grads = []
+    engine = TrainEngine(copy.deepcopy(model), tiny_tokenizer(), lr=1e-2, micro_tokens=9)
+    step = engine.step
+
+    def record():
+        grads.append({n: p.grad.clone() for n, p in engine.module.named_parameters()})
+        return step()
+
+    engine.step = record
+    _, metrics = policy.PolicyUpdateWorker(engine, params)(rows)
+    reference = TrainEngine(copy.deepcopy(model), tiny_tokenizer())
+    logprobs = reference.forward(rows, grad=True)["logprobs"]
+    mask = rows["response_mask"].float()
+    ratio = torch.exp(logprobs - rows["old_logprobs"])
+    loss = -(rows["advantages"] * ratio * mask).sum() / mask.sum()
+    loss.backward()
+    expected = {n: p.grad for n, p in reference.module.named_parameters()}
+    assert_same(grads[0], expected)
+    assert abs(metrics["pg_loss"] - float(loss.detach())) < 1e-5 and "approx_kl" in metrics
+
+
+def context(rows):
+    return CheckContext("update_policy", len(rows), 1, len(rows), 1, ".")
+
+
+def grpo_with(tmp_path, table: str, after: str = "[nodes.ref_logprob]") -> Path:
+    """graphs/grpo.toml with `table` inserted above `after`, written to tmp_path/g.toml."""
+    graph = (ROOT / "graphs/grpo.toml").read_text().replace(after, table + "\n" + after)
+    (tmp_path / "g.toml").write_text(graph)
+    return tmp_path / "g.toml"
+
+
+def test_the_filter_example_keeps_the_best_of_each_group(tmp_path):
+    spec = write_node(tmp_path, "# my_nodes/top_k.py", "top_k.py")
+    rows = DataProto.from_dict(
+        {
+            "scores": torch.tensor([0.0, 2.0, 1.0, 5.0, 5.0, 3.0]),
+            "uid": torch.tensor([7, 7, 7, 9, 9, 9]),
+        }
+    )
+    keep, metrics = spec.fn(rows, spec.params(keep_top=2))
+    # uid 7: scores 0, 2, 1 -> rows 1 and 2; uid 9: 5, 5, 3 -> rows 3 and 4 (a tie: both)
+    assert keep["keep"].tolist() == [False, True, True, True, True, False]
+    assert metrics == {"kept_fraction": pytest.approx(4 / 6)}
+
+
+def test_the_filter_example_in_a_graph_shows_the_rows_after_it(tmp_path, capsys):
+    from flowrl.cli import main
+
+    write_node(tmp_path, "# my_nodes/top_k.py", "top_k.py")
+    table = example_toml('uses = "my_nodes/top_k.py"')
+    graph = grpo_with(tmp_path, table)
+    plan = compiler.compile_file(graph)
+    assert plan.after("best") == ["ref_logprob", "advantage", "update_policy"]
+    assert (
+        "after best: ref_logprob, advantage, update_policy receive the rows best keeps: at most 32 "
+        "(4 prompts x 8 samples), varying by step"
+    ) in plan.text()
+    assert not [w for w in plan.warnings if "keep" in w]
+    assert main(["check", str(graph)]) == 0
+    out = capsys.readouterr().out
+    assert "32 rows per step, at most 32 after best" in out
+    assert "scores, uid -> (keeps rows: keep)" in out
+
+
+def test_the_filter_example_trains_on_the_kept_rows(tmp_path):
+    """A tiny run (2 prompts x 8 samples): the update receives each prompt's 4 best rows."""
+    from flowrl.testing import run_tiny
+
+    write_node(tmp_path, "# my_nodes/top_k.py", "top_k.py")
+    graph = grpo_with(tmp_path, example_toml('uses = "my_nodes/top_k.py"'))
+    run = run_tiny(graph, tmp_path / "runs", **{"run.save_inputs": '["update_policy"]'})
+    assert run.metrics[-1]["best/kept_fraction"] == 0.5
+    rows = DataProto.load(run.run_dir / "inputs/step_2_update_policy_rank0/batch.pt")
+    prompts = [tuple(p) for p in rows["prompts"].tolist()]  # the update reads no uid
+    assert len(rows) == 8 and sorted(prompts.count(p) for p in set(prompts)) == [4, 4]
+
+
+def test_a_filter_that_declares_writes_is_refused(tmp_path):
+    node = tmp_path / "bad_filter.py"
+    node.write_text(example("# my_nodes/top_k.py").replace("writes=()", 'writes=("keep",)'))
+    graph = grpo_with(tmp_path, '[nodes.best]\nuses = "bad_filter.py"\n')
+    with pytest.raises(GraphErrors, match="a filter returns only its keep mask"):
+        compiler.compile_file(graph)
+
+
+def example_toml(first_line: str) -> str:
+    """The ```toml block of the page that contains `first_line`."""
+    blocks = re.findall(r"```toml\n(.*?)```", PAGE, flags=re.S)
+    return next(b for b in blocks if first_line in b)
+
+
+@pytest.mark.parametrize(
+    "keep", [torch.tensor([1, 0, 1]), torch.tensor([True, False]), [True, False, True]]
+)
+def test_a_keep_that_is_not_a_bool_mask_over_the_rows_stops_the_call(tmp_path, keep):
+    from flowrl.runtime.node_call import NodeFailure, call_node
+
+    spec = write_node(tmp_path, "# my_nodes/top_k.py", "top_k.py")
+    rows = DataProto.from_dict({"scores": torch.zeros(3), "uid": torch.tensor([0, 0, 1])})
+    with pytest.raises(NodeFailure, match=r"keep must be a torch.bool tensor of shape \(3,\)"):
+        call_node("best", spec, {}, rows, lambda batch: {"keep": keep}, "on the controller")

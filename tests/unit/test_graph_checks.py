@@ -9,6 +9,7 @@ import pytest
 from flowrl.errors import GraphErrors
 from flowrl.front import compiler, dsl, graph
 
+ROOT = Path(__file__).resolve().parents[2]
 TOY = Path(__file__).parent / "toy"
 
 GOOD = """
@@ -314,3 +315,61 @@ def test_cli_exits_2_without_traceback(tmp_path):
     assert (
         "Traceback" not in result.stderr and '"n"' in result.stderr and str(path) in result.stderr
     )
+
+
+def test_every_kind_of_error_is_reported_at_once(tmp_path):
+    """A data-file error (the file's own check), a wiring error and a node's own check hook
+    (an agent's tool that does not exist) in one graph: one check reports all three."""
+    text = (ROOT / "graphs/grpo_tools.toml").read_text()
+    text = text.replace('source = "calculator"', 'source = "missing.jsonl"')
+    text = text.replace('tools = ["calculator"]', 'tools = ["calculator", "nope.py:f"]')
+    text = text.replace(
+        'uses = "advantage.grpo"', 'uses = "advantage.grpo"\nrename = { scores = "bonus" }'
+    )
+    (tmp_path / "g.toml").write_text(text)
+    with pytest.raises(GraphErrors) as info:
+        compiler.compile_file(tmp_path / "g.toml")
+    messages = [p.message for p in info.value.problems]
+    assert len(messages) == 3, messages
+    assert "no data file" in messages[0]
+    assert any('reads "bonus", which no node writes' in m for m in messages)
+    assert any('tool "nope.py:f": no file' in m for m in messages)
+
+
+def test_a_table_that_cannot_be_built_stops_the_later_checks_only(tmp_path):
+    """A node whose params are wrong has no spec to wire: its own problem is reported, and no
+    later error about the keys it would have written."""
+    text = (ROOT / "graphs/grpo.toml").read_text().replace("n = 8", 'n = "eight"')
+    (tmp_path / "g.toml").write_text(text)
+    with pytest.raises(GraphErrors) as info:
+        compiler.compile_file(tmp_path / "g.toml")
+    assert len(info.value.problems) == 1 and '"n"' in info.value.problems[0].message
+
+
+def test_only_an_optional_write_nobody_reads_is_warned_about():
+    """A node's own writes are its contract: the agent's rollout_logprobs, ReMax's renamed
+    greedy responses give no warning; generate's rollout_logprobs, turned on by
+    return_logprobs with no reader, does."""
+    for name in ("grpo_tools", "remax"):
+        plan = compiler.compile_file(ROOT / f"graphs/{name}.toml")
+        assert not [w for w in plan.warnings if "no node reads" in w], plan.warnings
+    plan = compiler.compile_file(ROOT / "graphs/grpo.toml", ["nodes.generate.return_logprobs=true"])
+    assert [w for w in plan.warnings if "no node reads" in w] == [
+        '[nodes.generate] writes "rollout_logprobs", which its params turn on and no node '
+        "reads (computed for nothing)"
+    ]
+
+
+def test_nodes_above_a_node_that_cannot_be_built_still_get_their_own_checks(tmp_path):
+    """A wrong param on the update node leaves no spec to wire; the agent above it in the
+    file still has its tools checked (its rows do not depend on the update)."""
+    text = (ROOT / "graphs/grpo_tools.toml").read_text()
+    text = text.replace('tools = ["calculator"]', 'tools = ["calculator", "nope.py:f"]')
+    text = text.replace("kl_loss_coef = 0.0", 'kl_loss_coef = "zero"')
+    (tmp_path / "g.toml").write_text(text)
+    with pytest.raises(GraphErrors) as info:
+        compiler.compile_file(tmp_path / "g.toml")
+    where = [(p.where, p.message) for p in info.value.problems]
+    assert len(where) == 2, where
+    assert where[0][0] == "[nodes.update_policy]" and "kl_loss_coef" in where[0][1]
+    assert where[1][0] == "[nodes.generate]" and 'tool "nope.py:f": no file' in where[1][1]

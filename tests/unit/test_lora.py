@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from flowrl.nodes import logprob
-from flowrl.nodes.update import policy
 
 from flowrl.engines import TrainEngine
 from flowrl.errors import GraphErrors
 from flowrl.front import compiler, dsl
 from flowrl.models import lora
 from flowrl.models.value_head import ValueModel
+from flowrl.nodes import logprob
+from flowrl.nodes.update import policy
 from flowrl.testing import tiny_model, tiny_tokenizer, update_batch
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,10 +4,12 @@ import math
 
 import pytest
 import torch
-from flowrl.nodes.update.critic import clipped_value_loss
-from flowrl.nodes.update.policy import ppo_policy_loss
 
 from flowrl.math import ops
+from flowrl.math.losses import Chunk
+from flowrl.math.losses.ppo import ppo_loss
+from flowrl.math.losses.value import clipped_value_loss
+from flowrl.testing import loss_params
 
 
 def ragged(seed, b=6, t=5):
@@ -51,12 +53,13 @@ def test_ppo_loss_clips_high_and_low_separately():
     # ratio 1.5 with A = +1: clipped at 1 + 0.28 -> loss -1.28 (vs -1.2 with the usual 0.2)
     logp, old = torch.tensor([[math.log(1.5)]]), torch.zeros(1, 1)
     mask = torch.ones(1, 1, dtype=torch.long)
-    loss, metrics = ppo_policy_loss(logp, old, torch.ones(1, 1), mask, 0.2, 0.28)
+    params = loss_params(clip_high=0.28, dual_clip=0.0)
+    loss, metrics = ppo_loss(logp, old, torch.ones(1, 1), mask, params, Chunk())
     assert float(loss) == pytest.approx(-1.28)
     assert metrics["clip_frac"] == 1.0
     # ratio 0.5 with A = -1: max(0.5, 0.8) = 0.8 (the low clip binds)
-    loss, _ = ppo_policy_loss(
-        torch.tensor([[math.log(0.5)]]), old, -torch.ones(1, 1), mask, 0.2, 0.28
+    loss, _ = ppo_loss(
+        torch.tensor([[math.log(0.5)]]), old, -torch.ones(1, 1), mask, params, Chunk()
     )
     assert float(loss) == pytest.approx(0.8)
 
@@ -65,8 +68,9 @@ def test_dual_clip_bounds_negative_advantages():
     # ratio 5, A = -1: plain PPO loss max(5, 1.2) = 5; dual-clip c = 3 caps it at 3
     logp, old = torch.tensor([[math.log(5.0)]]), torch.zeros(1, 1)
     mask, adv = torch.ones(1, 1, dtype=torch.long), -torch.ones(1, 1)
-    assert float(ppo_policy_loss(logp, old, adv, mask)[0]) == pytest.approx(5.0)
-    assert float(ppo_policy_loss(logp, old, adv, mask, dual_clip=3.0)[0]) == pytest.approx(3.0)
+    plain, dual = loss_params(dual_clip=0.0), loss_params(dual_clip=3.0)
+    assert float(ppo_loss(logp, old, adv, mask, plain, Chunk())[0]) == pytest.approx(5.0)
+    assert float(ppo_loss(logp, old, adv, mask, dual, Chunk())[0]) == pytest.approx(3.0)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -83,7 +87,8 @@ def test_ppo_loss_matches_loop(seed):
                 if a < 0:
                     value = min(value, -a * 2.0)
                 total, count = total + value, count + 1
-    loss, _ = ppo_policy_loss(logp, old, adv, mask, 0.2, 0.3, dual_clip=2.0)
+    params = loss_params(clip_low=0.2, clip_high=0.3, dual_clip=2.0)
+    loss, _ = ppo_loss(logp, old, adv, mask, params, Chunk())
     assert float(loss) == pytest.approx(total / count, rel=1e-5)
 
 
@@ -103,10 +108,26 @@ def test_clipped_value_loss_matches_loop(seed):
     assert float(loss) == pytest.approx(0.5 * total / count, rel=1e-5)
 
 
-def test_entropy_from_logits_matches_definition():
-    logits = torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(0))
-    p = logits.softmax(-1)
-    torch.testing.assert_close(ops.entropy_from_logits(logits), -(p * p.log()).sum(-1))
+def test_the_engines_entropy_is_the_policys_entropy_at_each_response_token():
+    # the entropy update.policy trains with (its entropy bonus) and reports: the engine's
+    # forward, against -sum p log p of the tiny model's own logits at the positions that
+    # predict each response token, divided by the temperature; zero past a row's response
+    from flowrl.engines import TrainEngine
+    from flowrl.testing import tiny_model, tiny_tokenizer, update_batch
+
+    model, rows = tiny_model(seed=0), update_batch(b=3, t=4, seed=1)
+    out = TrainEngine(model, tiny_tokenizer()).forward(
+        rows, grad=False, entropy=True, temperature=0.7
+    )
+    ids = torch.cat([rows["prompts"], rows["responses"]], dim=1)
+    mask = torch.cat([rows["prompt_mask"], rows["response_mask"]], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits.float() / 0.7  # (b, p + t, v)
+    p = rows["prompts"].shape[1]
+    probs = logits[:, p - 1 : -1].softmax(-1)  # the positions predicting response tokens
+    expected = -(probs * probs.log()).sum(-1) * rows["response_mask"]
+    torch.testing.assert_close(out["entropy"], expected, rtol=1e-4, atol=1e-5)
+    assert bool((expected[rows["response_mask"].bool()] > 0).all())
 
 
 def test_masked_whiten_zero_mean_unit_var():

@@ -6,20 +6,24 @@ import math
 
 import pytest
 import torch
-from flowrl.nodes.update.policy import ppo_policy_loss
 
 from flowrl.math import ops
-from flowrl.math.cov_losses import clip_cov_policy_loss, kl_cov_policy_loss, token_covariance
-from flowrl.math.policy_losses import (
-    cispo_policy_loss,
-    gmpo_policy_loss,
-    gpg_policy_loss,
-    gspo_policy_loss,
-    sapo_policy_loss,
-    tis_weights,
-)
+from flowrl.math.losses import Chunk, tis_weights
+from flowrl.math.losses.cispo import cispo_loss
+from flowrl.math.losses.cov import clip_cov_loss, kl_cov_loss, token_covariance
+from flowrl.math.losses.gmpo import gmpo_loss
+from flowrl.math.losses.gpg import gpg_loss
+from flowrl.math.losses.gspo import gspo_loss
+from flowrl.math.losses.ppo import ppo_loss
+from flowrl.math.losses.sapo import sapo_loss
+from flowrl.testing import loss_params as P
 
 ONE = torch.ones(1, 1, dtype=torch.long)
+SEQ = "seq-mean-token-mean"
+NO_DUAL = P(dual_clip=0.0)  # PPO without dual-clip
+GSPO = P(clip_low=3e-4, clip_high=4e-4, agg=SEQ)  # the paper's clip range
+CISPO = P(clip_low=None, clip_high=0.28)  # no floor, as the paper
+GMPO = P(clip_low=0.4, clip_high=0.4)  # the paper's range, in log space
 
 
 def ragged(seed, b=6, t=5):
@@ -64,20 +68,21 @@ def test_ppo_clip_frac_lower_counts_dual_clip_tokens():
     # token 1: ratio 1, A = -1 -> loss 1 < 3, it does not. 1 of 2 tokens.
     logp = torch.tensor([[math.log(5.0), 0.0]])
     old, adv, mask = torch.zeros(1, 2), -torch.ones(1, 2), torch.ones(1, 2, dtype=torch.long)
-    loss, metrics = ppo_policy_loss(logp, old, adv, mask, dual_clip=3.0)
+    loss, metrics = ppo_loss(logp, old, adv, mask, P(dual_clip=3.0), Chunk())
     assert float(loss) == pytest.approx((3.0 + 1.0) / 2)
     assert metrics["clip_frac_lower"] == 0.5
-    assert ppo_policy_loss(logp, old, adv, mask)[1]["clip_frac_lower"] == 0.0
+    assert ppo_loss(logp, old, adv, mask, NO_DUAL, Chunk())[1]["clip_frac_lower"] == 0.0
 
 
 def test_ppo_token_weights_scale_each_token():
     # ratio 1, A = [1, 2]: token losses -1, -2; weights [2, 0.5] -> -2, -1; mean -1.5
-    loss, _ = ppo_policy_loss(
+    loss, _ = ppo_loss(
         torch.zeros(1, 2),
         torch.zeros(1, 2),
         torch.tensor([[1.0, 2.0]]),
         torch.ones(1, 2, dtype=torch.long),
-        token_weights=torch.tensor([[2.0, 0.5]]),
+        NO_DUAL,
+        Chunk(token_weights=torch.tensor([[2.0, 0.5]])),
     )
     assert float(loss) == pytest.approx(-1.5)
 
@@ -102,13 +107,13 @@ def test_gspo_hand_example():
     logp = torch.tensor([[math.log(2.0), 0.0]], requires_grad=True)
     old, mask = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.long)
     # A = +1, clip 0.2: max(-1.41421, -1.2) = -1.2 on each token; clipped -> no gradient
-    loss, metrics = gspo_policy_loss(logp, old, torch.ones(1, 2), mask, 0.2, 0.2)
+    loss, metrics = gspo_loss(logp, old, torch.ones(1, 2), mask, P(agg=SEQ), Chunk())
     assert float(loss) == pytest.approx(-1.2)
     assert metrics["clip_frac"] == 1.0
     assert torch.equal(grad_of(loss, logp), torch.zeros(1, 2))
     # A = -1: max(1.41421, 1.2) = 1.41421. The sequence form -A s_i has d/dlogp_t = s_i / |y_i|
     # = 0.70711 on each token; the token form with stop-gradients must give the same.
-    loss, _ = gspo_policy_loss(logp, old, -torch.ones(1, 2), mask, 0.2, 0.2)
+    loss, _ = gspo_loss(logp, old, -torch.ones(1, 2), mask, P(agg=SEQ), Chunk())
     assert float(loss) == pytest.approx(math.sqrt(2))
     torch.testing.assert_close(grad_of(loss, logp), torch.full((1, 2), math.sqrt(2) / 2))
 
@@ -126,9 +131,24 @@ def test_gspo_matches_loop(seed):
             total += max(unclipped, clipped) / n
             if unclipped >= clipped:  # the unclipped branch carries the gradient s grad logp
                 expected_grad[i, k] = -a * s / n / mask.shape[0]
-    loss, _ = gspo_policy_loss(logp, old, adv, mask, 0.2, 0.3)
+    loss, _ = gspo_loss(logp, old, adv, mask, P(clip_high=0.3, agg=SEQ), Chunk())
     assert float(loss) == pytest.approx(total / mask.shape[0], rel=1e-5)
     torch.testing.assert_close(grad_of(loss, logp), expected_grad)
+
+
+@pytest.mark.parametrize("log_ratio", [9.0, 15.0, 30.0])
+def test_gspo_ratio_is_bounded_at_e10_with_no_gradient_past_it(log_ratio):
+    # one row of two tokens with log-ratio x each: s = e^x, A = -1, so the unclipped branch
+    # -A s binds. Below the bound (x = 9) the loss is e^9 per token and d/dlogp_t = e^9 / 2;
+    # past it (x = 15, 30) s stops at e^10, as verl's GSPO, and no token keeps a gradient
+    # (an unclamped path would leave -A e^x / 2, up to e^20 / 2).
+    logp = torch.full((1, 2), log_ratio, requires_grad=True)
+    old, mask = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.long)
+    loss, _ = gspo_loss(logp, old, -torch.ones(1, 2), mask, GSPO, Chunk())
+    bounded = min(log_ratio, 10.0)
+    assert float(loss) == pytest.approx(math.exp(bounded), rel=1e-6)
+    expected = math.exp(log_ratio) / 2 if log_ratio < 10 else 0.0
+    torch.testing.assert_close(grad_of(loss, logp), torch.full((1, 2), expected))
 
 
 # -- CISPO -------------------------------------------------------------------------------------
@@ -138,19 +158,23 @@ def test_cispo_hand_example():
     # r = 0.55 / 0.5 = 1.1 (inside the clip): loss = -1.1 * 1 * log 0.55 = 0.65762;
     # the weight is detached, so d/dlogp = -w A = -1.1 (not -1.1 - A logp r)
     logp = torch.tensor([[math.log(0.55)]], requires_grad=True)
-    loss, _ = cispo_policy_loss(logp, torch.tensor([[math.log(0.5)]]), torch.ones(1, 1), ONE)
+    loss, _ = cispo_loss(
+        logp, torch.tensor([[math.log(0.5)]]), torch.ones(1, 1), ONE, CISPO, Chunk()
+    )
     assert float(loss) == pytest.approx(0.65762, abs=1e-5)
     torch.testing.assert_close(grad_of(loss, logp), torch.tensor([[-1.1]]))
     # r = 2 is capped at 1 + 0.28 = 1.28, and still has a gradient: -1.28
     logp = torch.tensor([[math.log(0.5)]], requires_grad=True)
-    loss, metrics = cispo_policy_loss(logp, torch.tensor([[math.log(0.25)]]), torch.ones(1, 1), ONE)
+    old = torch.tensor([[math.log(0.25)]])
+    loss, metrics = cispo_loss(logp, old, torch.ones(1, 1), ONE, CISPO, Chunk())
     torch.testing.assert_close(grad_of(loss, logp), torch.tensor([[-1.28]]))
     assert metrics["clip_frac"] == 1.0
     # no floor by default: r = 0.1 keeps its weight 0.1; clip_low = 0.2 raises it to 0.8
     logp = torch.tensor([[math.log(0.1)]], requires_grad=True)
-    loss, _ = cispo_policy_loss(logp, torch.zeros(1, 1), torch.ones(1, 1), ONE)
+    loss, _ = cispo_loss(logp, torch.zeros(1, 1), torch.ones(1, 1), ONE, CISPO, Chunk())
     torch.testing.assert_close(grad_of(loss, logp), torch.tensor([[-0.1]]))
-    loss, _ = cispo_policy_loss(logp, torch.zeros(1, 1), torch.ones(1, 1), ONE, clip_low=0.2)
+    floor = P(clip_low=0.2, clip_high=0.28)
+    loss, _ = cispo_loss(logp, torch.zeros(1, 1), torch.ones(1, 1), ONE, floor, Chunk())
     torch.testing.assert_close(grad_of(loss, logp), torch.tensor([[-0.8]]))
 
 
@@ -163,7 +187,7 @@ def test_cispo_matches_loop(seed):
             w = min(max(math.exp(float(logp[i, k] - old[i, k])), 0.9), 1.2)
             total += -w * float(adv[i, k]) * float(logp[i, k])
             weights[i, k] = w
-    loss, _ = cispo_policy_loss(logp, old, adv, mask, 0.1, 0.2)
+    loss, _ = cispo_loss(logp, old, adv, mask, P(clip_low=0.1, clip_high=0.2), Chunk())
     assert float(loss) == pytest.approx(total / count, rel=1e-5)
     torch.testing.assert_close(grad_of(loss, logp), -weights * adv * mask / count)
 
@@ -176,7 +200,7 @@ def test_gpg_hand_example():
     logp = torch.tensor([[-1.0, -2.0], [-3.0, -9.0]], requires_grad=True)
     adv = torch.tensor([[1.0, 1.0], [-0.5, 7.0]])
     mask = torch.tensor([[1, 1], [1, 0]])
-    loss, _ = gpg_policy_loss(logp, adv, mask)
+    loss, _ = gpg_loss(logp, None, adv, mask, P(), Chunk())
     assert float(loss) == pytest.approx(0.5)
     torch.testing.assert_close(grad_of(loss, logp), torch.tensor([[-1.0, -1.0], [0.5, 0.0]]) / 3)
 
@@ -187,7 +211,8 @@ def test_gpg_matches_loop(seed):
     per_row = []
     for i, tokens in enumerate(rows(mask)):
         per_row.append(sum(-float(adv[i, k]) * float(logp[i, k]) for k in tokens))
-    loss, _ = gpg_policy_loss(logp, adv, mask, agg="seq-mean-token-sum-norm", norm_length=10)
+    params = P(agg="seq-mean-token-sum-norm")
+    loss, _ = gpg_loss(logp, None, adv, mask, params, Chunk(norm_length=10))
     assert float(loss) == pytest.approx(sum(per_row) / 10 / len(per_row), rel=1e-5)
 
 
@@ -200,12 +225,12 @@ def test_gmpo_hand_example():
     old, mask = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.long)
     # A = +1 keeps min(l, clip(l)): [0.4, -0.2], mean 0.1 -> loss -exp(0.1) = -1.10517;
     # token 0 is clipped (no gradient), token 1: -A exp(0.1) / 2 = -0.55259
-    loss, metrics = gmpo_policy_loss(logp, old, torch.ones(1, 2), mask)
+    loss, metrics = gmpo_loss(logp, old, torch.ones(1, 2), mask, GMPO, Chunk())
     assert float(loss) == pytest.approx(-math.exp(0.1))
     assert metrics["clip_frac"] == 0.5
     torch.testing.assert_close(grad_of(loss, logp), torch.tensor([[0.0, -math.exp(0.1) / 2]]))
     # A = -1 keeps max(l, clip(l)): [0.6, -0.2], mean 0.2 -> loss +exp(0.2) = 1.22140
-    loss, metrics = gmpo_policy_loss(logp, old, -torch.ones(1, 2), mask)
+    loss, metrics = gmpo_loss(logp, old, -torch.ones(1, 2), mask, GMPO, Chunk())
     assert float(loss) == pytest.approx(math.exp(0.2))
     assert metrics["clip_frac"] == 0.0
 
@@ -226,7 +251,7 @@ def test_gmpo_matches_loop(seed):
         for k, value in zip(tokens, kept, strict=True):
             if value == float(logp[i, k] - old[i, k]):  # unclipped: d/dlogp = -A ratio / |y|
                 expected_grad[i, k] = -a * ratio / len(tokens) / mask.shape[0]
-    loss, _ = gmpo_policy_loss(logp, old, adv, mask, clip_low=0.3, clip_high=0.25)
+    loss, _ = gmpo_loss(logp, old, adv, mask, P(clip_low=0.3, clip_high=0.25), Chunk())
     assert float(loss) == pytest.approx(total / mask.shape[0], rel=1e-5)
     torch.testing.assert_close(grad_of(loss, logp), expected_grad)
 
@@ -237,12 +262,13 @@ def test_gmpo_matches_loop(seed):
 def test_sapo_hand_example():
     # r = 1, A = +1, tau 1: f = 4 sigmoid(0) = 2 -> loss -2; gradient -A 4 s (1 - s) r = -1
     logp = torch.zeros(1, 1, requires_grad=True)
-    loss, metrics = sapo_policy_loss(logp, torch.zeros(1, 1), torch.ones(1, 1), ONE)
+    loss, metrics = sapo_loss(logp, torch.zeros(1, 1), torch.ones(1, 1), ONE, P(agg=SEQ), Chunk())
     assert float(loss) == pytest.approx(-2.0)
     assert metrics["gate"] == pytest.approx(1.0)
     torch.testing.assert_close(grad_of(loss, logp), torch.tensor([[-1.0]]))
     # r = 2, A = -1, tau_neg 1.05: sigmoid(1.05) = 0.740775, f = 4 / 1.05 * 0.740775 = 2.82200
-    loss, _ = sapo_policy_loss(torch.tensor([[math.log(2.0)]]), torch.zeros(1, 1), -ONE, ONE)
+    logp = torch.tensor([[math.log(2.0)]])
+    loss, _ = sapo_loss(logp, torch.zeros(1, 1), -ONE, ONE, P(agg=SEQ), Chunk())
     assert float(loss) == pytest.approx(2.82200, abs=1e-5)
 
 
@@ -257,7 +283,7 @@ def test_sapo_matches_loop(seed):
             s = 1 / (1 + math.exp(-tau * (r - 1)))
             total += -(4 / tau) * s * a / len(tokens)
             expected_grad[i, k] = -a * 4 * s * (1 - s) * r / len(tokens) / mask.shape[0]
-    loss, _ = sapo_policy_loss(logp, old, adv, mask, tau_pos=0.5, tau_neg=2.0)
+    loss, _ = sapo_loss(logp, old, adv, mask, P(tau_pos=0.5, tau_neg=2.0, agg=SEQ), Chunk())
     assert float(loss) == pytest.approx(total / mask.shape[0], rel=1e-5)
     torch.testing.assert_close(grad_of(loss, logp), expected_grad)
 
@@ -282,7 +308,7 @@ def test_clip_cov_detaches_covariance_tokens_outside_the_ppo_clip():
     # gradient; tokens 1, 2 (ratio 1): -A / 4 = -0.125.
     logp = torch.tensor(COV_LOGP, requires_grad=True)
     old = torch.tensor([[-math.log(1.5), -2.0, -4.0, -6.0]])
-    loss, metrics = clip_cov_policy_loss(logp, old, COV_ADV, COV_MASK, clip_cov_ratio=0.5)
+    loss, metrics = clip_cov_loss(logp, old, COV_ADV, COV_MASK, P(cov_ratio=0.5), Chunk())
     # the value is not changed by detaching: (-1.2 - 0.5 - 0.5 + 1) / 4 = -0.3
     assert float(loss) == pytest.approx(-0.3)
     assert metrics["cov_frac"] == 0.25
@@ -295,13 +321,13 @@ def test_clip_cov_draws_the_ratio_of_candidates_at_random():
     logp = torch.tensor(COV_LOGP, requires_grad=True)
     picks = []
     for seed in (0, 0, 1, 2, 3):
-        loss, _ = clip_cov_policy_loss(
+        loss, _ = clip_cov_loss(
             logp,
             torch.tensor(COV_LOGP),
             COV_ADV,
             COV_MASK,
-            clip_cov_ratio=0.25,
-            generator=torch.Generator().manual_seed(seed),
+            P(cov_ratio=0.25),
+            Chunk(generator=torch.Generator().manual_seed(seed)),
         )
         grad = grad_of(loss, logp)[0]
         assert grad[1] == grad[2] == -0.125
@@ -330,7 +356,7 @@ def test_clip_cov_matches_loop(seed):
             picked += 1
             continue
         expected_grad[c] = -a * r / len(cells)
-    loss, metrics = clip_cov_policy_loss(logp, old, adv, mask, clip_cov_ratio=1.0)
+    loss, metrics = clip_cov_loss(logp, old, adv, mask, P(cov_ratio=1.0), Chunk())
     assert picked > 0
     assert float(loss) == pytest.approx(total / len(cells), rel=1e-5)
     assert metrics["cov_frac"] == pytest.approx(picked / len(cells))
@@ -343,7 +369,7 @@ def test_kl_cov_hand_example():
     # mean -0.24532. Token 3's gradient: (-A r + sign(l)) / 4 = (0.81873 - 1) / 4 = -0.04532
     logp = torch.tensor(COV_LOGP, requires_grad=True)
     old = torch.tensor([[0.0, -2.0, -4.0, -5.8]])
-    loss, metrics = kl_cov_policy_loss(logp, old, COV_ADV, COV_MASK, kl_cov_ratio=0.25)
+    loss, metrics = kl_cov_loss(logp, old, COV_ADV, COV_MASK, P(cov_ratio=0.25), Chunk())
     assert float(loss) == pytest.approx(-0.24532, abs=1e-5)
     assert metrics["cov_frac"] == 0.25
     expected = torch.tensor([[-1.0, -0.5, -0.5, math.exp(-0.2) - 1.0]]) / 4
@@ -362,7 +388,7 @@ def test_kl_cov_matches_loop(seed):
     for c in cells:
         log_ratio = float(logp[c] - old[c])
         total += -float(adv[c]) * math.exp(log_ratio) + (0.5 * abs(log_ratio) if c in top else 0)
-    loss, _ = kl_cov_policy_loss(logp, old, adv, mask, kl_cov_ratio=0.2, kl_coef=0.5)
+    loss, _ = kl_cov_loss(logp, old, adv, mask, P(cov_ratio=0.2, cov_kl_coef=0.5), Chunk())
     assert float(loss) == pytest.approx(total / len(cells), rel=1e-5)
 
 
@@ -382,18 +408,20 @@ def extreme_inputs():
 
 ROLLOUT_SHIFT = torch.tensor([[100.0, 0.0, 0.0, 0.0], [-100.0, 0.0, 0.0, 0.0]] * 3)
 LOSSES = {
-    "ppo": lambda lp, o, a, m: ppo_policy_loss(lp, o, a, m, 0.2, 0.28)[0],
-    "ppo_dual_clip": lambda lp, o, a, m: ppo_policy_loss(lp, o, a, m, dual_clip=3.0)[0],
-    "ppo_tis": lambda lp, o, a, m: ppo_policy_loss(
-        lp, o, a, m, token_weights=tis_weights(o, o + ROLLOUT_SHIFT, cap=2.0)
+    "ppo": lambda lp, o, a, m: ppo_loss(lp, o, a, m, P(clip_high=0.28, dual_clip=0.0), Chunk())[0],
+    "ppo_dual_clip": lambda lp, o, a, m: ppo_loss(lp, o, a, m, P(dual_clip=3.0), Chunk())[0],
+    "ppo_tis": lambda lp, o, a, m: ppo_loss(
+        lp, o, a, m, NO_DUAL, Chunk(token_weights=tis_weights(o, o + ROLLOUT_SHIFT, cap=2.0))
     )[0],
-    "gspo": lambda lp, o, a, m: gspo_policy_loss(lp, o, a, m)[0],
-    "cispo": lambda lp, o, a, m: cispo_policy_loss(lp, o, a, m, clip_low=0.2)[0],
-    "gpg": lambda lp, o, a, m: gpg_policy_loss(lp, a, m)[0],
-    "gmpo": lambda lp, o, a, m: gmpo_policy_loss(lp, o, a, m)[0],
-    "sapo": lambda lp, o, a, m: sapo_policy_loss(lp, o, a, m)[0],
-    "clip_cov": lambda lp, o, a, m: clip_cov_policy_loss(lp, o, a, m, clip_cov_ratio=0.5)[0],
-    "kl_cov": lambda lp, o, a, m: kl_cov_policy_loss(lp, o, a, m, kl_cov_ratio=0.5)[0],
+    "gspo": lambda lp, o, a, m: gspo_loss(lp, o, a, m, GSPO, Chunk())[0],
+    "cispo": lambda lp, o, a, m: cispo_loss(lp, o, a, m, P(clip_low=0.2, clip_high=0.28), Chunk())[
+        0
+    ],
+    "gpg": lambda lp, o, a, m: gpg_loss(lp, o, a, m, P(), Chunk())[0],
+    "gmpo": lambda lp, o, a, m: gmpo_loss(lp, o, a, m, GMPO, Chunk())[0],
+    "sapo": lambda lp, o, a, m: sapo_loss(lp, o, a, m, P(agg=SEQ), Chunk())[0],
+    "clip_cov": lambda lp, o, a, m: clip_cov_loss(lp, o, a, m, P(cov_ratio=0.5), Chunk())[0],
+    "kl_cov": lambda lp, o, a, m: kl_cov_loss(lp, o, a, m, P(cov_ratio=0.5), Chunk())[0],
     **{
         f"kl_{kind}": lambda lp, o, a, m, kind=kind: ops.agg_loss(ops.kl_estimate(lp, o, kind), m)
         for kind in ops.KL_KINDS
@@ -413,7 +441,7 @@ def test_extreme_log_ratios_give_finite_loss_and_gradients(name):
 def test_extreme_token_leaves_the_others_gradient_intact():
     # PPO: the ordinary tokens (ratio near 1, unclipped) still get -A r / tokens
     logp, old, adv, mask = extreme_inputs()
-    loss, _ = ppo_policy_loss(logp, old, adv, mask)
+    loss, _ = ppo_loss(logp, old, adv, mask, NO_DUAL, Chunk())
     grad = grad_of(loss, logp)
     ratio = torch.exp(logp.detach()[:, 1:3] - old[:, 1:3])
     torch.testing.assert_close(grad[:, 1:3], -adv[:, 1:3] * ratio / int(mask.sum()))
@@ -422,13 +450,15 @@ def test_extreme_token_leaves_the_others_gradient_intact():
 # -- micro-batches -----------------------------------------------------------------------------
 
 CHUNKED = {
-    "gspo": lambda lp, o, a, m, **n: gspo_policy_loss(lp, o, a, m, 0.2, 0.2, **n)[0],
-    "cispo": lambda lp, o, a, m, **n: cispo_policy_loss(lp, o, a, m, **n)[0],
-    "gpg": lambda lp, o, a, m, **n: gpg_policy_loss(lp, a, m, agg="seq-mean-token-sum", **n)[0],
-    "gmpo": lambda lp, o, a, m, num_tokens, num_seqs: gmpo_policy_loss(
-        lp, o, a, m, num_seqs=num_seqs
+    "gspo": lambda lp, o, a, m, **n: gspo_loss(lp, o, a, m, P(agg=SEQ), Chunk(**n))[0],
+    "cispo": lambda lp, o, a, m, **n: cispo_loss(lp, o, a, m, CISPO, Chunk(**n))[0],
+    "gpg": lambda lp, o, a, m, **n: gpg_loss(lp, o, a, m, P(agg="seq-mean-token-sum"), Chunk(**n))[
+        0
+    ],
+    "gmpo": lambda lp, o, a, m, num_tokens, num_seqs: gmpo_loss(
+        lp, o, a, m, GMPO, Chunk(num_seqs=num_seqs)
     )[0],
-    "sapo": lambda lp, o, a, m, **n: sapo_policy_loss(lp, o, a, m, **n)[0],
+    "sapo": lambda lp, o, a, m, **n: sapo_loss(lp, o, a, m, P(agg=SEQ), Chunk(**n))[0],
 }
 
 

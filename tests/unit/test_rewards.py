@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-from flowrl.nodes.reward.rule import Params, run
 
+from flowrl.nodes.reward.rule import Params, run
 from flowrl.rewards import ScorerError, arithmetic, gsm8k, resolve_scorer, score_value
 
 

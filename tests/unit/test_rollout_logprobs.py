@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from flowrl.nodes import generate
 from test_engines import rows
 
 from flowrl.engines import RolloutEngine, TrainEngine
 from flowrl.engines.sampling import sample_tokens
 from flowrl.front import compiler
+from flowrl.nodes import generate
 from flowrl.protocol import DataProto
 from flowrl.testing import tiny_model, tiny_tokenizer
 

@@ -1,60 +1,32 @@
-"""The sglang rollout backend against a fake engine that records its calls: what it sends and
-returns, the bucketed weight push, and the order of release, resume, weight update, flush and
-generate around a compiled plan's steps. No SGLang here: the real engine runs only in
-tests/gpu."""
+"""The sglang rollout backend against a fake engine that behaves as the pinned SGLang (0.5.21)
+does (tests/unit/fake_sglang.py): what it sends and returns, the weight push in a session with
+every answer checked, verify mode, LoRA folded into the pushed weights, aborted requests, a
+child's death and the shutdown, and the order of release, resume, push, flush and generate
+around a compiled plan's steps. No SGLang here: the real engine runs in `make gpu-smoke`."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from fake_sglang import FakeEngine
 
-from flowrl.engines import sglang_backend
+from flowrl.engines import sglang_backend, sglang_process
 from flowrl.engines.rollout import RolloutBackend, make_rollout, rollout_class
-from flowrl.engines.sglang_backend import SGLangRollout, response_tensors, weight_buckets
+from flowrl.engines.sglang_backend import PushRefused, SGLangRollout
+from flowrl.engines.sglang_io import response_tensors, weight_buckets
 from flowrl.testing import tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
+WHERE = "pool main, rank 0, model policy"
 
 
-class FakeEngine:
-    """Stands in for sglang.Engine: records every call as (method, details); `generate`
-    returns the queued outputs if any, else a made-up response per request."""
-
-    def __init__(self, **server_args):
-        self.server_args, self.calls, self.queued, self.pushed = server_args, [], [], []
-
-    def generate(self, input_ids, sampling_params, return_logprob=False):
-        self.calls.append(("generate", len(input_ids)))
-        self.requests, self.sampling = input_ids, sampling_params
-        if self.queued:
-            return self.queued.pop(0)
-        outputs = []
-        for i, ids in enumerate(input_ids):  # 1..max tokens below the vocabulary's end
-            length = 1 + (sum(ids) + i) % sampling_params["max_new_tokens"]
-            tokens = [10 + (sum(ids) + i + k) % 50 for k in range(length)]
-            logprobs = [(-0.1 * (k + 1), token, None) for k, token in enumerate(tokens)]
-            outputs.append({"output_ids": tokens, "meta_info": {"output_token_logprobs": logprobs}})
-        return outputs
-
-    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        self.calls.append(("update", tuple(name for name, _ in named_tensors)))
-        self.pushed.append(list(named_tensors))
-        assert not flush_cache  # one flush after the last bucket
-
-    def flush_cache(self):
-        self.calls.append(("flush", None))
-
-    def release_memory_occupation(self, tags=None):
-        self.calls.append(("release", tuple(tags)))
-
-    def resume_memory_occupation(self, tags=None):
-        self.calls.append(("resume", tuple(tags)))
-
-    def shutdown(self):
-        self.calls.append(("shutdown", None))
+def bf16_model():
+    return tiny_model().to(torch.bfloat16)
 
 
 def reply(tokens, logprob) -> dict:
@@ -65,22 +37,34 @@ def reply(tokens, logprob) -> dict:
     }
 
 
-RESUME_ALL = [("resume", ("weights",)), "update", "flush", ("resume", ("kv_cache",))]
+PUSH = ["begin", "update", "end", "flush"]  # a weight-update session, then a flush
+RESUME_ALL = [("resume", ("weights",)), *PUSH, ("resume", ("kv_cache",))]
 
 
 def kinds(calls) -> list:
-    """The calls with consecutive weight updates folded into one "update" (a push)."""
+    """The calls with consecutive weight updates folded into one "update" (a push), without
+    verify mode's reads (they change nothing)."""
     out = []
     for kind, details in calls:
-        if kind == "update" and out and out[-1] == "update":
+        if kind == "get_weights" or (kind == "update" and out and out[-1] == "update"):
             continue
-        out.append(kind if kind in ("update", "flush", "generate") else (kind, details))
+        plain = kind in ("update", "flush", "generate", "begin", "end")
+        out.append(kind if plain else (kind, details))
     return out
+
+
+def build(module=None, **kwargs):
+    module = bf16_model() if module is None else module
+    kwargs.setdefault("engine_factory", FakeEngine)
+    kwargs.setdefault("verify", True)  # every push in these tests is read back
+    return SGLangRollout(module, tiny_tokenizer(), "cuda:0", where=WHERE, **kwargs)
 
 
 @pytest.fixture
 def backend():
-    engine = SGLangRollout(tiny_model(), tiny_tokenizer(), "cuda:3", engine_factory=FakeEngine)
+    engine = SGLangRollout(
+        bf16_model(), tiny_tokenizer(), "cuda:3", engine_factory=FakeEngine, verify=True
+    )
     yield engine
     engine.shutdown()
 
@@ -88,13 +72,13 @@ def backend():
 def test_the_engine_starts_token_in_token_out_with_the_memory_saver_and_the_weights(backend):
     args = backend.engine.server_args
     assert args["skip_tokenizer_init"] and args["enable_memory_saver"]
-    assert args["load_format"] == "dummy" and args["dtype"] == "float32"
+    assert args["load_format"] == "dummy" and args["dtype"] == "bfloat16"
     assert args["base_gpu_id"] == 3 and args["tp_size"] == 1
     config = json.loads((Path(args["model_path"]) / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["eos_token_id"] == tiny_tokenizer().eos_token_id
     # the dummy weights are replaced at once, and no prefix computed with them survives
-    assert kinds(backend.engine.calls) == ["update", "flush"]
+    assert kinds(backend.engine.calls) == PUSH
 
 
 def test_sglang_is_in_the_table_and_has_the_contracts_shape(backend):
@@ -133,13 +117,11 @@ def test_weight_buckets_cover_every_parameter_once_within_the_size_and_without_c
 
 
 def test_push_sends_every_parameter_in_buckets_then_flushes_once():
-    module = tiny_model()
-    engine = SGLangRollout(
-        module, tiny_tokenizer(), "cuda:0", engine_factory=FakeEngine, bucket_bytes=8 * 1024
-    )
+    module = bf16_model()
+    engine = build(module, bucket_bytes=4 * 1024)
     calls = engine.engine.calls
     updates = [c for c in calls if c[0] == "update"]
-    assert len(updates) > 1 and calls[-1] == ("flush", None)
+    assert len(updates) > 1 and kinds(calls)[-2:] == ["end", "flush"]  # one flush, last
     pushed = {name: t for bucket in engine.engine.pushed for name, t in bucket}
     assert pushed.keys() == dict(module.named_parameters()).keys()
     for name, tensor in module.named_parameters():
@@ -215,7 +197,7 @@ def test_offload_releases_and_reload_resumes_weights_pushes_then_the_kv_cache(ba
     backend.reload(("kv_cache",))
     backend.sync_weights(backend.module)  # held: pushed at once
     kv_cache = ("kv_cache",)
-    assert kinds(calls) == [("release", kv_cache), ("resume", kv_cache), "update", "flush"]
+    assert kinds(calls) == [("release", kv_cache), ("resume", kv_cache), *PUSH]
 
 
 def test_generate_never_runs_on_released_memory(backend):
@@ -227,8 +209,9 @@ def test_generate_never_runs_on_released_memory(backend):
 
 def test_make_rollout_builds_it_with_the_default_factory(monkeypatch):
     monkeypatch.setattr(sglang_backend, "sglang_engine", FakeEngine)
-    engine = make_rollout("sglang", tiny_model(), tiny_tokenizer(), "cuda:0")
-    assert type(engine.engine) is FakeEngine
+    monkeypatch.setenv("FLOWRL_SGLANG_VERIFY", "1")
+    engine = make_rollout("sglang", bf16_model(), tiny_tokenizer(), "cuda:0", WHERE)
+    assert type(engine.engine) is FakeEngine and engine.where == WHERE
     engine.shutdown()
     assert not Path(engine.engine.server_args["model_path"]).exists()
 
@@ -236,7 +219,7 @@ def test_make_rollout_builds_it_with_the_default_factory(monkeypatch):
 def test_without_sglang_building_it_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang fails
     with pytest.raises(ImportError, match=r'pip install -e "\.\[sglang\]"'):
-        SGLangRollout(tiny_model(), tiny_tokenizer(), "cuda:0")
+        SGLangRollout(bf16_model(), tiny_tokenizer(), "cuda:0")
 
 
 # -- around a compiled plan's steps ---------------------------------------------------------
@@ -257,6 +240,7 @@ def sglang_trainer(tmp_path, monkeypatch):
         return engines[-1]
 
     monkeypatch.setattr(sglang_backend, "sglang_engine", factory)
+    monkeypatch.setenv("FLOWRL_SGLANG_VERIFY", "1")  # every push read back
     monkeypatch.setattr(pool_worker, "_device", lambda kind, rank: "cpu")
     monkeypatch.setattr(guards, "check_devices", lambda plan: None)
     monkeypatch.setattr(guards, "check_packages", lambda plan: None)
@@ -267,6 +251,7 @@ def sglang_trainer(tmp_path, monkeypatch):
 
         spec = dsl.load(ROOT / "graphs" / graph)
         overrides = [f'models.{m}.path="tiny"' for m in spec.models]
+        overrides += [f'models.{m}.dtype="bfloat16"' for m in spec.models]
         overrides += [f'pools.{p}.device="cuda"' for p in spec.pools]
         overrides += [f'pools.{p}.offload="{offload}"' for p in spec.pools]
         overrides += [
@@ -298,15 +283,7 @@ def test_offload_always_releases_after_generate_and_resumes_and_pushes_before_th
     # step 1: the weights pushed at start are current; after generate both parts leave; the
     # reload before the update and the sync after it leave SGLang's copy off the device;
     # step 2: resume the weights, push the trained ones, flush, resume the KV cache, generate
-    assert kinds(engine.calls) == [
-        "update",
-        "flush",
-        "generate",
-        release,
-        *RESUME_ALL,
-        "generate",
-        release,
-    ]
+    assert kinds(engine.calls) == [*PUSH, "generate", release, *RESUME_ALL, "generate", release]
 
 
 def test_offload_never_pushes_and_flushes_after_each_update(sglang_trainer):
@@ -314,8 +291,7 @@ def test_offload_never_pushes_and_flushes_after_each_update(sglang_trainer):
     trainer.step(1)
     trainer.step(2)
     (engine,) = engines
-    push = ["update", "flush"]
-    assert kinds(engine.calls) == [*push, "generate", *push, "generate", *push]
+    assert kinds(engine.calls) == [*PUSH, "generate", *PUSH, "generate", *PUSH]
     policy = trainer.executor.workers["main"][0].train["policy"].module
     pushed = {name: t for bucket in engine.pushed[-1:] for name, t in bucket}
     for name, tensor in policy.named_parameters():  # the last push: the trained weights
@@ -327,7 +303,7 @@ def test_a_separate_rollout_pool_pushes_the_weights_it_receives(sglang_trainer):
     trainer, engines = sglang_trainer("grpo_disaggregated.toml", "never")
     trainer.step(1)
     (engine,) = engines  # on pool "gen": the import of the trained weights reaches SGLang
-    assert kinds(engine.calls) == ["update", "flush", "generate", "update", "flush"]
+    assert kinds(engine.calls) == [*PUSH, "generate", *PUSH]
     gen = trainer.executor.workers["gen"][0].train["policy"].module
     train = trainer.executor.workers["train"][0].train["policy"].module
     for name, tensor in gen.named_parameters():
@@ -352,7 +328,11 @@ def test_check_refuses_sglang_on_a_pool_that_is_not_cuda():
     assert 'set device = "cuda" in [pools.main], or rollout = "hf"' in problem.fix
     # a separate rollout pool is the one that must be a GPU pool
     disaggregated = ROOT / "graphs/grpo_disaggregated.toml"
-    overrides = ["models.policy.rollout=sglang", 'pools.train.device="cuda"']
+    overrides = [
+        "models.policy.rollout=sglang",
+        'models.policy.dtype="bfloat16"',
+        'pools.train.device="cuda"',
+    ]
     with pytest.raises(GraphErrors) as info:
         dsl.load(disaggregated, overrides)
     (problem,) = info.value.problems
@@ -409,3 +389,306 @@ def test_check_of_every_shipped_graph_runs_without_sglang():
     assert result.returncode == 0, result.stderr
     assert "grpo_sglang.toml: ok" in result.stdout
     assert 'rollout = "sglang" needs the sglang package, not installed here' in result.stdout
+
+
+# -- what the pinned SGLang does that the backend must handle ------------------------------
+
+
+def test_the_extra_pins_the_sglang_whose_torch_pin_is_the_projects():
+    """sglang 0.5.21's METADATA: torch==2.13.0, the torch the Makefile installs."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'sglang = ["sglang==0.5.21"]' in pyproject
+    assert "torch==2.13.0" in (ROOT / "Makefile").read_text()
+    assert "sglang 0.5.21" in (ROOT / "docs/scaling.md").read_text()
+
+
+def test_the_fake_refuses_what_sglang_refuses():
+    backend = build()
+    engine = FakeEngine(**backend.engine.server_args)
+    with pytest.raises(TypeError, match="Unexpected keyword argument 'mem_fraction'"):
+        FakeEngine(model_path=engine.server_args["model_path"], mem_fraction=0.5)
+    tensor = torch.zeros(1)
+    assert engine.update_weights_from_tensor([("x", tensor)], flush_cache=False) == (
+        False,
+        "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
+    )
+    assert engine.end_weight_update()[0] is False
+    assert engine.begin_weight_update() == (True, "Success")
+    assert engine.begin_weight_update()[0] is False  # one session at a time
+    assert engine.update_weights_from_tensor([("no.such", tensor)], flush_cache=False)[0]
+    assert engine.skipped == ["no.such"]  # skipped with a warning, as models/llama.py does
+    with pytest.raises(KeyError):
+        engine.resume_memory_occupation(tags=["kv_cache"])  # not released
+    backend.shutdown()
+
+
+def test_the_push_lands_in_a_session_so_sglang_serves_the_modules_weights():
+    module = bf16_model()
+    engine = build(module)
+    fake = engine.engine
+    assert kinds(fake.calls) == PUSH and not fake.session and not fake.skipped
+    for name, tensor in module.named_parameters():  # not the dummy weights
+        assert torch.equal(fake.weights[name], tensor.detach()), name
+    engine.shutdown()
+
+
+def test_a_refused_push_raises_with_sglangs_message_and_where_and_closes_the_session():
+    engines = []
+
+    def refusing(**server_args):
+        engines.append(FakeEngine(**server_args))
+        engines[-1].refuse = "Failed to update weights: out of memory"
+        return engines[-1]
+
+    with pytest.raises(PushRefused) as info:
+        build(engine_factory=refusing)
+    message = str(info.value)
+    assert "SGLang refused update_weights_from_tensor on pool main, rank 0, model policy" in (
+        message
+    )
+    assert "Failed to update weights: out of memory" in message
+    (fake,) = engines
+    assert not fake.session and fake.calls[-1][0] == "end"  # closed before raising
+    assert fake.scheduler.poll() is not None  # and the engine it started is stopped
+
+
+def test_verify_reads_parameters_back_and_catches_weights_that_did_not_land():
+    engine = build(verify=True)
+    fake = engine.engine
+    read = [details for kind, details in fake.calls if kind == "get_weights"]
+    assert read == ["model.embed_tokens.weight", "model.norm.weight"]
+    engine.shutdown()
+
+    class Forgetful(FakeEngine):  # answers success but keeps its old values for one name
+        def update_weights_from_tensor(self, named_tensors, **kwargs):
+            named_tensors = [(n, t) for n, t in named_tensors if n != "model.norm.weight"]
+            return super().update_weights_from_tensor(named_tensors, **kwargs)
+
+    with pytest.raises(PushRefused, match="verify read back model.norm.weight and it differs"):
+        build(engine_factory=Forgetful, verify=True)
+
+
+def test_a_lora_model_pushes_its_merged_weights_under_the_base_names():
+    from flowrl.models import lora
+
+    module = lora.add_adapter(bf16_model(), {"rank": 4, "alpha": 8})
+    for name, parameter in module.named_parameters():  # a trained adapter: B is no longer 0
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter.data)
+    q = module.model.layers[0].self_attn.q_proj
+    base = q.base_layer.weight.detach().clone()
+    merged = base + q.get_delta_weight("default").to(base.dtype)
+    engine = build(module, verify=True)
+    fake = engine.engine
+    assert fake.skipped == []  # every pushed name is one SGLang knows
+    assert torch.equal(fake.weights["model.layers.0.self_attn.q_proj.weight"], merged)
+    assert not torch.equal(merged, base)
+    assert torch.equal(q.base_layer.weight, base) and not q.merged  # the module is unchanged
+    engine.shutdown()
+
+
+def test_a_32_bit_model_is_refused_by_check_and_by_the_backend():
+    from flowrl.errors import GraphErrors
+    from flowrl.front import dsl
+
+    graph = ROOT / "graphs/grpo_sglang.toml"
+    with pytest.raises(GraphErrors) as info:
+        dsl.load(graph, ['models.policy.dtype="float32"'])
+    (problem,) = info.value.problems
+    assert problem.where == "[models.policy] dtype"
+    assert 'rollout = "sglang" serves 16-bit weights' in problem.message
+    assert 'set dtype = "bfloat16"' in problem.fix
+    built = []
+    with pytest.raises(ValueError, match="SGLang serves 16-bit weights"):
+        build(tiny_model(), engine_factory=lambda **a: built.append(a))
+    assert built == []  # before any engine starts
+
+
+def test_an_aborted_request_raises_instead_of_passing_for_a_short_response(backend):
+    backend.engine.abort = {1}
+    prompts, mask = torch.tensor([[4, 5]]), torch.ones(1, 2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="SGLang aborted request 1 of 2 on device cuda:3"):
+        backend.generate(prompts, mask, n=2, max_new_tokens=4, logprobs=True)
+
+
+def test_sglangs_signal_handlers_are_replaced_by_flowrls():
+    def own_term(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, own_term)
+    try:
+        engine = build()
+        engine.generate(torch.tensor([[4, 5]]), torch.ones(1, 2, dtype=torch.long))
+        # SGLang's asyncio handlers (drain on SIGTERM, kill the tree on SIGQUIT) are gone
+        assert signal.getsignal(signal.SIGTERM) is own_term
+        assert signal.getsignal(signal.SIGQUIT) is sglang_process.on_sigquit
+        engine.shutdown()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+DEATH = """
+import sys
+sys.path.insert(0, sys.argv[2])
+from pathlib import Path
+from fake_sglang import FakeEngine
+from flowrl.cli import load_plan
+from flowrl.engines import sglang_backend
+from flowrl.runtime import controller, guards, pool_worker
+
+class Dying(FakeEngine):  # its scheduler dies while serving the second generate (an OOM)
+    generates = 0
+    def generate(self, *args, **kwargs):
+        Dying.generates += 1
+        if Dying.generates == 2:
+            self.scheduler.kill()
+            self.scheduler.wait()
+        return super().generate(*args, **kwargs)
+
+sglang_backend.sglang_engine = Dying
+__import__("os").environ["FLOWRL_SGLANG_VERIFY"] = "1"
+pool_worker._device = lambda kind, rank: "cpu"
+guards.check_devices = guards.check_packages = lambda plan: None
+run = Path(sys.argv[1])
+overrides = [f'models.{m}.{k}={v}' for m in ("policy", "ref")
+             for k, v in (("path", '"tiny"'), ("dtype", '"bfloat16"'))]
+overrides += ['models.policy.rollout="sglang"', 'pools.main.device="cuda"',
+              'pools.main.offload="never"', "run.val_size=0",
+              "data.batch_size=2", "data.train_size=8", "nodes.generate.n=2",
+              "nodes.generate.max_new_tokens=4", "run.steps=2", "run.save_every=1",
+              f'run.out_dir="{run}"']
+_, _, plan = load_plan(sys.argv[3], overrides)
+trainer = controller.Trainer(plan, run / "run", "local")
+try:
+    trainer.fit()
+except Exception as e:
+    print(f"FLOWRL ERROR {type(e).__name__}: {e}")
+    print("CHECKPOINTS", sorted(p.name for p in (run / "run/checkpoints").iterdir()))
+    sys.exit(3)
+finally:
+    trainer.close()
+"""
+
+
+def test_the_trainer_survives_an_sglang_childs_death_with_its_own_error(tmp_path):
+    """Run in a child process: with SGLang's handlers the whole process tree is killed."""
+    args = [str(tmp_path), str(ROOT / "tests/unit"), str(ROOT / "graphs/grpo.toml")]
+    result = subprocess.run(
+        [sys.executable, "-c", DEATH, *args], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 3, (result.returncode, result.stdout[-2000:], result.stderr[-3000:])
+    out = result.stdout
+    assert "FLOWRL ERROR NodeFailure: node generate failed on pool main, rank 0" in out
+    assert "EngineDied: SGLang's process" in out
+    assert f"on host {os.uname().nodename} (pool main, rank 0, model policy)" in out
+    assert "resume with flowrl run <graph> --resume <run dir>" in out
+    assert "replay it: flowrl replay" in out  # the node failure's usual inputs and command
+    assert "CHECKPOINTS ['step_000001']" in out  # step 1's checkpoint, intact
+
+
+SHUTDOWN = """
+import json, sys
+import psutil
+sys.path.insert(0, sys.argv[1])
+import torch
+from fake_sglang import FakeEngine
+from flowrl.engines.sglang_backend import SGLangRollout
+from flowrl.rewards.pool import pool_for
+from flowrl.testing import tiny_model, tiny_tokenizer
+
+scorers = pool_for("arithmetic", ".", 2, 30.0)
+assert all(child.wait_ready() for child in scorers.children)
+rollout = SGLangRollout(tiny_model().to(torch.bfloat16), tiny_tokenizer(), "cuda:0",
+                        engine_factory=FakeEngine, verify=True)
+scheduler = rollout.engine.scheduler
+pids = [c.process.pid for c in scorers.children]
+rollout.shutdown()
+
+def alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+state = {"scorers": [alive(pid) for pid in pids], "scheduler": alive(scheduler.pid)}
+_, counts = scorers.score([("arithmetic", "7", "7", {})])
+state["failures"] = counts["errors"] + counts["timeouts"]
+print(json.dumps(state))
+"""
+
+
+def test_shutting_sglang_down_leaves_flowrls_scorer_processes_running():
+    result = subprocess.run(
+        [sys.executable, "-c", SHUTDOWN, str(ROOT / "tests/unit")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = json.loads(result.stdout.strip().splitlines()[-1])
+    assert state == {"scorers": [True, True], "scheduler": False, "failures": 0}
+
+
+def test_the_gpu_smoke_command_skips_with_a_clear_message_without_a_gpu(monkeypatch, capsys):
+    from flowrl import smoke
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert smoke.main(["--gpu"]) == 0
+    assert capsys.readouterr().out == (
+        "skip gpu-smoke: no CUDA device (torch.cuda.is_available() is False); run it on a GPU "
+        "machine\n"
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(smoke.importlib.util, "find_spec", lambda name: None)
+    assert smoke.main(["--gpu"]) == 0
+    assert 'SGLang is not installed: pip install -e ".[sglang]"' in capsys.readouterr().out
+    assert [name for name, _ in smoke.CHECKS] == [
+        "start",
+        "greedy",
+        "release x3",
+        "push",
+        "sampled n=8",
+        "two ranks",
+    ]
+
+
+def test_a_dead_engine_raises_at_the_next_call_and_the_resource_tracker_is_not_its_own():
+    from multiprocessing import resource_tracker
+
+    class Spawning(FakeEngine):  # SGLang's first spawn start launches the resource tracker
+        def __init__(self, **server_args):
+            resource_tracker.ensure_running()
+            super().__init__(**server_args)
+
+    engine = build(engine_factory=Spawning)
+    fake = engine.engine
+    tracker = resource_tracker._resource_tracker._pid
+    assert [p.pid for p in engine.guard.own] == [fake.scheduler.pid] != [tracker]
+    fake.scheduler.kill()
+    fake.scheduler.wait()
+    calls = len(fake.calls)
+    with pytest.raises(sglang_process.EngineDied, match=f"exited .* \\({WHERE}\\)"):
+        engine.offload(("kv_cache",))
+    assert len(fake.calls) == calls  # refused before reaching the dead engine
+    engine.shutdown()
+
+
+def test_flowrls_sigquit_handler_survives_the_pickling_into_sglangs_children():
+    """SGLang pickles its server arguments, the handler among them, into spawned children."""
+    import pickle
+
+    assert pickle.loads(pickle.dumps(sglang_process.on_sigquit)) is sglang_process.on_sigquit
+
+
+def test_a_scheduler_exception_reported_by_sigquit_raises_in_the_waiting_call():
+    """A scheduler that hit an exception sends SIGQUIT before it exits: still alive then."""
+    engine = build()
+    assert signal.getsignal(signal.SIGQUIT) is sglang_process.on_sigquit  # else: not safe here
+    engine.engine.failing = True
+    prompts, mask = torch.tensor([[4, 5]]), torch.ones(1, 2, dtype=torch.long)
+    with pytest.raises(sglang_process.EngineDied, match="an SGLang child reported a failure"):
+        engine.generate(prompts, mask, max_new_tokens=2)
+    assert engine.engine.scheduler.poll() is None  # it had not exited
+    with pytest.raises(sglang_process.EngineDied):  # and the engine stays refused
+        engine.offload(("kv_cache",))
+    engine.shutdown()

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from flowrl.nodes.update import policy
 from torch.distributed.tensor import DTensor
 
 from flowrl.cli import load_plan
 from flowrl.engines import TrainEngine
-from flowrl.engines.scoring import decoder_layers
+from flowrl.engines.forward import decoder_layers
+from flowrl.nodes.update import policy
 from flowrl.runtime.local_executor import LocalExecutor
 from flowrl.runtime.node_call import NodeFailure
 from flowrl.testing import tiny_model, tiny_tokenizer, update_batch

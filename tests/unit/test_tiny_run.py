@@ -1,12 +1,13 @@
 """`flowrl run --tiny` and flowrl.testing.tiny_overrides: any graph on the tiny random model."""
 
+import json
 from pathlib import Path
 
 import pytest
 
 from flowrl import cli
 from flowrl.front import compiler
-from flowrl.testing import VARIED_SCORER, tiny_overrides
+from flowrl.testing import VARIED_SCORER, run_tiny, tiny_overrides, tiny_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAPHS = sorted((ROOT / "graphs").glob("*.toml"))
@@ -20,10 +21,16 @@ def test_tiny_overrides_put_every_shipped_graph_on_the_tiny_model(graph, tmp_pat
     assert (spec.run.steps, spec.run.val_size, spec.data.batch_size) == (2, 4, 2)
     assert spec.run.out_dir == str(tmp_path)
     params = [decl.params for decl in spec.nodes.values()]
-    assert all(p.max_new_tokens == 6 for p in params if hasattr(p, "max_new_tokens"))
     assert all(p.scorer == VARIED_SCORER for p in params if hasattr(p, "scorer"))
-    if Path(graph).name != "reward_model.toml":  # the one graph that samples nothing
-        assert spec.nodes["generate"].params.max_new_tokens == 6
+    if Path(graph).name == "reward_model.toml":  # the one graph that samples nothing
+        assert not any(hasattr(p, "max_new_tokens") for p in params)
+    else:
+        generate = spec.nodes["generate"].params
+        if getattr(generate, "tools", ()):  # an agent: its scripted first turn, answers, a turn
+            assert generate.script_first_turn
+            assert generate.max_new_tokens > 2 * generate.max_turn_tokens
+        else:
+            assert generate.max_new_tokens == 6
         assert any(hasattr(p, "scorer") for p in params)
     assert all(p.cpus_per_worker == 1 for p in spec.pools.values())
 
@@ -51,12 +58,16 @@ def test_scorer_none_keeps_the_graphs_scorer(tmp_path):
     assert spec.nodes["reward"].params.scorer == "auto"
 
 
-def test_run_tiny_flag_applies_them_and_the_command_line_wins(monkeypatch):
+def test_run_tiny_flag_applies_them_and_the_command_line_wins(monkeypatch, tmp_path, capsys):
     import flowrl.runtime.controller as controller
 
     seen = {}
-    monkeypatch.setattr(controller, "run", lambda plan, **kw: seen.update(plan=plan, **kw))
+    (tmp_path / "metrics.jsonl").write_text("")
+    monkeypatch.setattr(
+        controller, "run", lambda plan, **kw: seen.update(plan=plan, **kw) or tmp_path
+    )
     assert cli.main(["run", "grpo", "--tiny", "--backend", "local", "run.steps=5"]) == 0
+    assert "tiny run: what was real and what was stubbed" in capsys.readouterr().out
     spec = seen["plan"].spec
     assert {m.path for m in spec.models.values()} == {"tiny"}
     assert spec.run.steps == 5  # tiny says 2; the command line comes after it
@@ -80,3 +91,97 @@ def test_tiny_mini_batches_shrink_with_the_prompt_batch(graph):
     full = compiler.compile_file(ROOT / "graphs" / graph)
     tiny = compiler.compile_file(ROOT / "graphs" / graph, tiny_overrides(ROOT / "graphs" / graph))
     assert steps(tiny) == steps(full) and min(steps(full).values()) > 1
+
+
+def test_an_agent_graph_scripts_a_first_turn_calling_each_tool(tmp_path):
+    """A tool of the user's own (a sibling of the graph) beside the calculator: the tiny
+    overrides script the first turn, allow both calls in it, and budget the turn to fit."""
+    from flowrl.agent.script import first_turn_text
+    from flowrl.agent.tools import Toolbox
+
+    (tmp_path / "units.py").write_text(UNIT_TOOL)
+    graph = tmp_path / "g.toml"
+    graph.write_text(TOOLS_GRAPH)
+    out = tiny_overrides(graph)
+    turn = first_turn_text(
+        Toolbox(["calculator", "units.py:to_metres"], tmp_path).schemas, "hermes"
+    )
+    assert turn == (
+        '<tool_call>\n{"name": "calc", "arguments": {"expression": "1"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "to_metres", "arguments": {"value": 1.0, "unit": "ft"}}\n'
+        "</tool_call>"
+    )
+    assert "nodes.generate.script_first_turn=true" in out
+    assert f"nodes.generate.max_turn_tokens={len(turn) + 1}" in out
+    assert "nodes.generate.max_calls_per_turn=2" in out
+
+
+UNIT_TOOL = '''
+from typing import Literal
+
+
+def to_metres(value: float, unit: Literal["ft", "in"]) -> str:
+    """Convert a length to metres.
+
+    Args:
+        value: the length
+        unit: its unit
+    """
+    return str(value * {"ft": 0.3048, "in": 0.0254}[unit])
+'''
+TOOLS_GRAPH = (
+    (ROOT / "graphs/grpo_tools.toml")
+    .read_text()
+    .replace('tools = ["calculator"]', 'tools = ["calculator", "units.py:to_metres"]')
+    .replace('parser = "tag"', 'parser = "hermes"')
+)
+
+
+def test_a_tiny_agent_run_calls_every_tool_and_says_what_was_real(tmp_path):
+    (tmp_path / "units.py").write_text(UNIT_TOOL)
+    graph = tmp_path / "g.toml"
+    graph.write_text(TOOLS_GRAPH)
+    run = run_tiny(graph, tmp_path / "runs")
+    steps = [m for m in run.metrics if m["step"] > 0]
+    for tool in ("calc", "to_metres"):  # every request of every step called it, and got an answer
+        assert all(m[f"generate/calls/{tool}"] == 1.0 for m in steps), steps
+        assert all(m[f"generate/calls/{tool}/ok"] == 1.0 for m in steps), steps
+    sample = json.loads((run.run_dir / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["conversation"][1] == {"role": "tool", "content": "1"}  # calc("1")
+    assert sample["conversation"][2] == {"role": "tool", "content": "0.3048"}
+    lines = run.summary.splitlines()
+    assert lines[0] == "tiny run: what was real and what was stubbed"
+    assert any(line.startswith("  stubbed  model weights: policy") for line in lines)
+    assert "  stubbed  scorer of [nodes.reward]: by response length (varied.py)" in lines
+    assert any(
+        line.startswith("  real     tool to_metres of [nodes.generate]: 1.00 calls")
+        for line in lines
+    )
+
+
+def test_the_summary_names_a_reward_model_and_a_kept_scorer(tmp_path):
+    from flowrl.front.tiny_run import summary
+
+    plan = tiny_plan(ROOT / "graphs/grpo.toml", tmp_path, scorer=None)
+    assert "  real     scorer of [nodes.reward]: auto" in summary(plan.spec, []).splitlines()
+    text = (ROOT / "graphs/grpo.toml").read_text()
+    text = text.replace(
+        '[nodes.reward]\nuses = "reward.rule"',
+        '[models.rm]\nhead = "value"\n\n[nodes.reward]\nuses = "reward.model"\nmodel = "rm"',
+    )
+    (tmp_path / "g.toml").write_text(text)
+    lines = summary(tiny_plan(tmp_path / "g.toml", tmp_path).spec, []).splitlines()
+    assert "  stubbed  reward model of [nodes.reward]: rm, random weights" in lines
+
+
+def test_no_script_for_a_parser_of_ones_own_or_a_tool_that_does_not_load(tmp_path):
+    """A custom parser's format is unknown, and a missing tool is `flowrl check`'s to report:
+    the tiny overrides leave such agent nodes unscripted rather than fail."""
+    (tmp_path / "parse.py").write_text("def parse(text):\n    return []\n")
+    for tools, parser in (('["calculator"]', '"parse.py:parse"'), ('["nope.py:f"]', '"hermes"')):
+        text = TOOLS_GRAPH.replace(
+            'tools = ["calculator", "units.py:to_metres"]', f"tools = {tools}"
+        )
+        graph = tmp_path / "g.toml"
+        graph.write_text(text.replace('parser = "hermes"', f"parser = {parser}"))
+        assert not [o for o in tiny_overrides(graph) if "script_first_turn" in o]

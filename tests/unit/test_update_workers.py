@@ -4,14 +4,18 @@ nothing about the resulting parameters."""
 import copy
 import math
 
+import attrs
 import pytest
 import torch
-from flowrl.nodes.update import policy
-from flowrl.nodes.update.critic import CriticUpdateWorker, clipped_value_loss
-from flowrl.nodes.update.critic import Params as CriticParams
 
 from flowrl.engines import TrainEngine
+from flowrl.math.losses import LOSSES, Chunk, loss_params
+from flowrl.math.losses.ppo import ppo_loss
+from flowrl.math.losses.value import clipped_value_loss
 from flowrl.models.value_head import ValueModel
+from flowrl.nodes.update import policy
+from flowrl.nodes.update.critic import CriticUpdateWorker
+from flowrl.nodes.update.critic import Params as CriticParams
 from flowrl.protocol import DataProto
 from flowrl.testing import tiny_model, tiny_tokenizer
 
@@ -166,9 +170,10 @@ def test_policy_update_attends_to_tool_tokens_and_trains_only_sampled_ones():
 
     def loss_of(engine):
         logprobs = engine.forward(plain, grad=True)["logprobs"]
-        return policy.ppo_policy_loss(logprobs, rows["old_logprobs"], rows["advantages"], sampled)[
-            0
-        ]
+        no_dual = policy.Params(dual_clip=0.0)
+        return ppo_loss(
+            logprobs, rows["old_logprobs"], rows["advantages"], sampled, no_dual, Chunk()
+        )[0]
 
     grads, _ = updated(model, policy.PolicyUpdateWorker, policy.Params(), rows=rows)
     assert_same(grads, reference_grads(model, loss_of))
@@ -203,7 +208,7 @@ def test_each_policy_loss_gives_the_same_update_in_micro_batches(loss):
     pieces, _ = updated(model, policy.PolicyUpdateWorker, params, micro_tokens=9)
     assert_same(whole, pieces)
     assert any(g.abs().sum() > 0 for g in whole.values())
-    assert set(policy.RATES[loss]) <= metrics.keys()
+    assert set(LOSSES[loss].rates) <= metrics.keys()
 
 
 @pytest.mark.parametrize("shift, scale", [(math.log(2.0), 0.5), (-math.log(4.0), 2.0)])
@@ -230,30 +235,54 @@ def test_covariance_losses_compute_every_row():
     assert policy.contributing_rows(adv, policy.Params(loss="kl_cov")).all()
 
 
-def test_loss_param_passes_its_params_to_the_pure_functions():
-    from flowrl.math import cov_losses, policy_losses
-
+def test_each_loss_reads_exactly_the_params_its_record_names():
+    # the record's `params` drive `flowrl check` (a loss-only param set under a loss that
+    # ignores it is refused): moving a named param changes the loss or its gradient, moving
+    # any other loss-only param changes neither
     g = torch.Generator().manual_seed(0)
-    mask = torch.ones(4, 6, dtype=torch.long)
-    logp, old, adv = (torch.randn(4, 6, generator=g) * 0.3 - 1 for _ in range(3))
-    p = dict(clip_low=0.1, clip_high=0.3, tau_pos=0.5, tau_neg=2.0, cov_ratio=0.2, cov_kl_coef=3.0)
-    counts = dict(num_tokens=30, num_seqs=5, norm_length=None, token_weights=None)
-    expected = {
-        "ppo": policy.ppo_policy_loss(logp, old, adv, mask, 0.1, 0.3, 1.5, num_tokens=30),
-        "gspo": policy_losses.gspo_policy_loss(logp, old, adv, mask, 0.1, 0.3, "token-mean", 30),
-        "cispo": policy_losses.cispo_policy_loss(logp, old, adv, mask, 0.1, 0.3, num_tokens=30),
-        "gpg": policy_losses.gpg_policy_loss(logp, adv, mask, num_tokens=30),
-        "gmpo": policy_losses.gmpo_policy_loss(logp, old, adv, mask, 0.1, 0.3, num_seqs=5),
-        "sapo": policy_losses.sapo_policy_loss(logp, old, adv, mask, 0.5, 2.0, "token-mean", 30),
-        "clip_cov": cov_losses.clip_cov_policy_loss(
-            logp, old, adv, mask, 0.1, 0.3, 0.2, num_tokens=30
-        ),
-        "kl_cov": cov_losses.kl_cov_policy_loss(logp, old, adv, mask, 0.2, 3.0, num_tokens=30),
-    }
-    assert set(expected) == set(policy.RATES)
-    for loss, (value, rates) in expected.items():
-        params = policy.Params(loss=loss, dual_clip=1.5, **p)
-        got, got_rates = policy.policy_loss(logp, old, adv, mask, params, **counts)
-        assert float(got) == pytest.approx(float(value)), loss
-        assert got_rates == pytest.approx(rates), loss  # e.g. cov_frac: the share picked
-        assert set(got_rates) >= set(policy.RATES[loss])
+    mask = torch.ones(16, 6, dtype=torch.long)  # enough rows for every sign of A and log r
+    logp, old = (torch.randn(16, 6, generator=g) * 0.3 - 1 for _ in range(2))
+    adv = torch.randn(16, 1, generator=g).expand(16, 6) * 6  # Cov in Clip-Cov's (1, 5) too
+    moved = dict(clip_low=0.0, clip_high=0.0, dual_clip=1.01, tau_pos=5.0, tau_neg=0.1)
+    moved |= dict(cov_ratio=0.5, cov_kl_coef=7.0)
+    assert set(moved) == set(loss_params())
+
+    def outcome(loss, params):
+        x = logp.clone().requires_grad_()
+        chunk = Chunk(generator=torch.Generator().manual_seed(0))  # Clip-Cov's draw
+        value = loss.fn(x, old, adv, mask, params, chunk)[0]
+        return torch.cat([value.detach()[None], torch.autograd.grad(value, x)[0].flatten()])
+
+    for name, loss in LOSSES.items():
+        base = policy.Params(loss=name)
+        before = outcome(loss, base)
+        for param, new in moved.items():
+            after = outcome(loss, attrs.evolve(base, **{param: new}))
+            assert (not torch.equal(before, after)) == (param in loss.params), (name, param)
+
+
+def test_update_loop_reports_every_named_metric_from_a_rank_without_rows():
+    # a rank whose share of the step is empty never calls the loss, yet sums the same metric
+    # keys as the others (one all-reduce per key) and takes its optimizer step
+    engine = TrainEngine(tiny_model(seed=0), tiny_tokenizer(), lr=1e-2)
+    calls = []
+
+    def micro_loss(micro, counts):
+        calls.append(len(micro))
+        raise AssertionError("no micro-batch to compute")
+
+    empty = batch().index(slice(0, 0))
+    metrics = engine.update(empty, micro_loss, epochs=2, metrics=("pg_loss", "entropy"))
+    assert calls == []
+    assert metrics["pg_loss"] == metrics["entropy"] == 0.0
+    assert metrics["grad_norm"] == 0.0 and metrics["lr"] == 1e-2
+
+
+def test_update_batch_carries_every_key_the_policy_update_reads():
+    from flowrl.testing import tiny_engine, update_batch
+
+    rows = update_batch()
+    assert set(policy.SPEC.reads_for(policy.Params())) <= set(rows.keys())
+    torch.testing.assert_close(rows["response_attention"], rows["response_mask"])
+    _, metrics = policy.PolicyUpdateWorker(tiny_engine(), policy.Params())(rows)
+    assert metrics["grad_norm"] > 0

@@ -43,7 +43,7 @@ def model():
     return tiny_model(seed=3)
 
 
-def rollout(model, n=2, seed=0, do_sample=True, reserve=64, max_turn_tokens=6):
+def rollout(model, n=2, seed=0, do_sample=True, reserve=64, max_turn_tokens=6, first_turn=()):
     """Episodes run by the wave driver on the engine; (episodes, prompts, prompt_mask)."""
     tokenizer = tiny_tokenizer()
     chat = ChatTokens(tokenizer)
@@ -68,7 +68,12 @@ def rollout(model, n=2, seed=0, do_sample=True, reserve=64, max_turn_tokens=6):
         for _ in range(n)
     ]
     generator = torch.Generator().manual_seed(seed)
-    wave = WaveRollout(HFRollout(model, tokenizer), do_sample=do_sample, generator=generator)
+    wave = WaveRollout(
+        HFRollout(model, tokenizer),
+        do_sample=do_sample,
+        generator=generator,
+        first_turn=first_turn,
+    )
     wave.start(prompts, mask, n, reserve)
     stats = run_sync(run_waves(episodes, wave))
     wave.close()
@@ -168,3 +173,17 @@ def test_preallocated_layer_grows_keeping_its_contents():
     torch.testing.assert_close(layer.keys[:, :, :3], keys)
     torch.testing.assert_close(layer.values[:, :, :3], -keys)
     torch.testing.assert_close(layer.keys[:, :, 3:], keys[:, :, :2] + 100)
+
+
+def test_a_forced_first_turn_is_taken_verbatim_with_the_policys_log_probs(model):
+    """The agent's script_first_turn: every request's first turn is the given ids (here
+    "ping" and the eos, a call of echo), each with the model's own log-prob of it; the turns
+    after it are sampled as usual."""
+    tokenizer = tiny_tokenizer()
+    forced = tokenizer("ping", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    episodes, _, _ = rollout(model, n=2, seed=0, first_turn=forced)
+    for episode in episodes:
+        assert episode.ids[: len(forced)] == forced
+        assert episode.info()["calls"][0]["name"] == "echo"
+    assert len({tuple(e.ids) for e in episodes}) > 1  # sampled after the first turn
+    check_against_full_forward(model, episodes, greedy=False)

@@ -3,19 +3,23 @@ a reference model, the pass@k / OPO / GPG advantage nodes, ReMax's reward-to-go,
 REINFORCE++-baseline, the adaptive KL controller's input, and verl's dual-clip default."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
-from flowrl.nodes.advantage import gpg, opo, passk, reinforce_pp, remax
-from flowrl.nodes.reward import kl_penalty, overlong, token_rewards
-from flowrl.nodes.update import policy
 from test_update_workers import assert_same, batch, updated
 
 from flowrl.engines import TrainEngine
 from flowrl.math import estimators, ops
+from flowrl.math.losses import LOSSES, Chunk
+from flowrl.nodes.advantage import gpg, opo, passk, reinforce_pp
+from flowrl.nodes.reward import kl_penalty, overlong, token_rewards
+from flowrl.nodes.update import policy
 from flowrl.nodespec import CheckContext
 from flowrl.protocol import DataProto
 from flowrl.testing import tiny_model, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def context(samples=4, prompts=2):
@@ -114,7 +118,7 @@ def test_remax_reward_to_go_minus_the_greedy_score():
     # KL in the reward: -0.1 on every token, the score 1 on the last one; greedy scored 0.5
     rewards = torch.tensor([[-0.1, -0.1, 0.9, 0.0]])
     mask = torch.tensor([[1, 1, 1, 0]])
-    adv = remax.remax_return_advantages(rewards, torch.tensor([0.5]), mask)
+    adv = estimators.remax_return_advantages(rewards, torch.tensor([0.5]), mask)
     # returns-to-go 0.7, 0.8, 0.9; minus 0.5
     torch.testing.assert_close(adv, torch.tensor([[0.2, 0.3, 0.4, 0.0]]))
 
@@ -124,8 +128,8 @@ def test_remax_with_only_the_score_is_the_outcome_form():
     scores, greedy = torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0.0, 1.0, 0.5])
     rewards = token_rewards.last_token_rewards(scores, mask)
     torch.testing.assert_close(
-        remax.remax_return_advantages(rewards, greedy, mask),
-        remax.remax_advantages(scores, greedy, mask).float(),
+        estimators.remax_return_advantages(rewards, greedy, mask),
+        estimators.remax_advantages(scores, greedy, mask).float(),
     )
 
 
@@ -139,7 +143,7 @@ def test_remax_matches_verls_loop():
             if mask[i, t]:
                 to_go = sum(float(rewards[i, s]) for s in range(t, 5) if mask[i, s])
                 expected[i, t] = to_go - float(greedy[i])
-    torch.testing.assert_close(remax.remax_return_advantages(rewards, greedy, mask), expected)
+    torch.testing.assert_close(estimators.remax_return_advantages(rewards, greedy, mask), expected)
 
 
 # -- advantage.reinforce_pp with baseline = "group" -----------------------------------------------
@@ -178,7 +182,7 @@ def test_reinforce_pp_baseline_matches_verl(seed):
     mask = lengths_mask(torch.randint(1, 6, (7,), generator=g).tolist(), 5)
     rewards = torch.randn(7, 5, generator=g)
     uid = torch.tensor([0, 0, 0, 1, 1, 2, 3])
-    got = reinforce_pp.baseline_advantages(rewards, mask, uid)
+    got = estimators.baseline_advantages(rewards, mask, uid)
     torch.testing.assert_close(got, verl_reinforce_pp_baseline(rewards, mask, uid))
 
 
@@ -226,9 +230,10 @@ def test_dual_clip_is_on_by_default_with_verls_c():
     # ratio e^2 ~ 7.4 on a negative advantage: the loss per token is bounded by -A c = 3
     logp, old = torch.zeros(1, 1), torch.full((1, 1), -2.0)
     adv, mask = torch.full((1, 1), -1.0), torch.ones(1, 1)
-    loss, rates = policy.policy_loss(logp, old, adv, mask, policy.Params())
+    ppo = LOSSES[policy.Params().loss].fn
+    loss, rates = ppo(logp, old, adv, mask, policy.Params(), Chunk())
     assert float(loss) == pytest.approx(3.0) and rates["clip_frac_lower"] == 1.0
-    off, _ = policy.policy_loss(logp, old, adv, mask, policy.Params(dual_clip=0.0))
+    off, _ = ppo(logp, old, adv, mask, policy.Params(dual_clip=0.0), Chunk())
     assert float(off) == pytest.approx(float(torch.exp(torch.tensor(2.0))))
 
 
@@ -258,3 +263,45 @@ def test_update_reports_pg_clipfrac_lower():
     negative = ((adv < 0) & mask.bool())[computed].sum() / mask[computed].sum()
     assert metrics["clip_frac_lower"] == pytest.approx(float(negative), rel=1e-5)
     assert metrics["clip_frac_lower"] > 0
+
+
+# -- update.policy: loss-only params and the aggregation a loss's paper fixes ---------------
+
+
+def grpo_with(tmp_path, *lines):
+    """graphs/grpo.toml with `lines` added to its update_policy table, compiled (or refused)."""
+    from flowrl.front.compiler import compile_file
+
+    text = (ROOT / "graphs/grpo.toml").read_text()
+    table = "[nodes.update_policy]\n"
+    path = tmp_path / "g.toml"
+    path.write_text(text.replace(table, table + "".join(f"{line}\n" for line in lines)))
+    return path, lambda: compile_file(path)
+
+
+def test_a_loss_only_param_under_another_loss_is_refused_naming_file_key_and_fix(tmp_path):
+    from flowrl.errors import GraphErrors
+
+    path, compile_it = grpo_with(tmp_path, 'loss = "gspo"', "tau_neg = 2.0", "cov_ratio = 0.1")
+    with pytest.raises(GraphErrors) as refused:
+        compile_it()
+    text = str(refused.value)
+    for key, readers in (("tau_neg", '"sapo"'), ("cov_ratio", '"clip_cov" or "kl_cov"')):
+        line = next(x for x in text.splitlines() if f"{key} = " in x)
+        assert line.strip().startswith(f"{path}: [nodes.update_policy]: ")
+        assert f'read only by loss = {readers}; loss = "gspo" ignores it' in line
+    assert "fix: remove tau_neg, or set loss to one that reads it" in text
+    # the same params under the loss that reads them are fine
+    grpo_with(tmp_path, 'loss = "kl_cov"', "cov_ratio = 0.1")[1]()
+
+
+@pytest.mark.parametrize("loss", ["sapo", "gspo"])
+def test_check_warns_when_sapo_or_gspo_does_not_average_per_sequence(tmp_path, loss):
+    _, compile_it = grpo_with(tmp_path, f'loss = "{loss}"')
+    warned = [w for w in compile_it().warnings if "agg" in w]
+    assert warned == [
+        f'[nodes.update_policy] loss = "{loss}" with agg = "token-mean": the paper and verl '
+        'average it as agg = "seq-mean-token-mean"; set that to match them'
+    ]
+    _, compile_it = grpo_with(tmp_path, f'loss = "{loss}"', 'agg = "seq-mean-token-mean"')
+    assert not [w for w in compile_it().warnings if "agg" in w]

@@ -1,9 +1,10 @@
 """The train engine's forward pass as a module: per-response-token log-probs (or values).
 
-`Scorer` wraps the model (a causal LM or a ValueModel) so that a whole forward is one module
-call. That is what FSDP2 needs: `fully_shard` hooks a module's `__call__`, and the root module's
-hooks gather the parameters outside the decoder layers (embeddings, final norm, head), so the
-engine must call the root, not the backbone and the head one after the other.
+`ResponseForward` wraps the model (a causal LM or a ValueModel) so that a whole forward is one
+module call (the engine's `forward_module`). That is what FSDP2 needs: `fully_shard` hooks a
+module's `__call__`, and the root module's hooks gather the parameters outside the decoder
+layers (embeddings, final norm, head), so the engine must call the root, not the backbone and
+the head one after the other.
 
 The forward does only the work the outputs need: padding columns are trimmed by the caller, the
 head runs only at the positions that predict response tokens (logsumexp minus the gathered
@@ -12,6 +13,7 @@ once when the engine asks for it (`share_prompts`; never under fsdp, see `hidden
 """
 
 import functools
+import inspect
 
 import torch
 from torch import nn
@@ -19,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 
-class Scorer(nn.Module):
+class ResponseForward(nn.Module):
     """model: a causal LM or a ValueModel (anything with `base_model` and an output head)."""
 
     def __init__(self, model: nn.Module):
@@ -94,7 +96,7 @@ class Scorer(nn.Module):
             input_ids=distinct[:, :p],
             attention_mask=distinct[:, p:],
             position_ids=(distinct[:, p:].cumsum(-1) - 1).clamp(min=0),
-            past_key_values=cache,
+            **cache_argument(backbone, cache),
             use_cache=True,
         ).last_hidden_state  # (g, p, h)
         cache.batch_select_indices(group)  # (g, ...) -> (b, ...), differentiable
@@ -102,11 +104,31 @@ class Scorer(nn.Module):
             input_ids=responses,
             attention_mask=mask,
             position_ids=positions[:, p:],
-            past_key_values=cache,
+            **cache_argument(backbone, cache),
             use_cache=True,
         ).last_hidden_state  # (b, t, h)
         # the last prompt state predicts the first response token, response state k the k+1st
         return torch.cat([prompt_hidden[group, -1:], response_hidden[:, :-1]], dim=1)
+
+
+def cache_argument(module: nn.Module, cache) -> dict:
+    """The KV cache as the model's forward names it: `cache` from transformers 5.x (which
+    warns that `past_key_values` is deprecated, once per process, so once per worker),
+    `past_key_values` before. Decided on the forward's own signature, unwrapping adapters."""
+    return {_cache_name(type(_innermost(module))): cache}
+
+
+@functools.cache
+def _cache_name(cls) -> str:
+    parameters = inspect.signature(cls.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def _innermost(module: nn.Module) -> nn.Module:
+    """The transformers model under peft and other wrappers (a forward of **kwargs)."""
+    while hasattr(module, "get_base_model") and module.get_base_model() is not module:
+        module = module.get_base_model()
+    return module
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, entropy: bool = False) -> dict:

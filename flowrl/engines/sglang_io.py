@@ -1,0 +1,143 @@
+"""What crosses between flowrl and an SGLang engine (flowrl/engines/sglang_backend.py): the
+weights pushed (LoRA folded in, in buckets; the few read back in verify mode), the requests
+(prompt ids, sampling parameters) and the responses SGLang returns, as flowrl's tensors."""
+
+from __future__ import annotations
+
+import copy
+import socket
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+
+def verify_names(module: torch.nn.Module) -> tuple[str, ...]:
+    """The parameters verify mode reads back: the first, the last, and the first weight a LoRA
+    adapter changes (under its base name), so a push that stopped early or skipped the
+    adapted layers shows."""
+    names = [n for n, _ in module.named_parameters() if "lora_" not in n]
+    adapted = [n.replace(".base_layer.", ".") for n in names if n.endswith(".base_layer.weight")]
+    return tuple(dict.fromkeys([names[0], *adapted[:1], names[-1]]))
+
+
+def rollout_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of what SGLang serves: the module's parameters under the base model's
+    names; with a LoRA adapter (peft) each adapted layer's base weight with its update folded
+    in (W + scale * B @ A, a new tensor; the module is not changed) and the adapter's own
+    tensors left out, as `flowrl export` folds them."""
+    adapted = {
+        name: layer
+        for name, layer in module.named_modules()
+        if hasattr(layer, "get_delta_weight") and hasattr(layer, "base_layer")
+    }
+    for name, tensor in module.named_parameters():
+        if "lora_" in name:
+            continue
+        owner, marker, rest = name.rpartition(".base_layer.")
+        if marker:
+            layer = adapted[owner]
+            if rest == "weight" and not (layer.merged or layer.disable_adapters):
+                for adapter in layer.active_adapters:
+                    tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+            name = f"{owner}.{rest}"
+        yield name, tensor.detach()
+
+
+def weight_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], limit: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive (name, tensor) groups of at most `limit` bytes each (a larger tensor alone).
+    The tensors are the module's own, detached, not copies: the engine copies them into its
+    weights (over CUDA IPC when they are on the GPU)."""
+    bucket, size = [], 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor.detach()))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def prompt_ids(prompts: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
+    """(b, p) ids and mask -> each row's real tokens as a list (its padding removed)."""
+    rows = zip(prompts.cpu(), prompt_mask.cpu(), strict=True)
+    return [row[mask.bool()].tolist() for row, mask in rows]
+
+
+def sampling_params(max_new_tokens, temperature, top_p, top_k, do_sample, eos) -> dict:
+    """flowrl's sampling settings in SGLang's terms: greedy is temperature 0; top_k 0 (off) is
+    -1; EOS is a stop token whatever the model config says, as in the `hf` backend."""
+    greedy = not do_sample or temperature == 0
+    return {
+        "max_new_tokens": max_new_tokens,
+        "temperature": 0.0 if greedy else float(temperature),
+        "top_p": 1.0 if greedy else float(top_p),
+        "top_k": top_k if top_k > 0 and not greedy else -1,
+        "stop_token_ids": [eos],
+    }
+
+
+def response_tensors(
+    outputs: list[dict], eos: int, pad: int, logprobs: bool, where: str = "this engine"
+) -> dict:
+    """SGLang's per-request outputs -> {"responses": (r, t) int64 right-padded with `pad`,
+    "response_mask": (r, t) int64, 1 up to and including the first EOS} (+ "logprobs" (r, t)
+    float32, 0 past each response), t the longest response. An aborted request raises: SGLang
+    returns what it had generated so far, which would pass for a complete response."""
+    ids, values = [], []
+    for i, out in enumerate(outputs):
+        finish = out.get("meta_info", {}).get("finish_reason") or {}
+        if finish.get("type") == "abort":
+            raise RuntimeError(
+                f"SGLang aborted request {i} of {len(outputs)} on {where}: "
+                f"{finish.get('message', 'Aborted')} (after {len(out['output_ids'])} tokens); "
+                "its short response is not used as if it were complete"
+            )
+        tokens = [int(x) for x in out["output_ids"]]
+        if logprobs:
+            reported = out["meta_info"]["output_token_logprobs"]  # [(logprob, id, text)]
+            if len(reported) != len(tokens):
+                raise RuntimeError(
+                    f"SGLang returned {len(tokens)} tokens but {len(reported)} log-probs"
+                )
+            values.append([float(entry[0]) for entry in reported])
+        if eos in tokens:  # nothing after the first EOS is part of the response
+            tokens = tokens[: tokens.index(eos) + 1]
+        ids.append(tokens)
+    t = max((len(x) for x in ids), default=0)
+    responses = torch.full((len(ids), t), pad, dtype=torch.long)
+    mask = torch.zeros(len(ids), t, dtype=torch.long)
+    chosen = torch.zeros(len(ids), t, dtype=torch.float32)
+    for row, tokens in enumerate(ids):
+        responses[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask[row, : len(tokens)] = 1
+        if logprobs:
+            chosen[row, : len(tokens)] = torch.tensor(values[row][: len(tokens)])
+    out = {"responses": responses, "response_mask": mask}
+    return {**out, "logprobs": chosen} if logprobs else out
+
+
+def empty_responses(rows: int, logprobs: bool) -> dict:
+    empty = torch.zeros(rows, 0, dtype=torch.long)
+    out = {"responses": empty, "response_mask": empty.clone()}
+    return {**out, "logprobs": torch.zeros(rows, 0)} if logprobs else out
+
+
+def write_model_dir(module: torch.nn.Module, tokenizer, path: Path) -> None:
+    """What SGLang loads with dummy weights: the module's config.json (its architecture named,
+    EOS the tokenizer's) and the tokenizer files."""
+    config = copy.deepcopy(module.config)
+    config.architectures = config.architectures or [type(module).__name__]
+    config.eos_token_id = tokenizer.eos_token_id
+    config.to_json_file(str(path / "config.json"))
+    tokenizer.save_pretrained(str(path))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

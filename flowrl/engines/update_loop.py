@@ -1,0 +1,96 @@
+"""The update loop every train node shares: epochs x mini-batches x micro-batches.
+
+`TrainEngine` (train.py) inherits it, so an update node calls `engine.update(rows, micro_loss,
+...)` and writes only the loss of one micro-batch: `update.policy`, `update.critic` and the
+custom update node of docs/extending.md all do. The loop uses the engine's `mini_batches`,
+`micro_batches`, `all_reduce_sum`, `backward` and `step`.
+"""
+
+import attrs
+
+from flowrl.math import ops
+
+
+@attrs.frozen
+class Counts:
+    """A mini-batch's counts over all its micro-batches and ranks, for a micro-batch's loss.
+
+    Attributes:
+        num_tokens: trained tokens (response_mask) of the mini-batch, at least 1.
+        num_seqs: rows of the mini-batch, at least 1.
+        computed_tokens: trained tokens of the rows that run (`update`'s `select`), at least 1.
+    """
+
+    num_tokens: float
+    num_seqs: float
+    computed_tokens: float
+
+    def share(self, mask) -> float:
+        """A micro-batch's share of the computed tokens, by its mask (b, t): weights a
+        per-token mean so that the micro-batches' weighted means add up to the mini-batch's."""
+        return float(mask.sum()) / self.computed_tokens
+
+
+class UpdateLoop:
+    """`update`, for a class with the train engine's batching, collectives and step."""
+
+    def update(
+        self,
+        rows,
+        micro_loss,
+        *,
+        epochs: int = 1,
+        mini_batch_size: int = 0,
+        metrics: tuple[str, ...] = (),
+        select=None,
+    ) -> dict:
+        """The update loop every train node shares: `epochs` passes over `rows`, each split
+        into mini-batches of `mini_batch_size` rows over all ranks (0 = one), one optimizer
+        step per mini-batch, its rows in micro-batches whose gradients add up.
+
+        Args:
+            rows: this rank's rows (a DataProto with response_mask).
+            micro_loss: (micro, counts) -> (loss, metrics): the loss of one micro-batch, with
+                the mini-batch's `Counts` to normalise by, so that the micro-batches' losses
+                add up to the mini-batch's; its metrics add up over micro-batches and ranks
+                (a loss value as it is, a per-token mean times `counts.share(mask)`).
+            epochs: passes over the rows.
+            mini_batch_size: rows per optimizer step over all ranks; 0 = all.
+            metrics: the names `micro_loss` reports, so that a rank with no rows reports
+                them too (0) and every rank sums the same keys.
+            select: mini-batch -> (b,) bool: the rows that need a forward; the others add
+                nothing to the loss or its gradient, but count in `counts`. None = all.
+
+        Returns:
+            The metrics averaged over the optimizer steps: those of `metrics`, the step's
+            (`grad_norm`, `lr`, `nonfinite_skipped`) and, with `select`, `computed_rows`
+            (the share of rows that ran).
+        """
+        steps = [
+            self._mini_batch_step(mini, micro_loss, metrics, select)
+            for _ in range(epochs)
+            for mini in self.mini_batches(rows, mini_batch_size)
+        ]
+        return ops.mean_metrics(steps)
+
+    def _mini_batch_step(self, mini, micro_loss, metrics, select) -> dict:
+        """One optimizer step on this rank's share of a mini-batch; metrics over all ranks."""
+        num_tokens = max(self.all_reduce_sum(float(mini["response_mask"].sum())), 1)
+        num_seqs = max(self.all_reduce_sum(len(mini)), 1)  # normalisers of the mini-batch
+        active, computed = mini, num_tokens
+        if select is not None:
+            active = mini.index(select(mini))
+            computed = max(self.all_reduce_sum(float(active["response_mask"].sum())), 1)
+        counts = Counts(num_tokens, num_seqs, computed)
+        totals = dict.fromkeys(metrics, 0.0)
+        for micro in self.micro_batches(active):
+            if len(micro) == 0:  # a rank may get no rows; it still steps below
+                continue
+            loss, values = micro_loss(micro, counts)
+            for key, value in values.items():
+                totals[key] += value
+            self.backward(loss)
+        totals = {k: self.all_reduce_sum(v) for k, v in totals.items()}  # same keys on all ranks
+        if select is not None:
+            totals["computed_rows"] = self.all_reduce_sum(len(active)) / num_seqs
+        return {**totals, **self.step()}
