@@ -29,7 +29,7 @@ test: setup
 	$(PYTHON) -m pytest -q
 
 test-fast:
-	$(PYTHON) -m pytest -q tests/unit tests/graphs
+	$(PYTHON) -m pytest -q -m "not slow"  # unit and graph tests: no Ray, no real model
 
 bench: setup  # flowrl against TRL's GRPOTrainer, side by side (~13 min on 2 cores)
 	$(PIP) install -q -e ".[dev,bench]"

@@ -1,4 +1,4 @@
-"""Decode-loop throughput: flowrl's RolloutEngine against `model.generate` on SmolLM2-135M.
+"""Decode-loop throughput: flowrl's HFRollout against `model.generate` on SmolLM2-135M.
 
     python bench/generation.py [--rows 16] [--new 32] [--repeats 3] [--n 1]
     python bench/generation.py --device cuda --model qwen2-0.5b --dtype bfloat16 --train
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from flowrl.data.arithmetic import arithmetic_rows
-from flowrl.engines import RolloutEngine
+from flowrl.engines import HFRollout
 from flowrl.models import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -79,7 +79,7 @@ def main() -> None:
     batch = prompts(tokenizer, args.rows // args.n)
     ids, mask = batch["input_ids"].to(args.device), batch["attention_mask"].to(args.device)
     sample = args.n > 1
-    engine = RolloutEngine(model, tokenizer, args.device)
+    engine = HFRollout(model, tokenizer, args.device)
 
     def ours():
         g = torch.Generator(device=args.device).manual_seed(0)
@@ -109,7 +109,7 @@ def main() -> None:
         f"width {ids.shape[1]}, {args.threads} threads, median of {args.repeats}"
     )
     results = {}
-    for name, fn in (("flowrl RolloutEngine", ours), ("transformers generate", theirs)):
+    for name, fn in (("flowrl HFRollout", ours), ("transformers generate", theirs)):
         seconds, out = timed(fn, args.repeats)
         results[name] = out
         tokens = new_tokens(out, eos)
@@ -121,7 +121,7 @@ def main() -> None:
         same = all(a[i, :n].tolist() == b[i, :n].tolist() for i, n in enumerate(lengths))
         print(f"  greedy outputs identical: {same}")
     if args.train:
-        train_throughput(model, tokenizer, batch, results["flowrl RolloutEngine"], args)
+        train_throughput(model, tokenizer, batch, results["flowrl HFRollout"], args)
 
 
 def train_throughput(model, tokenizer, batch, responses, args) -> None:

@@ -1,8 +1,10 @@
-"""Deferred imports, so node modules can say `torch.where(...)` yet load without torch.
+"""Deferred imports, so node modules can say `torch.where(...)` yet load without torch, and a
+package can name its public classes yet import none of them until used.
 
 `flowrl check` imports every node module of a graph to read its SPEC, and must work where torch
 is not installed. A node module writes `from flowrl.lazy import torch`; the real import happens
-on first attribute access, i.e. when the node's math first runs.
+on first attribute access, i.e. when the node's math first runs. A package (flowrl.engines,
+flowrl.models) sets `__getattr__ = exports(__name__, {...})` for the same effect on its names.
 """
 
 import importlib
@@ -25,6 +27,19 @@ class LazyModule:
         return f"<lazy module {self._name!r}>"
 
 
+def exports(package: str, names: dict[str, str]):
+    """A module-level `__getattr__` (PEP 562) for `package`: each public name, mapped to its
+    "package.module:attribute", is imported on first use (and then cached by Python's
+    module cache), so importing the package itself imports none of them."""
+
+    def __getattr__(name: str):
+        if name not in names:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        module, _, attribute = names[name].partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+    return __getattr__
+
+
 torch = LazyModule("torch")
-F = LazyModule("torch.nn.functional")
 np = LazyModule("numpy")

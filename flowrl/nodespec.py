@@ -128,6 +128,11 @@ class NodeSpec:
             against the step's batch, run at compile time (`flowrl check`).
         updates_per_step: (params, rows) -> optimizer steps the node takes per training step
             on `rows` rows (train nodes; default 1), for the learning-rate schedule.
+        multi_turn: a rollout node that drives its backend turn by turn (the agent node):
+            `flowrl check` refuses a model whose backend does not serve that
+            (`multi_turn` in flowrl/backends.py).
+        scorer_param: the param holding a reward scorer reference ("auto", a built-in name
+            or "file.py:function"), for tools that swap scorers (`flowrl run --tiny`).
     """
 
     reads: tuple[str, ...]
@@ -146,6 +151,8 @@ class NodeSpec:
     refill: "Refill | None" = None
     check: Callable[[Any, CheckContext], list[Finding]] | None = None
     updates_per_step: Callable[[Any, int], int] | None = None
+    multi_turn: bool = False
+    scorer_param: str = ""
 
     def __attrs_post_init__(self):
         if (self.fn is None) == (self.worker is None):
@@ -165,6 +172,10 @@ class NodeSpec:
             raise ValueError('NodeSpec.updates_per_step is for mode="train" nodes')
         if self.refill is not None and self.rows != "filter":
             raise ValueError('NodeSpec.refill is for rows="filter" nodes')
+        if self.multi_turn and self.mode != "rollout":
+            raise ValueError('NodeSpec.multi_turn is for mode="rollout" nodes')
+        if self.scorer_param and self.scorer_param not in attrs.fields_dict(self.params):
+            raise ValueError(f"NodeSpec.scorer_param names no param: {self.scorer_param!r}")
 
     @property
     def uses_model(self) -> bool:
@@ -186,6 +197,13 @@ class NodeSpec:
     def updates(self, params: Any, rows: int) -> int:
         """Optimizer steps per training step; 1 for a train node without the hook."""
         return self.updates_per_step(params, rows) if self.updates_per_step else 1
+
+    @property
+    def mini_batches(self) -> "MiniBatches | None":
+        """The `MiniBatches` declaration whose `updates` is this node's `updates_per_step`
+        (it names the epochs and mini-batch size params), or None."""
+        owner = getattr(self.updates_per_step, "__self__", None)
+        return owner if isinstance(owner, MiniBatches) else None
 
 
 @attrs.frozen

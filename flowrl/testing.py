@@ -25,9 +25,14 @@ __all__ = [
     "ScriptedTurns",
     "VARIED_SCORER",
     "TinyRun",
+    "assert_same",
+    "compile_text",
+    "first_step",
+    "graph_problems",
     "load_node",
     "load_ref",
     "loss_params",
+    "ragged_rows",
     "run_tiny",
     "scripted_request",
     "tiny_engine",
@@ -36,6 +41,8 @@ __all__ = [
     "tiny_plan",
     "tiny_tokenizer",
     "update_batch",
+    "update_rows",
+    "write_graph",
 ]
 
 
@@ -45,6 +52,34 @@ def tiny_plan(graph: str | Path, out_dir: str | Path, **extra):
     from flowrl.front.compiler import compile_file
 
     return compile_file(graph, tiny_overrides(graph, out_dir, **extra))
+
+
+def write_graph(folder: str | Path, text: str, name: str = "g.toml", **fields) -> Path:
+    """Write graph `text` to folder/name, with `{field}`s filled in (`text.format(**fields)`,
+    so a literal brace is written doubled), and return its path."""
+    path = Path(folder) / name
+    path.write_text(text.format(**fields))
+    return path
+
+
+def compile_text(folder: str | Path, text: str, overrides=(), **fields):
+    """The ExecutionPlan of graph `text` (written by `write_graph`) under `overrides`; raises
+    GraphErrors like `flowrl check`."""
+    from flowrl.front.compiler import compile_file
+
+    return compile_file(write_graph(folder, text, **fields), list(overrides))
+
+
+def graph_problems(folder: str | Path, text: str, overrides=(), **fields) -> list:
+    """The problems (flowrl.errors.Problem) `flowrl check` finds in graph `text`; an
+    AssertionError if it compiles."""
+    from flowrl.errors import GraphErrors
+
+    try:
+        compile_text(folder, text, overrides, **fields)
+    except GraphErrors as e:
+        return e.problems
+    raise AssertionError("the graph compiled; problems were expected")
 
 
 @attrs.frozen
@@ -92,6 +127,86 @@ def update_batch(b: int = 4, p: int = 5, t: int = 4, seed: int = 0):
     )
 
 
+def ragged_rows(seed: int = 0, b: int = 4, p: int = 6, t: int = 5):
+    """A random DataProto of b left-padded prompts (2 to p tokens) and right-padded responses
+    (1 to t tokens), with their masks; ids in [3, 100)."""
+    import torch
+
+    from flowrl.protocol import DataProto
+
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = torch.randint(2, p + 1, (b,), generator=g)
+    resp_len = torch.randint(1, t + 1, (b,), generator=g)
+    prompt_mask = (torch.arange(p)[None] >= p - prompt_len[:, None]).long()
+    response_mask = (torch.arange(t)[None] < resp_len[:, None]).long()
+    return DataProto.from_dict(
+        {
+            "prompts": torch.randint(3, 100, (b, p), generator=g) * prompt_mask,
+            "prompt_mask": prompt_mask,
+            "responses": torch.randint(3, 100, (b, t), generator=g) * response_mask,
+            "response_mask": response_mask,
+        }
+    )
+
+
+def update_rows(b: int = 6, p: int = 5, t: int = 4, seed: int = 0):
+    """A random DataProto that the policy and the critic update take: b rows of p prompt
+    tokens and responses of 1 to t tokens (right-padded), advantages zero on every second row
+    (rows without a gradient, which an update may skip), old log-probs, values and returns;
+    ids in [3, 100), within the tiny tokenizer's vocabulary."""
+    import torch
+
+    from flowrl.protocol import DataProto
+
+    g = torch.Generator().manual_seed(seed)
+    response_mask = torch.arange(t)[None] < torch.randint(1, t + 1, (b,), generator=g)[:, None]
+    advantages = torch.randn(b, 1, generator=g) * response_mask
+    advantages[::2] = 0.0  # half the rows carry no signal
+    return DataProto.from_dict(
+        {
+            "prompts": torch.randint(3, 100, (b, p), generator=g),
+            "prompt_mask": torch.ones(b, p, dtype=torch.long),
+            "responses": torch.randint(3, 100, (b, t), generator=g) * response_mask,
+            "response_mask": response_mask.long(),
+            "advantages": advantages,
+            "old_logprobs": torch.randn(b, t, generator=g) * 0.1 - 3.0,
+            "values": torch.zeros(b, t),
+            "returns": torch.randn(b, t, generator=g),
+        }
+    )
+
+
+def first_step(model, worker_class, params, micro_tokens: int = 4096, rows=None):
+    """(the gradients of the first optimizer step, the metrics) of `worker_class(engine,
+    params)` run on `rows` (default `update_rows()`), over a copy of `model` (lr 0.01)."""
+    import copy
+
+    from flowrl.engines import TrainEngine
+
+    engine = TrainEngine(copy.deepcopy(model), tiny_tokenizer(), lr=1e-2, micro_tokens=micro_tokens)
+    grads, step = [], engine.step
+
+    def record_then_step():
+        grads.append(
+            {n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None}
+        )
+        return step()
+
+    engine.step = record_then_step
+    _, metrics = worker_class(engine, params)(update_rows() if rows is None else rows)
+    return grads[0], metrics
+
+
+def assert_same(a: dict, b: dict) -> None:
+    """Two dicts of tensors (gradients by parameter name) hold the same keys and values, up to
+    float32 summation order."""
+    import torch
+
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-7)
+
+
 def tiny_engine(head: str = "lm", lr: float = 1e-2, seed: int = 0, **kwargs):
     """A `TrainEngine` (flowrl/engines/train.py) on `tiny_model(head, seed)` and the tiny
     tokenizer, one rank, no Ray: what an update or logprob node's worker receives as `engine`.
@@ -115,9 +230,9 @@ def load_node(uses: str | Path):
 def load_ref(ref: str, base_dir: str | Path = "."):
     """The object a graph-file reference names, as the graph resolves it: "file.py:name"
     (relative to base_dir) or "package.module:name": a tool, parser, scorer or interaction."""
-    from flowrl.agent.objects import load_object
+    from flowrl import refs
 
-    return load_object(ref, base_dir, what="reference")
+    return refs.load(ref, base_dir, what="reference")
 
 
 def scripted_request(

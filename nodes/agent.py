@@ -128,5 +128,6 @@ SPEC = NodeSpec(
     mode="rollout",
     head="lm",
     rows="repeat",
+    multi_turn=True,
     check=check,
 )

@@ -14,7 +14,7 @@ one turn's `<|im_end|>` and the next `<|im_start|>` (SmolLM2 and Qwen: a newline
 observation; templating the tool message alone drops it (verl #6501). For a template that only
 appends (ChatML and most others) the concatenation equals the template of the whole
 conversation token for token; `template_problems` checks that on a canned conversation, which
-`flowrl check` runs for an agent node's tokenizer (research/multiturn.md section 4).
+`flowrl check` runs for an agent node's tokenizer.
 
 Plain Python over a transformers tokenizer: no torch.
 """

@@ -4,7 +4,7 @@
   models emit (verl's and TRL's default). A block whose JSON does not parse, or that has no
   name, is a malformed call: the model is told so as the tool's answer (verl drops it).
 - `tag`: `<name>argument</name>` for tools of one argument, e.g. `<calc>347*28</calc>`: 12
-  tokens for SmolLM2 where the hermes form takes 34 (research/multiturn.md section 4).
+  tokens for SmolLM2's tokenizer where the hermes form takes 34.
 - a user function `parse(text) -> [(name, arguments dict), ...]` from "file.py:function".
 
 No torch.
@@ -99,12 +99,12 @@ def user_parser(function: Callable) -> Callable[[str], list[ToolCall]]:
     return parse
 
 
-def make_parser(spec: str, tool_names: list[str], base_dir=".") -> Callable[[str], list[ToolCall]]:
+def make_parser(ref: str, tool_names: list[str], base_dir=".") -> Callable[[str], list[ToolCall]]:
     """ "hermes", "tag" (over the tool names), or "file.py:function" (relative to base_dir)."""
-    if spec == "hermes":
+    if ref == "hermes":
         return parse_hermes
-    if spec == "tag":
+    if ref == "tag":
         return tag_parser(tool_names)
     from flowrl.agent.objects import load_object
 
-    return user_parser(load_object(spec, base_dir, what="parser"))
+    return user_parser(load_object(ref, base_dir, what="parser"))

@@ -3,9 +3,9 @@
 SmolLM2-135M cannot multiply these in its head (0 of 8 greedy); the prompt describes the
 `<calc>EXPRESSION</calc>` call and shows one worked example as prior messages (a user question,
 the assistant's call, the tool's answer, the assistant's final answer), which is enough for it
-to call the tool now and then when sampled: the regime where GRPO learns
-(research/multiturn.md section 4). Rows follow verl's multi-turn format (`agent_name`,
-`extra_info.need_tools_kwargs`); the calculator needs no per-row state, so no `tools_kwargs`.
+to call the tool now and then when sampled: the regime where GRPO learns. Rows follow verl's
+multi-turn format (`agent_name`, `extra_info.need_tools_kwargs`); the calculator needs no
+per-row state, so no `tools_kwargs`.
 Train and validation cut one seeded shuffle of all 81,000 pairs, so they never share a question.
 """
 

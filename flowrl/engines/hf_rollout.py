@@ -18,7 +18,7 @@ linearly, hence the 1/4 threshold below.
 import torch
 
 from flowrl.engines.forward import cache_argument
-from flowrl.engines.kv_cache import preallocated_cache
+from flowrl.engines.kv_cache import preallocated_cache, reserve
 from flowrl.engines.sampling import sample_tokens
 
 COMPACT_FRACTION = 0.25  # drop finished rows once this share of the active batch has finished
@@ -78,16 +78,47 @@ class HFRollout:
             empty = torch.zeros(rows, 0, dtype=torch.long)
             out = {"responses": empty, "response_mask": empty.clone()}
             return {**out, "logprobs": torch.zeros(rows, 0)} if logprobs else out
-        ids, mask = _trim_left(prompts, prompt_mask)
-        self.cache = preallocated_cache(self.module, ids.shape[1] + max_new_tokens)
-        logits, mask = self._prefill(ids.to(self.device), mask.to(self.device))  # (b, v)
-        if n > 1:  # a prompt's n samples share its keys and values
-            self.cache.batch_repeat_interleave(n)
-            logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+        logits, mask = self.prefill(prompts, prompt_mask, n, max_new_tokens)  # (r, v)
         position = mask.sum(-1, keepdim=True)  # (r, 1): positions count real tokens from 0
         out = self._decode(logits, mask, position, max_new_tokens, sampling, logprobs)
-        self.cache = None
+        self.release()
         return out
+
+    # -- the cache, step by step: `generate` and the multi-turn loop (wave_rollout.py) -------
+    def prefill(self, prompts, prompt_mask, n: int, reserve_tokens: int):
+        """Open a cache and fill it with the prompts, each sampled n times.
+
+        Args:
+            prompts: (b, p) int64 token ids, left-padded; prompt_mask: (b, p).
+            n: rows per prompt; rows are interleaved (prompt 0's n rows first).
+            reserve_tokens: cache room beyond the prompts (`extend` grows it when needed).
+
+        Returns:
+            (next-token logits (b*n, v) float32, the mask of the cache's columns (b*n, c)).
+        """
+        with torch.inference_mode():
+            ids, mask = _trim_left(prompts, prompt_mask)
+            self.cache = preallocated_cache(self.module, ids.shape[1] + reserve_tokens)
+            logits, mask = self._prefill(ids.to(self.device), mask.to(self.device))  # (b, v)
+            if n > 1:  # a prompt's n samples share its keys and values
+                self.cache.batch_repeat_interleave(n)
+                logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+        return logits, mask
+
+    def extend(self, ids, mask, positions) -> torch.Tensor:
+        """Feed ids (r, L) at positions (r, L) into the open cache, whose columns with these
+        are mask (r, c); the cache grows to c columns first. -> next-token logits (r, v)."""
+        with torch.inference_mode():
+            reserve(self.cache, mask.shape[1])
+            return self._forward(ids, mask, positions)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the cache rows at indices `rows` (r',) int64, in that order."""
+        self.cache.batch_select_indices(rows)
+
+    def release(self) -> None:
+        """Drop the open cache."""
+        self.cache = None
 
     def _prefill(self, ids, mask):
         """Fill the cache with the b distinct prompts: (last logits (b, v), the mask of the
@@ -161,14 +192,16 @@ class HFRollout:
         )
         return out.logits[:, -1].float()
 
-    def offload(self) -> None:
-        """Free the kv_cache part: drop any cache (and, on CUDA, return its memory)."""
-        self.cache = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+    def offload(self, parts: tuple[str, ...]) -> None:
+        """With the kv_cache part: drop any cache (and, on CUDA, return its memory). The
+        weights are the train engine's module, which moves them itself."""
+        if "kv_cache" in parts:
+            self.cache = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
-    def reload(self) -> None:
-        """The cache is rebuilt by the next `generate` at the size that call needs."""
+    def reload(self, parts: tuple[str, ...]) -> None:
+        """Nothing to do: the next `generate` builds the cache at the size it needs."""
 
     def sync_weights(self, source: torch.nn.Module) -> None:
         """Copy trained weights in, unless this engine already shares the module."""

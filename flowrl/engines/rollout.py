@@ -1,44 +1,29 @@
-"""The rollout-backend contract: what a rollout engine offers, and the table of backends by name.
+"""The rollout-backend contract: what a rollout engine offers, and how a pool builds one.
 
 A rollout backend samples responses for the generate node and answers the pool worker's
 residency transitions. A graph picks one per model with `rollout = "<name>"` in
-`[models.<name>]`; the pool worker builds it with `make_rollout`. Adding a backend is one module
-with one class that has the shape of `RolloutBackend`, plus one line in `ROLLOUT_BACKENDS`
-(docs/extending.md).
-
-The table holds import strings, so a backend's module (and the packages it needs) loads only
-when a graph picks it. This module imports no torch at module level: schema.py validates the
-name from the table, and `flowrl check` runs where torch is not installed.
+`[models.<name>]`; its record (import path, device, package, multi-turn) is a line of the
+torch-free table `flowrl.backends.ROLLOUT_BACKENDS`, and the pool worker builds it with
+`make_rollout`. Adding a backend is one module with one class that has the shape of
+`RolloutBackend`, plus one line in that table (docs/extending.md).
 
 Memory: the compiler tracks a rollout model's `weights` and `kv_cache` parts. When a plan moves
-`kv_cache` off or back on the device, the pool worker calls `offload()` or `reload()`; after an
-update it calls `sync_weights(module)`, so the next step samples from the trained weights. A
-backend that holds more of those parts itself (a server with its own copy of the weights)
-says which in a class attribute, `parts = ("weights", "kv_cache")`, and then gets the moving
-ones as an argument, `offload(parts)` / `reload(parts)`, whenever one of them moves.
-
-Some backends need a GPU pool or a package flowrl does not install: `DEVICE` and `PACKAGE`
-say which, and `flowrl check` reports them (never importing the package).
+parts off or back on the device, the pool worker calls `offload(parts)` or `reload(parts)` with
+the parts that move; each backend acts on those it holds (flowrl's own loop: the KV cache; a
+server with its own copy of the weights: both). After an update it calls
+`sync_weights(module)`, so the next step samples from the trained weights.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from flowrl import refs
+from flowrl.backends import backend
+
 if TYPE_CHECKING:
     import torch
-
-# name -> "module:Class", imported only when a graph picks the name
-ROLLOUT_BACKENDS = {
-    "hf": "flowrl.engines.hf_rollout:HFRollout",  # flowrl's own KV-cache decode loop (CPU/CUDA)
-    "sglang": "flowrl.engines.sglang_backend:SGLangRollout",  # in-process SGLang engine (GPU)
-}
-DEVICE = {"sglang": "cuda"}  # backend -> the only pool device it runs on
-PACKAGE = {"sglang": "sglang"}  # backend -> the package it imports, an optional extra
-INSTALL = {"sglang": 'pip install -e ".[sglang]" in a checkout, or pip install "flowrl[sglang]"'}
 
 
 @runtime_checkable
@@ -87,14 +72,12 @@ class RolloutBackend(Protocol):
         """
         ...
 
-    def offload(self) -> None:
-        """Free the device memory of the kv_cache part. A backend with `parts` is called as
-        `offload(moving)`, those of its parts that leave (a server: release their memory)."""
+    def offload(self, parts: tuple[str, ...]) -> None:
+        """Free the device memory of those of `parts` ("weights", "kv_cache") it holds."""
         ...
 
-    def reload(self) -> None:
-        """Make the kv_cache part usable again; with `parts`, `reload(moving)` (a server:
-        resume their memory)."""
+    def reload(self, parts: tuple[str, ...]) -> None:
+        """Make those of `parts` it holds usable again (before a generate: "kv_cache")."""
         ...
 
     def sync_weights(self, source: torch.nn.Module) -> None:
@@ -103,20 +86,9 @@ class RolloutBackend(Protocol):
         ...
 
 
-def missing_package(name: str) -> str:
-    """The package backend `name` needs when it is not installed here, else "". Looked up with
-    importlib.util.find_spec, which finds a package without importing it."""
-    package = PACKAGE.get(name, "")
-    return package if package and importlib.util.find_spec(package) is None else ""
-
-
 def rollout_class(name: str) -> type:
-    """The backend class named `name` in ROLLOUT_BACKENDS, imported now."""
-    if name not in ROLLOUT_BACKENDS:
-        choices = ", ".join(f'"{n}"' for n in sorted(ROLLOUT_BACKENDS))
-        raise ValueError(f'unknown rollout backend "{name}"; the backends are: {choices}')
-    module, _, attr = ROLLOUT_BACKENDS[name].partition(":")
-    return getattr(importlib.import_module(module), attr)
+    """The class of backend `name` in flowrl.backends.ROLLOUT_BACKENDS, imported now."""
+    return refs.load(backend(name).ref, what=f'rollout backend "{name}"')
 
 
 def make_rollout(

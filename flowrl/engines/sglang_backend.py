@@ -76,7 +76,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.engines.rollout import INSTALL
+from flowrl.backends import ROLLOUT_BACKENDS
 from flowrl.engines.sglang_io import (
     empty_responses,
     free_port,
@@ -107,14 +107,16 @@ def sglang_engine(**server_args):
     try:
         import sglang
     except ImportError as e:
-        raise ImportError(f'rollout = "sglang" needs SGLang: {INSTALL["sglang"]}') from e
+        raise ImportError(
+            f'rollout = "sglang" needs SGLang: {ROLLOUT_BACKENDS["sglang"].install}'
+        ) from e
     return sglang.Engine(**server_args)
 
 
 class SGLangRollout:
     """Generates with an SGLang engine; implements `flowrl.engines.rollout.RolloutBackend`, and
-    holds the `weights` and `kv_cache` parts itself (`parts`), so the pool worker passes both
-    to `offload` / `reload`.
+    holds the `weights` and `kv_cache` parts itself (`parts`): `offload` / `reload` act on
+    those of the moving parts.
 
     Args:
         module: the train engine's module (its parameters are what SGLang serves), 16-bit.
@@ -200,7 +202,7 @@ class SGLangRollout:
             )
         return response_tensors(outputs, self.eos, self.pad, logprobs, self.where)
 
-    def offload(self, parts: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+    def offload(self, parts: tuple[str, ...]) -> None:
         """Release the memory of `parts` ("weights", "kv_cache") still held on the GPU."""
         tags = [p for p in self.parts if p in parts and p not in self.released]
         if tags:
@@ -208,7 +210,7 @@ class SGLangRollout:
                 self.engine.release_memory_occupation(tags=tags)  # returns None (0.5.21)
             self.released.update(tags)
 
-    def reload(self, parts: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+    def reload(self, parts: tuple[str, ...]) -> None:
         """Before a generate (the kv_cache part is reloaded): resume what was released, pushing
         the weights again. The weights part alone comes back with the next KV cache."""
         if "kv_cache" in parts:

@@ -7,8 +7,8 @@ distinct prompt once, a shared prefix once, then repeated for the n samples). Ea
     2. every continuing row's new ids - its last sampled token, which the decode loop never
        fed, plus the tool output the driver appends - go into the cache in ONE forward,
        left-padded to the longest so the last column is real in every row: the earlier turns
-       are never prefilled again (research/multiturn.md: 12 tool tokens appended for 32 rows
-       in ~1.1 s against ~8.7 s to re-prefill 152-token conversations);
+       are never prefilled again (measured on SmolLM2-135M, CPU: 12 tool tokens appended for
+       32 rows in ~1.1 s against ~8.7 s to re-prefill 152-token conversations);
     3. the decode loop samples up to each row's own limit, stopping a row at eos; a row that
        stopped feeds padding (attention 0) until the whole turn ends.
 
@@ -21,14 +21,13 @@ log-prob of a sampled token is under the model's full distribution at the sampli
 
 import torch
 
-from flowrl.engines.hf_rollout import _trim_left
-from flowrl.engines.kv_cache import preallocated_cache, reserve
 from flowrl.engines.sampling import sample_tokens
 
 
 class WaveRollout:
-    """A `flowrl.agent.driver.TurnBackend` over an `HFRollout` (its module, cache calls and
-    tokenizer): `start` prefills, each `turn` appends and decodes, `close` drops the cache."""
+    """A `flowrl.agent.driver.TurnBackend` over a rollout backend with the step-by-step cache
+    API (`HFRollout`: prefill, extend, keep_rows, release): `start` prefills, each `turn`
+    appends and decodes, `close` drops the cache."""
 
     def __init__(
         self,
@@ -41,9 +40,10 @@ class WaveRollout:
         generator=None,
         first_turn: list[int] = (),
     ):
-        if not hasattr(rollout, "_forward") or not hasattr(rollout, "_prefill"):
+        if not all(hasattr(rollout, m) for m in ("prefill", "extend", "keep_rows", "release")):
             raise TypeError(
-                f"multi-turn rollouts run on the hf backend's decode loop, not {type(rollout)}"
+                f'multi-turn rollouts need a backend with prefill/extend (rollout = "hf"), '
+                f"not {type(rollout).__name__}"
             )
         self.rollout, self.device = rollout, rollout.device
         self.eos, self.pad = rollout.eos, rollout.pad
@@ -58,15 +58,7 @@ class WaveRollout:
         """Prefill prompts (b, p) left-padded with prompt_mask (b, p); rows are then the b * n
         requests, interleaved (prompt 0's n samples first). `reserve_tokens`: cache room
         beyond the prompts (it grows when a turn needs more)."""
-        with torch.inference_mode():
-            ids, mask = _trim_left(prompts, prompt_mask)
-            self.rollout.cache = preallocated_cache(
-                self.rollout.module, ids.shape[1] + reserve_tokens
-            )
-            logits, mask = self.rollout._prefill(ids.to(self.device), mask.to(self.device))
-            if n > 1:
-                self.rollout.cache.batch_repeat_interleave(n)
-                logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+        logits, mask = self.rollout.prefill(prompts, prompt_mask, n, reserve_tokens)
         self.logits, self.mask = logits, mask  # (r, v) next-token logits, (r, columns)
         self.position = mask.sum(-1)  # (r,) the next position: real tokens so far
         self.rows = list(range(len(logits)))  # the request of each cache row
@@ -82,7 +74,7 @@ class WaveRollout:
             return self._decode(limits, forced)
 
     def close(self) -> None:
-        self.rollout.cache = None
+        self.rollout.release()
 
     # -- the three steps of a turn -----------------------------------------------------------
     def _select(self, rows: list[int]) -> None:
@@ -91,7 +83,7 @@ class WaveRollout:
             return
         where = {request: k for k, request in enumerate(self.rows)}
         keep = torch.tensor([where[i] for i in rows], dtype=torch.long, device=self.device)
-        self.rollout.cache.batch_select_indices(keep)
+        self.rollout.keep_rows(keep)
         self.logits, self.mask, self.position = (
             self.logits[keep],
             self.mask[keep],
@@ -115,8 +107,7 @@ class WaveRollout:
         ids, new = ids.to(self.device), new.to(self.device)
         positions = self.position[:, None] + (new.cumsum(-1) - 1).clamp(min=0)  # (r, L)
         self.mask = torch.cat([self.mask, new], dim=1)
-        reserve(self.rollout.cache, self.mask.shape[1])
-        logits = self.rollout._forward(ids, self.mask, positions)  # (r, v)
+        logits = self.rollout.extend(ids, self.mask, positions)  # (r, v)
         fed = new.any(-1, keepdim=True)  # a row with nothing new keeps its logits
         self.logits = torch.where(fed, logits, self.logits)
         self.position = self.position + new.sum(-1)
@@ -148,8 +139,7 @@ class WaveRollout:
                 break
             feed = live & ~ends  # (r,)
             self.mask = torch.cat([self.mask, feed.long()[:, None]], dim=1)
-            reserve(self.rollout.cache, self.mask.shape[1])
-            logits = self.rollout._forward(
+            logits = self.rollout.extend(
                 token.masked_fill(~feed, self.pad)[:, None], self.mask, self.position[:, None]
             )
             self.position = self.position + feed.long()

@@ -21,7 +21,8 @@ def refill_plan(graph: Graph, errors: Collector) -> RefillPlan | None:
         errors.add(
             f"[nodes.{extra}]",
             f"a step refills through one filter node, and [nodes.{filters[0]}] already does",
-            "keep one filter with a refill (min_groups), or chain the conditions in one node",
+            f"keep one filter with a refill ({spec.nodes[extra].spec.refill.groups}), or chain "
+            "the conditions in one node",
         )
     if not filters:
         return None
@@ -153,6 +154,7 @@ def held_nodes(graph: Graph, refill, errors: Collector) -> tuple[str, ...]:
         errors.add(
             "[run]",
             f"{where} cannot be combined with the refilling filter [nodes.{refill.node}]",
-            "set critic_warmup = 0, or min_groups = 0 on the filter",
+            f"set critic_warmup = 0, or {spec.nodes[refill.node].spec.refill.groups} = 0 on "
+            f"[nodes.{refill.node}]",
         )
     return tuple(n for n in train if n not in critics)

@@ -137,7 +137,7 @@ def _pools(graph: Graph, batch: BatchPlan, warnings: list) -> dict[str, PoolPlan
             devices_per_worker=pool.devices_per_worker,
             offload=offload,
             offload_reason=reason,
-            nodes=pool.nodes,
+            machines=pool.nodes,
             strategy=pool.strategy,
             sharded=sharded,
             placement=group_strategy,
@@ -146,7 +146,7 @@ def _pools(graph: Graph, batch: BatchPlan, warnings: list) -> dict[str, PoolPlan
             configs=configs,
             node_ids=node_ids,
             updates_per_step=updates,
-            models={
+            model_lines={
                 m: memory.model_line(c, sizes[m], pool.workers if m in sharded else 0)
                 for m, c in configs.items()
             },
@@ -189,11 +189,11 @@ def needs(pool: PoolPlan, model: str, mode: str) -> tuple[str, ...]:
 
 
 def placement(pool: schema.PoolConfig) -> tuple[str, list[list[int]]]:
-    """(Ray placement-group strategy, the ranks on each of the pool's nodes). Ranks are consecutive
-    on a node (so a node's ranks could share fast links); PACK on one node and STRICT_SPREAD
-    over several, unless set. The Ray executor makes a bundle per rank on one node (Ray may
-    still spread them when a node is full, as PACK allows) and a bundle per node otherwise:
-    `PoolPlan.bundles`."""
+    """(Ray placement-group strategy, the ranks on each of the machines the pool spans, its
+    `nodes`). Ranks are consecutive on a machine (so its ranks could share fast links); PACK on
+    one machine and STRICT_SPREAD over several, unless set. The bundles are made from these
+    by `_pools` (`PoolPlan.bundles`): a bundle per rank on one machine (Ray may still spread
+    them when a machine is full, as PACK allows), a bundle per machine otherwise."""
     per_node = pool.workers // pool.nodes
     ranks = [list(range(k * per_node, (k + 1) * per_node)) for k in range(pool.nodes)]
     return pool.placement or ("PACK" if pool.nodes == 1 else "STRICT_SPREAD"), ranks

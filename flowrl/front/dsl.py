@@ -15,7 +15,7 @@ from pathlib import Path
 
 import attrs
 
-from flowrl.engines.rollout import DEVICE
+from flowrl.backends import ROLLOUT_BACKENDS, multi_turn_names
 from flowrl.errors import Collector, GraphErrors, Problem, did_you_mean, one_of
 from flowrl.front import registry, schema
 from flowrl.front.overrides import TOP_LEVEL, addressable, apply_overrides, said
@@ -237,7 +237,8 @@ def _place(name, model: schema.ModelConfig, pools, errors, overridden) -> schema
 def _check_rollout_device(name, model: schema.ModelConfig, pools, errors, overridden) -> None:
     """A rollout backend that runs on one kind of device only (sglang: "cuda") needs its
     rollout pool to be one."""
-    need, pool = DEVICE.get(model.rollout), model.rollout_pool or model.pool
+    record = ROLLOUT_BACKENDS.get(model.rollout)
+    need, pool = record.device if record else None, model.rollout_pool or model.pool
     if need is None or pool not in pools or pools[pool].device == need:
         return
     override = said(overridden, f"models.{name}.rollout") or said(
@@ -407,4 +408,12 @@ def _check_model(where, spec: NodeSpec, model, models, errors: Collector, said="
             f'this node needs a model with head = "{spec.head}", '
             f'but "{model}" has head = "{config.head}"',
             f'use a model with head = "{spec.head}"',
+        )
+    backend = ROLLOUT_BACKENDS.get(config.rollout)
+    if spec.multi_turn and backend and not backend.multi_turn:
+        errors.add(
+            where,
+            f'this node runs multi-turn rollouts, but model "{model}" has rollout = '
+            f'"{config.rollout}", which generates single turns only',
+            f"set rollout = {one_of(multi_turn_names())} in [models.{model}]",
         )

@@ -18,7 +18,7 @@ No torch or ray here.
 import attrs
 import networkx as nx
 
-from flowrl.engines.rollout import INSTALL, missing_package
+from flowrl.backends import ROLLOUT_BACKENDS, missing_package
 from flowrl.errors import Collector, did_you_mean
 from flowrl.front import registry
 from flowrl.front.schema import DATASET_KEYS, GraphSpec
@@ -216,10 +216,10 @@ def _warnings(spec: GraphSpec, writers: dict[str, str]) -> list[str]:
         elif model.trainable and name not in trained:
             out.append(f"[models.{name}] is trainable but no node trains it")
         if name in used and (package := missing_package(model.rollout)):
+            install = ROLLOUT_BACKENDS[model.rollout].install
             out.append(
                 f'[models.{name}] rollout = "{model.rollout}" needs the {package} package, '
-                f"not installed here: {INSTALL[model.rollout]} (`flowrl run` stops on it "
-                "before loading a model)"
+                f"not installed here: {install} (`flowrl run` stops on it before loading a model)"
             )
     return out
 

@@ -70,7 +70,7 @@ class PoolPlan:
     devices_per_worker: int
     offload: str  # resolved: "never" or "always"
     offload_reason: str
-    nodes: int  # machines the pool spans
+    machines: int  # machines the pool spans (`nodes` in the graph file's [pools.<name>])
     strategy: str  # training strategy: "ddp" (replicated) or "fsdp" (sharded)
     sharded: tuple[str, ...]  # the models fsdp shards here (all but generate-only ones)
     placement: str  # Ray placement-group strategy, resolved
@@ -79,7 +79,7 @@ class PoolPlan:
     configs: dict[str, Any]  # model name -> schema.ModelConfig as loaded on this pool
     node_ids: tuple[str, ...]  # the nodes whose workers run here, in file order
     updates_per_step: dict[str, int]  # trainable model -> optimizer steps per training step
-    models: dict[str, str]  # model name -> one line: path, head, role, estimated sizes per rank
+    model_lines: dict[str, str]  # model name -> display line: path, head, role, sizes per rank
     memory_bytes: dict[str, dict[str, int]]  # model name -> part -> estimated bytes per rank
 
 
@@ -154,13 +154,15 @@ class ExecutionPlan:
                 f"  {name}: {pool.workers} worker(s) x {pool.device}, {pool.strategy}, "
                 f"offload={pool.offload} ({pool.offload_reason}); sizes per rank"
             )
-            if pool.nodes > 1:
+            if pool.machines > 1:
                 where = "; ".join(
                     f"node {k}: rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}"
                     for k, r in enumerate(pool.ranks_by_node)
                 )
-                lines.append(f"    placement: {pool.placement} over {pool.nodes} nodes ({where})")
-            for model, info in pool.models.items():
+                lines.append(
+                    f"    placement: {pool.placement} over {pool.machines} nodes ({where})"
+                )
+            for model, info in pool.model_lines.items():
                 lines.append(f"    {model}: {info}")
         b = self.batch
         lines.append(f"batch: {b.prompts} prompts x {b.samples} samples = {b.rows} rows")

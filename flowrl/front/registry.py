@@ -11,13 +11,13 @@ import importlib
 import importlib.util
 import pkgutil
 import re
-import sys
 from functools import cache
 from pathlib import Path
 
 import attrs
 
 import flowrl.nodes
+from flowrl import refs
 from flowrl.errors import FlowrlError
 from flowrl.nodespec import NodeSpec
 
@@ -66,7 +66,7 @@ def node_module(uses: str, base_dir: Path | None = None):
         path = Path(uses) if base_dir is None else Path(base_dir) / uses
         if not path.is_file():
             raise UnknownNode(f'no node file "{path}"')
-        module = _import_file(path.resolve())
+        module = refs.load_file(path, "node", uses, error=UnknownNode)
     elif uses in builtin_names():
         module = importlib.import_module(BUILTIN_PREFIX + uses)
     elif re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)+", uses) and _importable(uses):
@@ -81,19 +81,6 @@ def _importable(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
-
-
-def _import_file(path: Path):
-    name = "flowrl_user_node_" + re.sub(r"\W", "_", str(path))
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    if str(path.resolve().parent) not in sys.path:  # its sibling modules import, as in tools
-        sys.path.append(str(path.resolve().parent))
-    spec.loader.exec_module(module)
-    return module
 
 
 def _spec_line(file: str) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from flowrl.engines.rollout import ROLLOUT_BACKENDS  # torch-free: the table, no backend
+from flowrl.backends import EXECUTORS, ROLLOUT_BACKENDS  # torch-free: names, no backend
 from flowrl.front.validators import (
     MAX_DATASET,
     MAX_MEMORY_GB,
@@ -35,7 +35,7 @@ from flowrl.front.validators import (
 from flowrl.models import lora
 from flowrl.nodespec import HEADS, NodeSpec
 
-BACKENDS = ("ray", "local")
+BACKENDS = tuple(EXECUTORS)  # run.backend: "ray" or "local"
 SCHEDULES = ("constant", "cosine")
 OFFLOAD = ("never", "always", "auto")
 DEVICES = ("cpu", "cuda")
@@ -93,15 +93,6 @@ def _lora() -> Rule:
     return Rule(text, lambda v: not lora.settings_problem(v))
 
 
-def _strategy() -> Rule:
-    """ "ddp" or "fsdp"; the message names `placement` for a value of the pre-rename spelling,
-    when `strategy` held the Ray placement-group strategy."""
-    return Rule(
-        'one of "ddp", "fsdp" (the Ray placement-group strategy is set by `placement`)',
-        lambda v: v in STRATEGIES,
-    )
-
-
 @attrs.frozen
 class RunConfig:
     steps: int = checked(20, count(1, MAX_STEPS))  # training steps (one batch each)
@@ -140,7 +131,7 @@ class ModelConfig:
     head: str = checked("lm", one_of(HEADS))  # "value" for critics
     pool: str = ""  # which pool hosts it; may be left out when there is one pool
     rollout_pool: str = ""  # pool of its rollout engine; "" = the same (hybrid engine)
-    rollout: str = checked("hf", _backend_name())  # rollout backend (engines/rollout.py)
+    rollout: str = checked("hf", _backend_name())  # rollout backend (flowrl/backends.py)
     dtype: str = checked("float32", one_of(DTYPES))  # of the weights
     lr: float = checked(1e-6, positive())  # AdamW peak learning rate
     weight_decay: float = checked(0.0, at_least(0))  # AdamW decoupled weight decay
@@ -165,7 +156,7 @@ class PoolConfig:
     offload: str = checked("auto", one_of(OFFLOAD))  # never/always/auto
     device_memory_gb: float = checked(0.0, at_least(0, MAX_MEMORY_GB))  # 0 = per device
     nodes: int = checked(1, count(1, MAX_WORKERS))  # machines the pool spans
-    strategy: str = checked("ddp", _strategy())  # "ddp" (replicated) or "fsdp" (sharded)
+    strategy: str = checked("ddp", one_of(STRATEGIES))  # "ddp" (replicated) or "fsdp" (sharded)
     placement: str = checked("", one_of(PLACEMENTS))  # Ray; "" = PACK or STRICT_SPREAD
 
 
@@ -231,8 +222,6 @@ class GraphSpec:
                 out[name] = attrs.evolve(config, pool=pool, trainable=False)
         return out
 
-
-TABLES = {"run": RunConfig, "data": DataConfig}
 
 # Sizes of the aliases, for memory estimates without loading anything: parameters, layers and
 # the width of one layer's keys (kv heads x head dim). Other paths are read from config.json.

@@ -5,18 +5,22 @@ Every model's path becomes "tiny" (flowrl/models/tiny.py: a character-level toke
 2-layer Llama, built in milliseconds, no download); a step has 2 prompts and responses of at
 most 6 tokens; 2 steps; validation on 4 prompts, at the start and the end; reward nodes score
 by length (flowrl/rewards/varied.py), so the updates see nonzero advantages; a node's
-`mini_batch_size` shrinks with the prompt batch, so an update keeps its number of optimizer
+mini-batch size shrinks with the prompt batch, so an update keeps its number of optimizer
 steps (at least the rows allow); an agent node's first turn calls each of its tools (so the
 tools run: a random policy never calls one). Trainable models get lr 0.01, so a test can see
 their parameters move; GPU pools and GPU-only rollout backends fall back to CPU and flowrl's
-own decode loop. No torch or ray here.
+own decode loop. Node params are found through the node's hooks, whatever they are called:
+rollout nodes' `RolloutParams`, the `MiniBatches` declaration of an update, a reward node's
+`scorer_param`. No torch or ray here.
 """
 
 from pathlib import Path
 
 import attrs
 
+from flowrl.backends import ROLLOUT_BACKENDS
 from flowrl.front import dsl
+from flowrl.nodespec import RolloutParams
 
 VARIED_SCORER = f"{Path(__file__).parents[1] / 'rewards' / 'varied.py'}:compute_score"
 TINY_RUN = {
@@ -26,7 +30,7 @@ TINY_RUN = {
     "data.batch_size": 2,
     "data.train_size": 64,
 }
-NODE_PARAMS = {"max_new_tokens": 6}  # set on every node that has the param
+MAX_NEW_TOKENS = 6  # on every rollout node (RolloutParams.max_new_tokens)
 
 
 def tiny_overrides(graph, out_dir=None, scorer: str | None = VARIED_SCORER, **extra) -> list[str]:
@@ -35,8 +39,8 @@ def tiny_overrides(graph, out_dir=None, scorer: str | None = VARIED_SCORER, **ex
     Args:
         graph: a graph file, or its parsed GraphSpec (`flowrl.front.dsl.load`).
         out_dir: where run directories go (run.out_dir); None keeps the graph's.
-        scorer: the scorer of every node with a `scorer` param (reward.rule); None keeps the
-            graph's.
+        scorer: the scorer of every node that declares a `scorer_param` (reward.rule); None
+            keeps the graph's.
         **extra: more overrides, `"run.steps": 5` or `"nodes.advantage.uses": '"my.py"'`; the
             value is written as TOML text, so strings need their quotes. They come last and win.
     """
@@ -46,12 +50,12 @@ def tiny_overrides(graph, out_dir=None, scorer: str | None = VARIED_SCORER, **ex
     out += [f"{key}={value}" for key, value in TINY_RUN.items()]
     minis = tiny_mini_batches(spec)
     for node_id, decl in spec.nodes.items():
-        fields = attrs.fields_dict(type(decl.params))
-        out += [f"nodes.{node_id}.{p}={v}" for p, v in NODE_PARAMS.items() if p in fields]
+        if isinstance(decl.params, RolloutParams):
+            out.append(f"nodes.{node_id}.max_new_tokens={MAX_NEW_TOKENS}")
         if node_id in minis:
-            out.append(f"nodes.{node_id}.mini_batch_size={minis[node_id]}")
-        if scorer is not None and "scorer" in fields:
-            out.append(f'nodes.{node_id}.scorer="{scorer}"')
+            out.append(f"nodes.{node_id}.{decl.spec.mini_batches.size}={minis[node_id]}")
+        if scorer is not None and decl.spec.scorer_param:
+            out.append(f'nodes.{node_id}.{decl.spec.scorer_param}="{scorer}"')
     out += scripted_agents(spec)
     if out_dir is not None:
         out.append(f'run.out_dir="{out_dir}"')
@@ -65,15 +69,19 @@ def tiny_overrides(graph, out_dir=None, scorer: str | None = VARIED_SCORER, **ex
 
 
 def tiny_mini_batches(spec) -> dict[str, int]:
-    """node id -> its `mini_batch_size` scaled to the rows the node gets in the tiny run
-    (rounded up), by the compiler's row arithmetic (flowrl/front/batching.py) at the graph's prompt
-    batch and at the tiny one: after a refilling filter the rows are its target groups x
-    samples, so they stay."""
+    """node id -> its mini-batch size (the param its `MiniBatches` names) scaled to the rows
+    the node gets in the tiny run (rounded up), by the compiler's row arithmetic
+    (flowrl/front/batching.py) at the graph's prompt batch and at the tiny one: after a
+    refilling filter the rows are its target groups x samples, so they stay."""
     from flowrl.errors import Collector
     from flowrl.front import batching
     from flowrl.front.graph import build
 
-    minis = {n: getattr(d.params, "mini_batch_size", 0) for n, d in spec.nodes.items()}
+    minis = {
+        n: getattr(d.params, d.spec.mini_batches.size)
+        for n, d in spec.nodes.items()
+        if d.spec.mini_batches is not None
+    }
     minis = {n: m for n, m in minis.items() if m}
     if not minis:
         return {}
@@ -117,16 +125,19 @@ def cpu_fallback(spec) -> list[str]:
     """A GPU graph (e.g. graphs/grpo_sglang.toml) runs tiny on the CPU: its pools on "cpu" and
     flowrl's own decode loop in place of a GPU-only rollout backend, so its wiring is tried
     anywhere; tests/gpu/ runs such graphs as written where there is a GPU."""
-    from flowrl.engines.rollout import DEVICE
-
     declared = spec.raw.get("pools", {})
     out = [
         f'pools.{n}.device="cpu"'
         for n, p in spec.pools.items()
         if p.device != "cpu" and n in declared
     ]
-    out += [f'models.{n}.rollout="hf"' for n, m in spec.models.items() if m.rollout in DEVICE]
+    out += [f'models.{n}.rollout="hf"' for n, m in spec.models.items() if _device_bound(m.rollout)]
     return out
+
+
+def _device_bound(name: str) -> bool:
+    record = ROLLOUT_BACKENDS.get(name)
+    return bool(record and record.device)
 
 
 def summary(spec, metrics: list[dict]) -> str:
@@ -139,7 +150,8 @@ def summary(spec, metrics: list[dict]) -> str:
         "character tokenizer): what they generate and score means nothing"
     )
     for node_id, decl in spec.nodes.items():
-        scorer = getattr(decl.params, "scorer", None)
+        param = decl.spec.scorer_param
+        scorer = getattr(decl.params, param) if param else None
         if scorer == VARIED_SCORER:
             lines.append(f"  stubbed  scorer of [nodes.{node_id}]: by response length (varied.py)")
         elif scorer is not None:

@@ -1,11 +1,10 @@
 """Rule scorers with verl's signature `compute_score(data_source, solution_str, ground_truth,
 extra_info)`, returning a float or a dict with "score". Plain Python, no torch."""
 
-import importlib.util
 import inspect
-import sys
 from pathlib import Path
 
+from flowrl import refs
 from flowrl.errors import FlowrlError
 from flowrl.rewards import arithmetic, gsm8k
 
@@ -23,31 +22,23 @@ class ScorerError(FlowrlError, ValueError):
     """A scorer that cannot be found, loaded or used."""
 
 
-def resolve_scorer(spec: str, base_dir: str | Path = "."):
-    """ "auto" (by each row's data_source), a built-in name, or "path/to/file.py:function"."""
-    if spec == "auto":
+def resolve_scorer(ref: str, base_dir: str | Path = "."):
+    """ "auto" (by each row's data_source), a built-in name, "path/to/file.py:function"
+    (relative to base_dir) or "package.module:function" (flowrl/refs.py loads those)."""
+    if ref == "auto":
         return auto_score
-    if spec in BY_NAME:
-        return BY_NAME[spec]
-    file, _, name = spec.rpartition(":")
-    if not file.endswith(".py") or not name:
+    if ref in BY_NAME:
+        return BY_NAME[ref]
+    if ":" not in ref:
         raise ScorerError(
-            f'unknown scorer "{spec}": use "auto", {", ".join(BY_NAME)}, or '
+            f'unknown scorer "{ref}": use "auto", {", ".join(BY_NAME)}, or '
             '"path/to/file.py:function"'
         )
-    path = Path(file) if Path(file).is_absolute() else Path(base_dir) / file
-    if not path.is_file():
-        raise ScorerError(f'scorer file "{path}" not found')
-    module_spec = importlib.util.spec_from_file_location(f"flowrl_scorer_{path.stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    if str(path.resolve().parent) not in sys.path:  # its sibling modules import, as in tools
-        sys.path.append(str(path.resolve().parent))
-    module_spec.loader.exec_module(module)
-    function = getattr(module, name, None)
+    function = refs.load(ref, base_dir, "scorer", error=ScorerError)
     if not callable(function):
-        raise ScorerError(f'{path} has no function "{name}"; expected {SIGNATURE}')
+        raise ScorerError(f'scorer "{ref}" is not a function; expected {SIGNATURE}')
     if len(inspect.signature(function).parameters) < 3:
-        raise ScorerError(f"{path}:{name} takes too few arguments; expected {SIGNATURE}")
+        raise ScorerError(f'scorer "{ref}" takes too few arguments; expected {SIGNATURE}')
     return function
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.engines.rollout import INSTALL, missing_package
+from flowrl.backends import ROLLOUT_BACKENDS, missing_package
 from flowrl.errors import FlowrlError
 
 
@@ -77,7 +77,7 @@ def check_packages(plan) -> None:
         if package := missing_package(backend):
             raise MissingPackage(
                 f'{plan.file}: [models.{name}] rollout = "{backend}" needs the {package} '
-                f"package, which is not installed: {INSTALL[backend]}"
+                f"package, which is not installed: {ROLLOUT_BACKENDS[backend].install}"
             )
 
 

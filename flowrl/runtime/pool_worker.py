@@ -144,7 +144,7 @@ class PoolWorker:
                 copy.to(self.train[model].device if kind == "reload" else "cpu")
             if model in self.rollout:  # a backend with weights of its own: they are the copy's
                 moved = tuple("weights" if p == "rollout_weights" else p for p in parts)
-                _move_rollout(self.rollout[model], kind, moved)
+                getattr(self.rollout[model], kind)(moved)  # each backend moves what it holds
         return None, (start, time.time())
 
     def _trainable(self) -> dict:
@@ -246,17 +246,6 @@ class PoolWorker:
 
     def ping(self) -> int:
         return self.rank
-
-
-def _move_rollout(rollout, kind: str, parts: tuple) -> None:
-    """Offload or reload a rollout backend's share of `parts`: the kv_cache part, or with a
-    `parts` attribute (a backend holding its own weights) those of its parts that move."""
-    owned = getattr(rollout, "parts", None)
-    if owned is None:
-        if "kv_cache" in parts:
-            getattr(rollout, kind)()
-    elif moving := tuple(p for p in parts if p in owned):
-        getattr(rollout, kind)(moving)
 
 
 def _process_group(setup: PoolSetup, rank: int, world_size: int, url: str, device: str):

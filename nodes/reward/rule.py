@@ -94,7 +94,7 @@ def check(params: Params, context) -> list[Finding]:
     try:
         resolve_scorer(params.scorer, context.base_dir)
     except ScorerError as e:
-        out.append(Finding(f"scorer: {e}", 'use "auto", a built-in name or "file.py:function"'))
+        out.append(Finding(str(e), 'use "auto", a built-in name or "file.py:function"'))
     except Exception as e:  # the scorer's module failed to import
         out.append(Finding(f"scorer {params.scorer}: importing it failed: {e}", "fix that file"))
     return out
@@ -107,4 +107,5 @@ SPEC = NodeSpec(
     fn=run,
     check=check,
     optional_reads={"rollout_info": lambda p: p.rollout_info},
+    scorer_param="scorer",
 )

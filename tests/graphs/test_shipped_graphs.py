@@ -4,6 +4,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -31,21 +32,21 @@ def test_ppo_and_grpo_are_shipped():
     assert {"ppo", "grpo"} <= {p.stem for p in GRAPHS}
 
 
-def test_ppo_node_ids_and_colocation():
-    spec = dsl.load(ROOT / "graphs/ppo.toml")
-    assert list(spec.nodes) == [
-        "generate",
-        "reward",
-        "old_logprob",
-        "ref_logprob",
-        "values",
-        "kl_penalty",
-        "advantage",
-        "update_critic",
-        "update_policy",
-    ]
-    assert {m.pool for m in spec.models.values()} == {"main"}
-    assert spec.pools["main"].offload == "always"
+@pytest.mark.parametrize("path", GRAPHS, ids=[p.stem for p in GRAPHS])
+def test_the_spec_holds_the_files_nodes_models_and_pools(path):
+    """What the file says, read with plain tomllib, is what the parsed spec holds: its node
+    ids in the file's order, each model on the pool it names (or the only one), and each
+    declared pool's offload policy (or the default)."""
+    raw = tomllib.loads(path.read_text())
+    spec = dsl.load(path)
+    assert list(spec.nodes) == list(raw["nodes"])
+    pools = list(raw.get("pools", {})) or [schema.DEFAULT_POOL]
+    for name, table in raw["models"].items():
+        # a model may leave `pool` out when the graph has one pool
+        expected = table.get("pool") or (pools[0] if len(pools) == 1 else "")
+        assert spec.models[name].pool == expected, name
+    for name, table in raw.get("pools", {}).items():
+        assert spec.pools[name].offload == table.get("offload", schema.PoolConfig().offload)
 
 
 def test_ppo_plan_lists_step_in_order_with_transitions():

@@ -6,6 +6,7 @@ import pytest
 
 from flowrl import testing
 from flowrl.cli import load_plan
+from flowrl.testing import update_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,3 +22,15 @@ def tiny_plan(tmp_path):
         return load_plan(str(ROOT / "graphs" / graph), tiny_overrides(graph, tmp_path, **extra))
 
     return make
+
+
+def fixed_batch(rows=7, p=6, t=5):
+    """A GRPO update's batch: the random policy-update rows, with reference log-probs in place
+    of old ones (grpo.toml's update is on-policy, with a KL loss)."""
+    import torch
+
+    batch = update_batch(b=rows, p=p, t=t)
+    batch = batch.select([k for k in batch.keys() if k != "old_logprobs"])
+    batch["ref_logprobs"] = torch.full((rows, t), -4.0)
+    batch.meta.update(step=1, seed=0)
+    return batch

@@ -15,6 +15,8 @@ import flowrl
 from flowrl.cli import load_plan, main
 from flowrl.runtime.controller import Trainer
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
 SCORER = Path(flowrl.__file__).parent / "rewards" / "varied.py"  # scores by length
 TOOLS = '''
 def echo(text: str) -> str:
@@ -104,7 +106,6 @@ def write_graph(tmp_path, **values) -> Path:
     return path
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("backend", "workers"), [("local", 1), ("ray", 2)])
 def test_train_engine_logprobs_equal_the_rollouts_on_multi_turn_rows(tmp_path, backend, workers):
     graph = write_graph(tmp_path, workers=workers, extra_nodes=OLD_LOGPROB, on_policy="false")
@@ -124,7 +125,6 @@ def test_train_engine_logprobs_equal_the_rollouts_on_multi_turn_rows(tmp_path, b
     assert "generate/termination/max_turns" in metrics and "timing_s/generate" in metrics
 
 
-@pytest.mark.slow
 def test_a_verl_parquet_with_tools_kwargs_runs_with_the_answer_check(tmp_path):
     rows = [
         {

@@ -2,22 +2,14 @@
 
 import pytest
 import torch
+from conftest import fixed_batch
 
 from flowrl.runtime.local_executor import LocalExecutor
 from flowrl.runtime.node_call import NodeFailure
-from flowrl.testing import update_batch
+
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
 
 ray = pytest.importorskip("ray")
-
-
-def fixed_batch(rows=7, p=6, t=5):
-    """A GRPO update's batch: the random policy-update rows, with reference log-probs in place
-    of old ones (grpo.toml's update is on-policy, with a KL loss)."""
-    batch = update_batch(b=rows, p=p, t=t)
-    batch = batch.select([k for k in batch.keys() if k != "old_logprobs"])
-    batch["ref_logprobs"] = torch.full((rows, t), -4.0)
-    batch.meta.update(step=1, seed=0)
-    return batch
 
 
 def test_two_ranks_match_one_rank(tiny_plan):

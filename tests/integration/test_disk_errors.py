@@ -8,6 +8,8 @@ import pytest
 from flowrl.runtime.controller import Trainer
 from flowrl.runtime.guards import RunDirError
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
 
 def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tiny_plan, tmp_path):
     _, _, plan = tiny_plan("grpo.toml", **{"run.steps": 3, "run.save_every": 1})

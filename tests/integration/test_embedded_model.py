@@ -7,8 +7,10 @@ import time
 import pytest
 import torch
 
-from flowrl.engines import RolloutEngine
+from flowrl.engines import HFRollout
 from flowrl.models import embedded, load_model
+
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
 
 QUESTIONS = [
     "What is 2 + 3? Answer with just the number.",
@@ -46,7 +48,6 @@ def chat_batch(tokenizer, questions):
     return batch["input_ids"], batch["attention_mask"]
 
 
-@pytest.mark.slow
 def test_cached_load_is_fast_and_complete(smol):
     model, tokenizer, seconds = smol
     assert seconds < 10  # from safetensors, not the GGUF (about 30 s)
@@ -56,20 +57,18 @@ def test_cached_load_is_fast_and_complete(smol):
     assert "<|im_start|>" in tokenizer.chat_template
 
 
-@pytest.mark.slow
 def test_greedy_answer_contains_five(smol):
     model, tokenizer, _ = smol
     ids, mask = chat_batch(tokenizer, QUESTIONS[:1])
-    out = RolloutEngine(model, tokenizer).generate(ids, mask, max_new_tokens=12, do_sample=False)
+    out = HFRollout(model, tokenizer).generate(ids, mask, max_new_tokens=12, do_sample=False)
     assert "5" in tokenizer.decode(out["responses"][0], skip_special_tokens=True)
 
 
-@pytest.mark.slow
 def test_decode_loop_matches_generate_on_left_padded_prompts(smol):
     model, tokenizer, _ = smol
     ids, mask = chat_batch(tokenizer, QUESTIONS)
     assert len(set(mask.sum(-1).tolist())) > 1  # ragged prompts: real left padding
-    out = RolloutEngine(model, tokenizer).generate(ids, mask, max_new_tokens=16, do_sample=False)
+    out = HFRollout(model, tokenizer).generate(ids, mask, max_new_tokens=16, do_sample=False)
     with torch.inference_mode():
         ref = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False

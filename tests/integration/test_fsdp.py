@@ -7,14 +7,16 @@ import shutil
 import pytest
 import toml
 import torch
-from test_data_parallel import fixed_batch
+from conftest import fixed_batch
 
-from flowrl.engines import RolloutEngine
+from flowrl.engines import HFRollout
 from flowrl.runtime import checkpoint
 from flowrl.runtime.controller import Trainer
 from flowrl.runtime.export import export
 from flowrl.runtime.local_executor import LocalExecutor
 from flowrl.testing import tiny_model, tiny_tokenizer
+
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
 
 ray = pytest.importorskip("ray")
 
@@ -117,7 +119,7 @@ def test_two_fsdp_ranks_update_like_one_and_resume_on_one(tiny_plan, tmp_path):
     tokenizer.padding_side = "left"
     prompts = tokenizer(["1+2=", "33+4="], padding=True, return_tensors="pt")
     ids, mask = prompts["input_ids"], prompts["attention_mask"]
-    ours = RolloutEngine(reference, tiny_tokenizer()).generate(
+    ours = HFRollout(reference, tiny_tokenizer()).generate(
         ids, mask, max_new_tokens=8, do_sample=False
     )
     theirs = model.generate(

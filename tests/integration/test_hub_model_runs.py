@@ -6,9 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from flowrl.models import hub
 from flowrl.runtime.controller import Trainer
 from flowrl.testing import tiny_model, tiny_tokenizer
+
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, tiny_overrides
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
 STEPS = 5
 
 

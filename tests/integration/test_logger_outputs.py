@@ -9,6 +9,8 @@ import pytest
 
 from flowrl.runtime.controller import Trainer
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
 BLOCK = 32768  # the .wandb file is a LevelDB-style log of protobuf records in 32 KiB blocks
 FULL, LAST = 1, 4
 

@@ -3,10 +3,13 @@ base (no second model), and a rollout pool receives the adapter after each updat
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from flowrl.runtime.controller import Trainer
 from flowrl.testing import tiny_plan
+
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
 
 ROOT = Path(__file__).resolve().parents[2]
 

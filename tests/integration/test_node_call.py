@@ -8,6 +8,8 @@ import pytest
 from flowrl.runtime.controller import Trainer
 from flowrl.runtime.node_call import NodeFailure
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
 FORGETFUL = Path(__file__).with_name("forgetful_advantage.py")
 
 

@@ -10,6 +10,8 @@ import torch
 from flowrl.runtime.controller import Trainer
 from flowrl.runtime.guards import NonFiniteStop
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
 NAN_UPDATE = Path(__file__).with_name("nan_update.py")
 
 

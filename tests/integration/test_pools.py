@@ -8,6 +8,8 @@ import torch
 
 from flowrl.runtime.controller import Trainer
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
 ray = pytest.importorskip("ray")
 
 
@@ -70,7 +72,7 @@ def test_disaggregated_rollout_generates_with_the_synced_weights(tiny_plan, tmp_
             assert torch.equal(value, served[key]), key  # bit for bit
         assert any(not torch.equal(before[k], served[k]) for k in before)  # it did change
         # the gen pool loaded a frozen copy: no optimizer there
-        assert "frozen" in plan.pools["gen"].models["policy"]
+        assert "frozen" in plan.pools["gen"].model_lines["policy"]
         assert "optimizer" not in plan.pools["gen"].memory_bytes["policy"]
         tracks = calls_by_track(tmp_path / "run")
         assert [n for n, *_ in tracks["gen/rank0"]] == ["generate"] * 2

@@ -15,6 +15,8 @@ from flowrl.runtime import replay
 from flowrl.runtime.controller import Trainer
 from flowrl.runtime.node_call import NodeFailure
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
 FAILING = Path(__file__).with_name("failing_update.py")
 ERROR = "ValueError: update_policy: a deliberate failure at step 2"
 

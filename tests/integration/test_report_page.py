@@ -13,6 +13,8 @@ import pytest
 from flowrl import report
 from flowrl.testing import run_tiny
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = next(
     (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None

@@ -7,6 +7,8 @@ import torch
 from flowrl.runtime import checkpoint
 from flowrl.runtime.controller import Trainer
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
 
 class Stop(Exception):
     pass

@@ -10,6 +10,8 @@ import sys
 import pytest
 from conftest import ROOT, tiny_overrides
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
 
 @pytest.mark.parametrize("backend, sig", [("local", "TERM"), ("ray", "INT")])
 def test_signal_mid_checkpoint_stops_cleanly(tmp_path, backend, sig):

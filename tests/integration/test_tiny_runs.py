@@ -5,7 +5,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from flowrl.testing import run_tiny
+
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,6 +8,8 @@ import torch
 
 from flowrl.runtime.controller import Trainer
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
 ROOT = Path(__file__).resolve().parents[2]
 GRAPHS = sorted(p.name for p in (ROOT / "graphs").glob("*.toml"))
 
@@ -16,7 +18,7 @@ def params_of(trainer, model):
     return trainer.executor.rank0(trainer.spec.models[model].pool, "parameters", model)
 
 
-def train(spec, built, plan, tmp_path, backend):
+def train(spec, plan, tmp_path, backend):
     trainer = Trainer(plan, tmp_path / "run", backend)
     before = {m: params_of(trainer, m) for m in spec.models}
     trainer.fit()
@@ -33,8 +35,8 @@ def check_parameters(spec, before, after):
 
 @pytest.mark.parametrize("graph", GRAPHS)
 def test_graph_trains_on_local_executor(graph, tiny_plan, tmp_path):
-    spec, built, plan = tiny_plan(graph)
-    trainer, before, after = train(spec, built, plan, tmp_path, "local")
+    spec, _, plan = tiny_plan(graph)
+    trainer, before, after = train(spec, plan, tmp_path, "local")
     try:
         check_parameters(spec, before, after)
         lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
@@ -62,7 +64,7 @@ def test_graph_trains_on_local_executor(graph, tiny_plan, tmp_path):
 
 
 def test_step_batch_keys_and_shapes_match_declarations(tiny_plan, tmp_path):
-    spec, built, plan = tiny_plan("ppo.toml")
+    spec, _, plan = tiny_plan("ppo.toml")
     trainer = Trainer(plan, tmp_path / "run", "local")
     try:
         _, batch = trainer.step(1)
@@ -90,8 +92,8 @@ def test_step_batch_keys_and_shapes_match_declarations(tiny_plan, tmp_path):
 
 def test_grpo_trains_on_ray(tiny_plan, tmp_path):
     ray = pytest.importorskip("ray")
-    spec, built, plan = tiny_plan("grpo.toml", **{"run.num_cpus": 2})
-    trainer, before, after = train(spec, built, plan, tmp_path, "ray")
+    spec, _, plan = tiny_plan("grpo.toml", **{"run.num_cpus": 2})
+    trainer, before, after = train(spec, plan, tmp_path, "ray")
     try:
         check_parameters(spec, before, after)
         trace = json.loads((tmp_path / "run/trace.json").read_text())
@@ -112,8 +114,8 @@ def test_dapo_refills_until_enough_groups_on_both_executors(backend, tiny_plan, 
     if backend == "ray":
         pytest.importorskip("ray")
     # 2 prompts a batch, 3 groups wanted: every step needs a second prompt batch at least
-    spec, built, plan = tiny_plan("dapo.toml", **{"nodes.filter.min_groups": 3, "run.num_cpus": 2})
-    trainer, before, after = train(spec, built, plan, tmp_path, backend)
+    spec, _, plan = tiny_plan("dapo.toml", **{"nodes.filter.min_groups": 3, "run.num_cpus": 2})
+    trainer, before, after = train(spec, plan, tmp_path, backend)
     try:
         check_parameters(spec, before, after)
         lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]

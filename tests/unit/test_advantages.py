@@ -112,7 +112,8 @@ def test_kl_penalty_empty_response():
 
 def test_gae_carries_value_and_advantage_across_a_hole():
     # two model tokens, two tool tokens, two model tokens; outcome reward 1 on the last,
-    # V = 0, gamma = lam = 1: every model token's advantage is 1 (research/multiturn.md, sec. 5)
+    # V = 0, gamma = lam = 1: every model token's advantage is 1 (the tool tokens are skipped,
+    # so the value and advantage run on across them)
     mask = torch.tensor([[1, 1, 0, 0, 1, 1]])
     adv, ret = gae_advantages(
         torch.tensor([[0.0, 0, 0, 0, 0, 1]]), torch.zeros(1, 6), mask, gamma=1.0, lam=1.0

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from transformers import LlamaForCausalLM
 
 from flowrl.engines.forward import cache_argument
@@ -25,6 +26,7 @@ def test_the_name_follows_the_models_forward():
     assert list(cache_argument(model.model, None)) == [expected]
 
 
+@pytest.mark.slow  # a child process: a Python start-up with torch
 def test_a_rollout_and_a_shared_prompt_forward_print_no_deprecation():
     """In a fresh process (transformers warns once per process): sample with the cache, and
     score rows that share prompts (the forward that reuses the prompts' cache)."""

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = (ROOT / "docs/testing.md").read_text()
 EXTENDING = (ROOT / "docs/extending.md").read_text()
@@ -26,6 +28,7 @@ def page_files(page: str) -> dict[str, str]:
     return files
 
 
+@pytest.mark.slow  # a child process: a Python start-up with torch
 def test_the_testing_guide_runs(tmp_path):
     project = tmp_path / "my_algo"
     files = page_files(PAGE)

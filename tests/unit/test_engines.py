@@ -7,33 +7,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flowrl.engines import RolloutEngine, TrainEngine
+from flowrl.engines import HFRollout, TrainEngine
 from flowrl.engines.kv_cache import PreallocatedLayer, preallocated_cache
 from flowrl.engines.sampling import nucleus, sample_tokens
 from flowrl.models import load_model
 from flowrl.nodes import generate, logprob, values
 from flowrl.nodes.reward import model as reward_model
 from flowrl.protocol import DataProto
-from flowrl.testing import tiny_model, tiny_tokenizer
+from flowrl.testing import ragged_rows, tiny_model, tiny_tokenizer
 
 torch.set_num_threads(1)
-
-
-def rows(seed=0, b=4, p=6, t=5):
-    """Random left-padded prompts and right-padded responses of ragged lengths."""
-    g = torch.Generator().manual_seed(seed)
-    prompt_len = torch.randint(2, p + 1, (b,), generator=g)
-    resp_len = torch.randint(1, t + 1, (b,), generator=g)
-    prompt_mask = (torch.arange(p)[None] >= p - prompt_len[:, None]).long()
-    response_mask = (torch.arange(t)[None] < resp_len[:, None]).long()
-    return DataProto.from_dict(
-        {
-            "prompts": torch.randint(3, 100, (b, p), generator=g) * prompt_mask,
-            "prompt_mask": prompt_mask,
-            "responses": torch.randint(3, 100, (b, t), generator=g) * response_mask,
-            "response_mask": response_mask,
-        }
-    )
 
 
 def widen(batch, left: int, right: int):
@@ -73,7 +56,7 @@ def naive_logprobs(model, batch):
 def test_forward_logprobs_match_naive_and_trimming_and_micro_batching_keep_them():
     model = tiny_model(seed=0)
     engine = TrainEngine(model, tiny_tokenizer(), trainable=False, micro_tokens=20)
-    batch = rows()
+    batch = ragged_rows()
     expected = naive_logprobs(model, batch)
     torch.testing.assert_close(engine.forward(batch, grad=False)["logprobs"], expected)
     # three all-padding prompt columns and two response columns: trimmed, same values
@@ -93,7 +76,7 @@ def test_repeated_prompts_run_once_with_the_same_outputs_and_gradients(monkeypat
 
     model = tiny_model(seed=0)
     engine = TrainEngine(model, tiny_tokenizer(), lr=1e-3)
-    batch = rows(6, b=12, p=30)
+    batch = ragged_rows(6, b=12, p=30)
     for key in ("prompts", "prompt_mask"):  # 3 prompts x 4 samples, interleaved
         batch[key] = batch[key][torch.arange(12) // 4]
     calls = []
@@ -123,7 +106,7 @@ def test_repeated_prompts_run_once_with_the_same_outputs_and_gradients(monkeypat
 
 def test_micro_batches_fit_the_token_budget_after_trimming():
     engine = TrainEngine(tiny_model(), tiny_tokenizer(), trainable=False, micro_tokens=24)
-    batch = widen(rows(3, b=9, p=8, t=6), 4, 0)
+    batch = widen(ragged_rows(3, b=9, p=8, t=6), 4, 0)
     parts = engine.micro_batches(batch)
     for part in parts:
         width = int(part["prompt_mask"].sum(-1).max() + part["response_mask"].sum(-1).max())
@@ -141,7 +124,7 @@ def test_micro_batches_fit_the_token_budget_after_trimming():
 def test_entropy_matches_naive():
     model = tiny_model(seed=1)
     engine = TrainEngine(model, tiny_tokenizer(), trainable=False)
-    batch = rows(1)
+    batch = ragged_rows(1)
     out = engine.forward(batch, grad=False, entropy=True)["entropy"]
     for i in range(len(batch)):
         logp, p = naive_log_softmax(model, batch, i)
@@ -154,7 +137,7 @@ def test_entropy_matches_naive():
 def test_temperature_divides_the_logits():
     model = tiny_model(seed=2)
     engine = TrainEngine(model, tiny_tokenizer(), trainable=False)
-    batch = rows(2, b=1)
+    batch = ragged_rows(2, b=1)
     out = engine.forward(batch, grad=False, temperature=0.5)["logprobs"]
     prompt, response = unpadded(batch, 0)
     logp = (model(input_ids=torch.cat([prompt, response])[None]).logits[0] / 0.5).log_softmax(-1)
@@ -165,7 +148,7 @@ def test_temperature_divides_the_logits():
 def test_grad_forward_is_differentiable_and_no_grad_output_usable_in_a_graph():
     model = tiny_model(seed=0)
     engine = TrainEngine(model, tiny_tokenizer(), lr=1e-3)
-    batch = rows()
+    batch = ragged_rows()
     old = engine.forward(batch, grad=False)["logprobs"]  # made under inference_mode
     new = engine.forward(batch, grad=True)["logprobs"]
     assert new.requires_grad and not old.requires_grad
@@ -178,7 +161,7 @@ def test_value_forward_at_response_positions_and_zero_start():
 
     model = ValueModel(tiny_model(seed=0))  # a new head on a checkpoint starts at zero
     engine = TrainEngine(model, tiny_tokenizer(), lr=1e-3)
-    batch = rows()
+    batch = ragged_rows()
     assert torch.equal(engine.forward(batch, grad=False)["values"], torch.zeros(4, 5))
     torch.nn.init.normal_(model.value_head.weight)
     out = engine.forward(batch, grad=False)["values"]
@@ -194,7 +177,7 @@ def split_rows(seed=7):
     were sampled by the policy (response_mask), with tool output between and after them.
     Returns (split rows, the same rows with every real token in response_mask, no split key).
     """
-    batch = rows(seed, b=3, p=6, t=6)
+    batch = ragged_rows(seed, b=3, p=6, t=6)
     attention = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]])
     sampled = torch.tensor([[1, 1, 0, 1, 0, 0], [1, 0, 0, 1, 0, 0], [1, 1, 1, 0, 0, 0]])
     responses = torch.randint(3, 100, (3, 6), generator=torch.Generator().manual_seed(seed))
@@ -233,9 +216,9 @@ def test_generate_writes_response_attention_and_model_nodes_read_it():
     from flowrl.nodes.update import critic, policy
 
     gen = generate.GenerateWorker(
-        RolloutEngine(tiny_model(), tiny_tokenizer()), generate.Params(n=2, max_new_tokens=4)
+        HFRollout(tiny_model(), tiny_tokenizer()), generate.Params(n=2, max_new_tokens=4)
     )
-    batch = rows(4, b=3)
+    batch = ragged_rows(4, b=3)
     batch.meta.update(seed=1, step=0)
     out, _ = gen(batch.select(["prompts", "prompt_mask"]))
     assert torch.equal(out["response_attention"], out["response_mask"])  # single-turn: equal
@@ -263,7 +246,7 @@ def test_reward_model_scores_the_last_real_token():
 def test_empty_batch_gives_empty_outputs():
     lm = TrainEngine(tiny_model(), tiny_tokenizer(), trainable=False)
     critic = TrainEngine(tiny_model(head="value"), tiny_tokenizer(), trainable=False)
-    empty = rows().index([])
+    empty = ragged_rows().index([])
     assert lm.infer(empty)["logprobs"].shape == (0, 5)
     assert critic.infer(empty)["values"].shape == (0, 5)
 
@@ -272,7 +255,7 @@ def test_empty_batch_gives_empty_outputs():
 
 
 def loss_step(engine, seed=0):
-    engine.backward(engine.forward(rows(seed), grad=True)["logprobs"].sum())
+    engine.backward(engine.forward(ragged_rows(seed), grad=True)["logprobs"].sum())
     return engine.step()
 
 
@@ -320,7 +303,7 @@ def test_grad_clip_bounds_the_norm_the_optimizer_sees():
         seen.append(float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params]))))
 
     engine.optimizer.register_step_pre_hook(record)
-    engine.backward(engine.forward(rows(), grad=True)["logprobs"].sum())
+    engine.backward(engine.forward(ragged_rows(), grad=True)["logprobs"].sum())
     norm = engine.step()["grad_norm"]
     assert norm > 1e-2 and seen == [pytest.approx(1e-3, rel=1e-4)]  # reported before clipping
 
@@ -336,7 +319,7 @@ def test_offload_reload_keeps_params_grads_and_optimizer_state_bit_identical():
     model = tiny_model(seed=0)
     engine = TrainEngine(model, tiny_tokenizer(), lr=1e-2)
     loss_step(engine)
-    engine.backward(engine.forward(rows(1), grad=True)["logprobs"].sum())  # grads pending
+    engine.backward(engine.forward(ragged_rows(1), grad=True)["logprobs"].sum())  # grads pending
     before = snapshot(engine)
     engine.offload(("optimizer",))
     assert engine.resident == {"weights", "grads"}
@@ -410,7 +393,7 @@ def test_missing_hub_id_is_a_clear_error():
         load_model("no-such-org/no-such-model-flowrl")
 
 
-# -- RolloutEngine --------------------------------------------------------------------------
+# -- HFRollout --------------------------------------------------------------------------
 
 
 def hf_greedy(model, tok, batch, new_tokens):
@@ -427,9 +410,9 @@ def hf_greedy(model, tok, batch, new_tokens):
 
 def test_greedy_rollout_matches_hf_generate_with_left_padding():
     model, tok = tiny_model(seed=3), tiny_tokenizer()
-    batch = widen(rows(2, b=4, p=7), 2, 0)  # ragged prompts plus all-padding columns
+    batch = widen(ragged_rows(2, b=4, p=7), 2, 0)  # ragged prompts plus all-padding columns
     assert len(set(batch["prompt_mask"].sum(-1).tolist())) > 1
-    engine = RolloutEngine(model, tok)
+    engine = HFRollout(model, tok)
     out = engine.generate(batch["prompts"], batch["prompt_mask"], max_new_tokens=8, do_sample=False)
     ref = hf_greedy(model, tok, batch, 8)
     assert out["responses"].shape == (4, 8)
@@ -461,7 +444,7 @@ def test_shared_prompt_prefix_runs_once_and_changes_nothing():
             ),
         }
     )
-    engine, calls = RolloutEngine(model, tok), []
+    engine, calls = HFRollout(model, tok), []
     forward = engine._forward
     engine._forward = lambda ids, *a: calls.append(tuple(ids.shape)) or forward(ids, *a)
     out = engine.generate(batch["prompts"], batch["prompt_mask"], max_new_tokens=6, do_sample=False)
@@ -484,7 +467,7 @@ class EosAtStepR(torch.nn.Module):
 
 
 def test_response_mask_includes_first_eos_and_nothing_after():
-    engine = RolloutEngine(EosAtStepR(), SimpleNamespace(eos_token_id=2, pad_token_id=0))
+    engine = HFRollout(EosAtStepR(), SimpleNamespace(eos_token_id=2, pad_token_id=0))
     prompts = torch.tensor([[0, 1, 1], [1, 1, 1], [3, 1, 1], [2, 1, 1], [5, 1, 1]])
     mask = torch.ones(5, 3, dtype=torch.long)
     out = engine.generate(prompts, mask, max_new_tokens=4, do_sample=False)
@@ -574,10 +557,10 @@ def test_rollout_uses_a_preallocated_cache_with_the_same_tokens_as_a_dynamic_one
 
     model, tok = tiny_model(seed=0), tiny_tokenizer()
     assert all(isinstance(x, PreallocatedLayer) for x in preallocated_cache(model, 8).layers)
-    batch = rows(3, b=3)
+    batch = ragged_rows(3, b=3)
 
     def generate():
-        engine = RolloutEngine(model, tok)
+        engine = HFRollout(model, tok)
         g = torch.Generator().manual_seed(0)
         return engine.generate(
             batch["prompts"], batch["prompt_mask"], n=3, max_new_tokens=8, generator=g
@@ -592,8 +575,8 @@ def test_rollout_uses_a_preallocated_cache_with_the_same_tokens_as_a_dynamic_one
 
 def test_generated_rows_train_directly():
     model, tok = tiny_model(seed=0), tiny_tokenizer()
-    batch = rows(5, b=2)
-    out = RolloutEngine(model, tok).generate(
+    batch = ragged_rows(5, b=2)
+    out = HFRollout(model, tok).generate(
         batch["prompts"], batch["prompt_mask"], n=2, max_new_tokens=4
     )
     assert not any(v.is_inference() for v in out.values())
@@ -607,9 +590,9 @@ def test_generated_rows_train_directly():
 def test_workers_on_rows_and_on_an_empty_batch():
     tok = tiny_tokenizer()
     gen = generate.GenerateWorker(
-        RolloutEngine(tiny_model(), tok), generate.Params(n=2, max_new_tokens=4)
+        HFRollout(tiny_model(), tok), generate.Params(n=2, max_new_tokens=4)
     )
-    batch = rows(4, b=3)
+    batch = ragged_rows(4, b=3)
     batch.meta.update(seed=1, step=0)
     out, metrics = gen(batch.select(["prompts", "prompt_mask"]))
     assert out["responses"].shape[0] == 6 and len(out["response_text"]) == 6
@@ -647,7 +630,7 @@ def test_cuda_offload_frees_device_memory_and_reload_restores_every_bit():
     model = tiny_model(hidden=256).cuda()
     engine = TrainEngine(model, tiny_tokenizer(), lr=1e-2, device="cuda")
     loss_step(engine)
-    engine.backward(engine.forward(rows(1), grad=True)["logprobs"].sum())
+    engine.backward(engine.forward(ragged_rows(1), grad=True)["logprobs"].sum())
     before = snapshot(engine)
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()
@@ -668,8 +651,8 @@ def test_cuda_offload_frees_device_memory_and_reload_restores_every_bit():
 @pytest.mark.gpu
 @cuda
 def test_cuda_rollout_samples_with_a_device_generator():
-    engine = RolloutEngine(tiny_model().cuda(), tiny_tokenizer(), "cuda")
-    batch = rows(5, b=3)
+    engine = HFRollout(tiny_model().cuda(), tiny_tokenizer(), "cuda")
+    batch = ragged_rows(5, b=3)
     meta = {"seed": 1, "step": 2, "rank": 0}
     out = engine.generate(
         batch["prompts"], batch["prompt_mask"], n=2, max_new_tokens=5,

@@ -2,20 +2,20 @@
 
 import copy
 import importlib.util
+import inspect
 import re
 from pathlib import Path
 
 import attrs
 import pytest
 import torch
-from test_update_workers import assert_same, batch
 
 from flowrl.engines import TrainEngine
 from flowrl.errors import GraphErrors
-from flowrl.front import compiler, registry
+from flowrl.front import compiler, dsl, registry
 from flowrl.nodespec import CheckContext
 from flowrl.protocol import DataProto
-from flowrl.testing import tiny_model, tiny_tokenizer
+from flowrl.testing import assert_same, tiny_model, tiny_tokenizer, update_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = (ROOT / "docs/extending.md").read_text()
@@ -54,7 +54,7 @@ def test_the_custom_loss_example_compiles_and_takes_the_formulas_gradient(tmp_pa
     assert plan.pools["main"].updates_per_step == {"policy": 1}
     assert "ref_logprob" not in plan.spec.nodes  # nothing reads the reference any more
 
-    model, rows = tiny_model(seed=0), batch()
+    model, rows = tiny_model(seed=0), update_rows()
     grads = []
     engine = TrainEngine(copy.deepcopy(model), tiny_tokenizer(), lr=1e-2, micro_tokens=9)
     step = engine.step
@@ -75,6 +75,98 @@ def test_the_custom_loss_example_compiles_and_takes_the_formulas_gradient(tmp_pa
     assert abs(metrics["pg_loss"] - float(loss.detach())) < 1e-5 and metrics["grad_norm"] > 0
 
 
+def write_example(tmp_path, first_line, name):
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(example(first_line))
+    return path
+
+
+def toml_example(first_line: str) -> str:
+    """The ```toml block of the page whose first line is given."""
+    blocks = re.findall(r"```toml\n(.*?)```", PAGE, flags=re.S)
+    return next(b for b in blocks if b.startswith(first_line) and "my_" in b)
+
+
+def test_the_rollout_backend_example_is_one_file_and_one_table_line(tmp_path, monkeypatch):
+    from flowrl import backends
+    from flowrl.engines import HFRollout, make_rollout
+    from flowrl.engines.rollout import RolloutBackend
+
+    path = write_example(tmp_path, "# flowrl/engines/generate_rollout.py", "generate_rollout.py")
+    table = {}
+    exec(example("ROLLOUT_BACKENDS = {"), {"Backend": backends.Backend}, table)
+    record = table["ROLLOUT_BACKENDS"]["generate"]
+    assert record.ref == "flowrl.engines.generate_rollout:GenerateRollout"
+    # the page's file, from where this test wrote it, under the page's table line
+    local = backends.Backend(f"{path}:GenerateRollout", multi_turn=record.multi_turn)
+    monkeypatch.setitem(backends.ROLLOUT_BACKENDS, "generate", local)
+    model, tokenizer = tiny_model(seed=0), tiny_tokenizer()
+    engine = make_rollout("generate", model, tokenizer, "cpu")
+    assert isinstance(engine, RolloutBackend)
+    for name in ("generate", "offload", "reload", "sync_weights"):  # the contract's parameters
+        ours = inspect.signature(getattr(type(engine), name)).parameters
+        contract = inspect.signature(getattr(RolloutBackend, name)).parameters
+        assert list(ours) == list(contract), name
+    ids = torch.randint(3, 60, (3, 5), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # a left-padded prompt
+    ids = ids * mask
+    greedy = {"n": 2, "max_new_tokens": 6, "do_sample": False}
+    ours = engine.generate(ids, mask, **greedy)
+    reference = HFRollout(model, tokenizer).generate(ids, mask, **greedy)
+    assert ours.keys() == reference.keys()
+    for key in ours:  # token for token, masks and padding included
+        assert torch.equal(ours[key], reference[key]), key
+    graph = ROOT / "graphs/grpo.toml"
+    assert dsl.load(graph, ["models.policy.rollout=generate"]).models["policy"].rollout
+
+
+def test_the_tool_example_is_called_through_a_session(tmp_path):
+    import asyncio
+
+    from flowrl.agent.parsers import ToolCall
+    from flowrl.agent.tools import Toolbox
+
+    write_example(tmp_path, "# my_tools.py", "my_tools.py")
+    box = Toolbox(["calculator", "my_tools.py:word_count"], tmp_path)
+    assert box.names[-1] == "word_count"
+    (schema,) = [s for s in box.schemas if s["function"]["name"] == "word_count"]
+    assert schema["function"]["parameters"]["required"] == ["text"]
+
+    async def call():
+        session = box.open({})
+        await session.start()
+        result = await session.call(ToolCall("word_count", {"text": "one two three"}), 5.0)
+        await session.close()
+        return result
+
+    assert asyncio.run(call()).text == "3"
+    node = toml_example("[nodes.generate]")
+    graph = (ROOT / "graphs/grpo_tools.toml").read_text()
+    start = graph.index("[nodes.generate]")
+    end = graph.index("\n[", start + 1)
+    kept = [line for line in graph[start:end].splitlines()[3:] if not line.startswith("tools")]
+    (tmp_path / "g.toml").write_text(graph[:start] + node + "\n".join(kept) + "\n" + graph[end:])
+    spec = dsl.load(tmp_path / "g.toml")
+    assert list(spec.nodes["generate"].params.tools) == ["calculator", "my_tools.py:word_count"]
+
+
+def test_the_scorer_example_scores_and_is_named_by_path(tmp_path):
+    from flowrl.rewards import resolve_scorer, score_value
+
+    write_example(tmp_path, "# my_scorer.py", "my_scorer.py")
+    score = resolve_scorer("my_scorer.py:compute_score", tmp_path)
+    assert score_value(score("calculator", "so it is 42", "42", {})) == (1.0, {"numbers": 1.0})
+    assert score_value(score("calculator", "7 then 41", "42", {})) == (0.0, {"numbers": 2.0})
+    graph = (ROOT / "graphs/grpo.toml").read_text()
+    block = '[nodes.reward]\nuses = "reward.rule"\n'
+    assert block in graph
+    (tmp_path / "g.toml").write_text(graph.replace(block, toml_example("[nodes.reward]")))
+    plan = compiler.compile_file(tmp_path / "g.toml")  # the node's check resolves the scorer
+    assert plan.spec.nodes["reward"].params.scorer == "my_scorer.py:compute_score"
+
+
 def test_the_policy_loss_example_is_one_function_and_one_table_line(tmp_path, monkeypatch):
     # the page's function, saved as a module, and its table line, evaluated as it stands in
     # LOSSES: update.policy with loss = "plain" then takes the gradient of -A r (token-mean)
@@ -91,7 +183,7 @@ def test_the_policy_loss_example_is_one_function_and_one_table_line(tmp_path, mo
     monkeypatch.setattr(losses, "LOSSES", losses.LOSSES | entry)
     monkeypatch.setattr(policy, "LOSSES", losses.LOSSES)
 
-    model, rows = tiny_model(seed=0), batch()
+    model, rows = tiny_model(seed=0), update_rows()
     params = policy.Params(loss="plain")
     assert policy.check(params, context(rows)) == []
     refused = policy.check(attrs.evolve(params, tau_pos=2.0), context(rows))

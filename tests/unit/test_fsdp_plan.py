@@ -83,11 +83,7 @@ def test_param_dtype_off_cuda_fsdp_is_a_warning():
     assert memory.compute_dtype(config, "cuda", sharded=True) == "bfloat16"
 
 
-def test_old_placement_value_under_strategy_says_to_use_placement():
-    with pytest.raises(GraphErrors) as error:
-        plan_of("grpo.toml", **{"pools.main.strategy": '"PACK"'})
-    report = error.value.report()
-    assert "'PACK'" in report and "placement-group strategy is set by `placement`" in report
+def test_strategy_is_a_training_strategy_and_placement_is_apart():
     with pytest.raises(GraphErrors, match='must be one of "ddp", "fsdp"'):
         plan_of("grpo.toml", **{"pools.main.strategy": '"zero3"'})
     assert schema.PoolConfig(placement="SPREAD").strategy == "ddp"

@@ -2,76 +2,21 @@
 
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 
+from flowrl import testing
 from flowrl.errors import GraphErrors
 from flowrl.front import compiler, dsl, graph
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY = Path(__file__).parent / "toy"
-
-GOOD = """
-[run]
-steps = 3
-
-[data]
-batch_size = 2
-
-[models.policy]
-trainable = true
-path = "tiny"
-
-[models.ref]
-path = "tiny"
-
-[pools.main]
-workers = 1
-offload = "always"
-
-[nodes.generate]
-uses = "{toy}/gen.py"
-model = "policy"
-n = 4
-
-[nodes.score]
-uses = "{toy}/score.py"
-
-[nodes.old_logprob]
-uses = "{toy}/lp.py"
-model = "policy"
-rename = {{ logprobs = "old_logprobs" }}
-
-[nodes.ref_logprob]
-uses = "{toy}/lp.py"
-model = "ref"
-rename = {{ logprobs = "ref_logprobs" }}
-
-[nodes.advantage]
-uses = "{toy}/adv.py"
-
-[nodes.update]
-uses = "{toy}/train.py"
-model = "policy"
-"""
-
-
-def write(tmp_path, text, name="g.toml"):
-    path = tmp_path / name
-    path.write_text(text.format(toy=TOY))
-    return path
-
-
-def compile_text(tmp_path, text, overrides=()):
-    spec = dsl.load(write(tmp_path, text), list(overrides))
-    return compiler.compile_graph(graph.build(spec))
-
-
-def problems(tmp_path, text, overrides=()):
-    with pytest.raises(GraphErrors) as info:
-        compile_text(tmp_path, text, overrides)
-    return info.value.problems
+GOOD = (TOY / "good.toml.template").read_text()  # a graph of the toy nodes; {toy} is TOY
+write = partial(testing.write_graph, toy=TOY)
+compile_text = partial(testing.compile_text, toy=TOY)
+problems = partial(testing.graph_problems, toy=TOY)
 
 
 def test_good_graph_compiles_in_order(tmp_path):

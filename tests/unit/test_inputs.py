@@ -3,17 +3,25 @@ run.save_inputs settings, and loading a run's graph against its original folder.
 
 import json
 import shutil
+from functools import partial
+from pathlib import Path
 
 import attrs
 import pytest
 import torch
-from test_graph_checks import GOOD, TOY, compile_text, problems, write
 
+from flowrl import testing
 from flowrl.front import dsl
 from flowrl.nodespec import NodeSpec
 from flowrl.protocol import DataProto
 from flowrl.runtime import inputs, replay
 from flowrl.runtime.node_call import NodeFailure, call_node
+
+TOY = Path(__file__).parent / "toy"
+GOOD = (TOY / "good.toml.template").read_text()  # a graph of the toy nodes; {toy} is TOY
+write = partial(testing.write_graph, toy=TOY)
+compile_text = partial(testing.compile_text, toy=TOY)
+problems = partial(testing.graph_problems, toy=TOY)
 
 
 @attrs.frozen

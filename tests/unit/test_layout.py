@@ -105,8 +105,114 @@ def test_the_circle_check_sees_a_deferred_import(tmp_path):
     assert import_cycles(tmp_path) == []
 
 
-def test_every_executor_name_is_a_backend_and_back():
-    from flowrl.front import schema
-    from flowrl.runtime import EXECUTORS
+FRONT = "flowrl.front"
+BACK = ("flowrl.engines", "flowrl.runtime")  # torch and ray live behind these
 
-    assert set(EXECUTORS) == set(schema.BACKENDS)
+
+def reachable(edges: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for target in edges.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def front_end_arrows(root: Path = ROOT) -> list[str]:
+    """ "a -> b" for every front-end module a whose imports reach b in engines/ or runtime/,
+    deferred imports included (a function of the front end may run in `flowrl check`)."""
+    edges = library_imports(root)
+    return [
+        f"{name} -> {target}"
+        for name in sorted(edges)
+        if name == FRONT or name.startswith(FRONT + ".")
+        for target in sorted(reachable(edges, name))
+        if target.startswith(BACK)
+    ]
+
+
+def test_the_front_end_reaches_neither_engines_nor_runtime():
+    arrows = front_end_arrows()
+    assert not arrows, "the front end imports the back end: " + "; ".join(arrows)
+
+
+def module_level_imports(source: str) -> set[str]:
+    """Top-level package names a module imports when it is imported: statements at module
+    level (inside `if`/`try` too), not in functions, not under `if TYPE_CHECKING:`."""
+    found, todo = set(), list(ast.parse(source).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.add((node.module or "").split(".")[0])
+        elif isinstance(node, ast.If):
+            if "TYPE_CHECKING" not in ast.unparse(node.test):
+                todo += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            todo += node.body + node.orelse + node.finalbody
+            todo += [n for handler in node.handlers for n in handler.body]
+    return found
+
+
+def test_no_front_end_module_imports_torch_or_ray_when_imported():
+    offenders = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in sorted((LIBRARY / "front").rglob("*.py"))
+        for name in sorted(module_level_imports(path.read_text()) & {"torch", "ray"})
+    ]
+    assert not offenders, f"import these inside the function that needs them: {offenders}"
+
+
+def test_the_front_end_checks_see_a_planted_violation(tmp_path):
+    front = tmp_path / "flowrl" / "front"
+    engines = tmp_path / "flowrl" / "engines"
+    for package in (tmp_path / "flowrl", front, engines):
+        package.mkdir(exist_ok=True)
+        (package / "__init__.py").write_text("")
+    (engines / "train.py").write_text("import torch\n")
+    (tmp_path / "flowrl" / "contract.py").write_text(
+        "def f():\n    from flowrl.engines import train\n"
+    )
+    (front / "dsl.py").write_text("from flowrl import contract\n")  # reaches engines, deferred
+    assert front_end_arrows(tmp_path) == ["flowrl.front.dsl -> flowrl.engines.train"]
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"
+    assert module_level_imports(source) == {"typing"}
+    assert module_level_imports("try:\n    import ray\nexcept ImportError:\n    pass\n") == {"ray"}
+    assert module_level_imports("def f():\n    import torch\n") == set()
+
+
+def package_folders() -> set[str]:
+    """Every folder of the library holding an __init__.py, as the package it installs as:
+    flowrl/... as is, nodes/... as flowrl.nodes... (pyproject's package-dir)."""
+    found = set()
+    for top, package in (("flowrl", "flowrl"), ("nodes", "flowrl.nodes")):
+        for init in sorted((ROOT / top).rglob("__init__.py")):
+            parts = init.parent.relative_to(ROOT / top).parts
+            if top == "flowrl" and parts[:1] in (("nodes",), ("graphs",)):
+                continue  # links to the top-level folders in a checkout
+            if "__pycache__" not in parts:
+                found.add(".".join((package, *parts)))
+    return found
+
+
+def test_every_package_folder_is_installed():
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    missing = sorted(package_folders() - listed)
+    assert not missing, f"add {missing} to [tool.setuptools] packages in pyproject.toml"
+    assert {"flowrl", "flowrl.front", "flowrl.nodes.update"} <= package_folders()
+
+
+def test_every_integration_file_is_in_the_slow_tier():
+    """`pytest -m "not slow"` is the fast tier: every integration file (they train, start Ray
+    or load models) says `pytestmark = pytest.mark.slow`."""
+    unmarked = [
+        path.name
+        for path in sorted((ROOT / "tests" / "integration").glob("test_*.py"))
+        if "pytestmark = pytest.mark.slow" not in path.read_text()
+    ]
+    assert not unmarked, f"add `pytestmark = pytest.mark.slow` to {unmarked}"

@@ -2,15 +2,24 @@
 reads, so a user's node in its own file, with params named as it likes, gets what a built-in
 one gets; one node call checks the writes of every node."""
 
+from functools import partial
+from pathlib import Path
+
 import attrs
 import pytest
 import torch
-from test_graph_checks import GOOD, compile_text, problems
 
+from flowrl import testing
 from flowrl.nodespec import NodeSpec, RolloutParams
 from flowrl.protocol import DataProto
 from flowrl.runtime.node_call import NodeFailure, call_node
 from flowrl.runtime.pool_worker import pool_setups
+
+TOY = Path(__file__).parent / "toy"
+GOOD = (TOY / "good.toml.template").read_text()  # a graph of the toy nodes; {toy} is TOY
+compile_text = partial(testing.compile_text, toy=TOY)
+problems = partial(testing.graph_problems, toy=TOY)
+
 
 CUSTOM = GOOD.replace('uses = "{toy}/train.py"', 'uses = "{toy}/custom_update.py"')
 

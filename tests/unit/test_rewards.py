@@ -46,7 +46,7 @@ def test_custom_file_scorer_with_dict_result(tmp_path):
     )
     scorer = resolve_scorer(f"{tmp_path}/s.py:compute_score")
     assert score_value(scorer("x", "ab", "ab", {})) == (1.0, {"length": 2.0})
-    with pytest.raises(ScorerError, match="no function"):
+    with pytest.raises(ScorerError, match='s.py has no "missing"'):
         resolve_scorer(f"{tmp_path}/s.py:missing")
 
 

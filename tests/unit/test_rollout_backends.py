@@ -1,5 +1,5 @@
-"""The rollout-backend contract: the table of backends by name, the protocol, and the pool
-worker and graph file choosing a backend through them."""
+"""The rollout-backend contract: the table of backends by name (flowrl/backends.py), the
+protocol, and the pool worker and graph file choosing a backend through them."""
 
 import inspect
 import subprocess
@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.engines import HFRollout, RolloutEngine, make_rollout
-from flowrl.engines.rollout import ROLLOUT_BACKENDS, RolloutBackend, rollout_class
+from flowrl.backends import ROLLOUT_BACKENDS, Backend
+from flowrl.engines import HFRollout, make_rollout
+from flowrl.engines.rollout import RolloutBackend, rollout_class
+from flowrl.engines.wave_rollout import WaveRollout
 from flowrl.errors import GraphErrors
 from flowrl.front import dsl, schema
 from flowrl.runtime.pool_worker import PoolSetup, PoolWorker
@@ -29,10 +31,10 @@ class FakeRollout:
     def generate(self, prompts, prompt_mask, **sampling):
         raise NotImplementedError
 
-    def offload(self):
+    def offload(self, parts):
         pass
 
-    def reload(self):
+    def reload(self, parts):
         pass
 
     def sync_weights(self, source):
@@ -45,20 +47,20 @@ def fake_backend(monkeypatch):
     module = types.ModuleType("fake_rollout")
     module.FakeRollout = FakeRollout
     monkeypatch.setitem(sys.modules, "fake_rollout", module)
-    monkeypatch.setitem(ROLLOUT_BACKENDS, "fake", "fake_rollout:FakeRollout")
+    monkeypatch.setitem(ROLLOUT_BACKENDS, "fake", Backend("fake_rollout:FakeRollout"))
 
 
 def test_hf_resolves_to_the_decode_loop():
     assert rollout_class("hf") is HFRollout
-    assert RolloutEngine is HFRollout  # the former name still imports
     engine = make_rollout("hf", tiny_model(), tiny_tokenizer(), "cpu")
     assert type(engine) is HFRollout and engine.device.type == "cpu"
 
 
-def test_unknown_backend_names_the_allowed_ones():
-    message = 'unknown rollout backend "no_such"; the backends are: "hf"'
-    with pytest.raises(ValueError, match=message):
+def test_unknown_backend_names_the_allowed_ones(fake_backend):
+    with pytest.raises(ValueError) as info:
         make_rollout("no_such", tiny_model(), tiny_tokenizer())
+    names = ", ".join(f'"{name}"' for name in sorted(ROLLOUT_BACKENDS))  # "fake", "hf", ...
+    assert str(info.value) == f'unknown rollout backend "no_such"; the backends are: {names}'
 
 
 def test_hf_rollout_has_the_protocol_methods_with_the_same_parameters():
@@ -84,7 +86,8 @@ def test_protocol_check_rejects_a_backend_without_sync_weights():
 def test_contract_and_schema_import_no_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "from flowrl.engines.rollout import ROLLOUT_BACKENDS\n"
+        "from flowrl.backends import ROLLOUT_BACKENDS\n"
+        "from flowrl.engines.rollout import RolloutBackend, make_rollout\n"
         "from flowrl.front.schema import ModelConfig\n"
         "assert ModelConfig().rollout == 'hf' and 'hf' in ROLLOUT_BACKENDS\n"
         "loaded = [m.split('.')[0] for m in sys.modules if sys.modules[m] is not None]\n"
@@ -117,3 +120,40 @@ def test_pool_worker_builds_the_backend_its_model_names(fake_backend):
     # colocated: the rollout engine shares the train engine's module, on the pool's device
     assert fake.module is worker.train["policy"].module and fake.device == "cpu"
     assert fake.tokenizer is worker.tokenizers["policy"]
+
+
+def test_hf_offload_drops_the_cache_only_with_the_kv_cache_part():
+    engine = HFRollout(tiny_model(), tiny_tokenizer())
+    engine.cache = "a leftover cache"
+    engine.offload(("weights",))  # its weights are the train engine's module, moved there
+    assert engine.cache == "a leftover cache"
+    engine.offload(("weights", "kv_cache"))
+    assert engine.cache is None
+
+
+def test_an_agent_node_on_a_single_turn_backend_is_refused_before_any_model_loads(fake_backend):
+    """A backend whose record says multi_turn = False (here "fake") cannot serve the agent
+    node: `flowrl check` says so and names the backends that can."""
+    assert not ROLLOUT_BACKENDS["fake"].multi_turn
+    graph = ROOT / "graphs/grpo_tools.toml"
+    with pytest.raises(GraphErrors) as info:
+        dsl.load(graph, ["models.policy.rollout=fake"])
+    (problem,) = info.value.problems
+    assert problem.where == "[nodes.generate]"
+    assert 'rollout = "fake", which generates single turns only' in problem.message
+    assert problem.fix == 'set rollout = "hf" in [models.policy]'
+    dsl.load(graph)  # the shipped backend serves it
+
+
+def test_sglang_with_an_agent_node_is_refused_by_check(capsys):
+    from flowrl.cli import main
+
+    graph = str(ROOT / "graphs/grpo_tools.toml")
+    overrides = ["models.policy.rollout=sglang", 'pools.main.device="cuda"']
+    assert main(["check", graph, *overrides]) != 0
+    assert 'rollout = "sglang", which generates single turns only' in capsys.readouterr().err
+
+
+def test_wave_rollout_needs_the_step_by_step_cache_api():
+    with pytest.raises(TypeError, match="prefill/extend"):
+        WaveRollout(FakeRollout(None, None, "cpu"))

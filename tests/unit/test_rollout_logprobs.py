@@ -6,21 +6,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engines import rows
 
-from flowrl.engines import RolloutEngine, TrainEngine
+from flowrl.engines import HFRollout, TrainEngine
 from flowrl.engines.sampling import sample_tokens
 from flowrl.front import compiler
 from flowrl.nodes import generate
 from flowrl.protocol import DataProto
-from flowrl.testing import tiny_model, tiny_tokenizer
+from flowrl.testing import ragged_rows, tiny_model, tiny_tokenizer
 
 torch.set_num_threads(1)
 
 
 def sampled_with_logprobs(model, temperature=1.0, top_k=0, do_sample=True, n=3):
-    batch = rows(7, b=3)
-    out = RolloutEngine(model, tiny_tokenizer()).generate(
+    batch = ragged_rows(7, b=3)
+    out = HFRollout(model, tiny_tokenizer()).generate(
         batch["prompts"],
         batch["prompt_mask"],
         n=n,
@@ -80,8 +79,8 @@ def test_sample_tokens_logprob_hand_example():
 
 
 def test_generate_writes_rollout_logprobs_only_when_asked():
-    engine = RolloutEngine(tiny_model(), tiny_tokenizer())
-    batch = rows(4, b=2).select(["prompts", "prompt_mask"])
+    engine = HFRollout(tiny_model(), tiny_tokenizer())
+    batch = ragged_rows(4, b=2).select(["prompts", "prompt_mask"])
     batch.meta.update(seed=1, step=0)
     plain, _ = generate.GenerateWorker(engine, generate.Params(n=2, max_new_tokens=4))(batch)
     assert "rollout_logprobs" not in plain

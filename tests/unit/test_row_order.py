@@ -2,14 +2,23 @@
 other node; a refilling filter's step samples more prompt batches; a partial walk of a plan
 keeps each pool's transitions in order."""
 
+from functools import partial
+from pathlib import Path
+
 import networkx as nx
 import torch
-from test_graph_checks import GOOD, compile_text
 
+from flowrl import testing
 from flowrl.protocol import DataProto
 from flowrl.runtime.executor import Executor
 from flowrl.runtime.local_executor import LocalExecutor
 from flowrl.runtime.refill import concat_padded, first_groups, refilled_step
+
+TOY = Path(__file__).parent / "toy"
+GOOD = (TOY / "good.toml.template").read_text()  # a graph of the toy nodes; {toy} is TOY
+compile_text = partial(testing.compile_text, toy=TOY)
+problems = partial(testing.graph_problems, toy=TOY)
+
 
 # a filter between the reward and the rest; `early` reads only the responses and sits above
 # the filter in the file, `late` reads the same and sits below it
@@ -109,8 +118,6 @@ def test_refill_plan_and_its_text(tmp_path):
 
 
 def test_a_refill_that_cannot_be_reached_is_a_check_error(tmp_path):
-    from test_graph_checks import problems
-
     found = problems(tmp_path, FILTERED, ["nodes.filter.min_groups=9", "nodes.filter.max_rounds=4"])
     assert [p.where for p in found] == ["[nodes.filter]"]
     assert "can never be reached: 4 prompt batches of 2 prompts hold 8 groups" in found[0].message

@@ -81,4 +81,4 @@ def test_check_resolves_the_scorer_against_the_graph_folder(scorer_file, tmp_pat
     context = CheckContext("reward", 8, 4, 2, 1, base_dir)
     assert check(Params(scorer=scorer), context) == []
     (problem,) = check(Params(scorer="missing.py:compute_score"), context)
-    assert "missing.py" in problem.message and "not found" in problem.message
+    assert "missing.py" in problem.message and "no file" in problem.message

@@ -340,35 +340,43 @@ def test_check_refuses_sglang_on_a_pool_that_is_not_cuda():
     dsl.load(disaggregated, [*overrides, 'pools.gen.device="cuda"'])  # fine
 
 
+def _needs(monkeypatch, package: str) -> None:
+    """Backend "sglang" needs `package` for this test (its record otherwise as shipped)."""
+    import attrs
+
+    from flowrl.backends import ROLLOUT_BACKENDS
+
+    record = attrs.evolve(ROLLOUT_BACKENDS["sglang"], package=package)
+    monkeypatch.setitem(ROLLOUT_BACKENDS, "sglang", record)
+
+
 def test_check_warns_with_the_install_command_when_the_package_is_missing(monkeypatch, capsys):
     from flowrl.cli import main
-    from flowrl.engines import rollout
 
     graph = str(ROOT / "graphs/grpo_sglang.toml")
-    monkeypatch.setitem(rollout.PACKAGE, "sglang", "no_such_package_here")
+    _needs(monkeypatch, "no_such_package_here")
     assert main(["check", graph]) == 0  # the graph is right; this machine lacks a package
     out = capsys.readouterr().out
     assert '[models.policy] rollout = "sglang" needs the no_such_package_here package' in out
     assert 'pip install -e ".[sglang]"' in out
-    monkeypatch.setitem(rollout.PACKAGE, "sglang", "json")  # one that is installed
+    _needs(monkeypatch, "json")  # one that is installed
     assert main(["check", graph]) == 0
     assert "needs the" not in capsys.readouterr().out
 
 
 def test_run_stops_before_loading_a_model_when_the_package_is_missing(monkeypatch):
     from flowrl.cli import load_plan
-    from flowrl.engines import rollout
     from flowrl.runtime.guards import MissingPackage, check_packages
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     _, _, plan = load_plan(str(ROOT / "graphs/grpo_sglang.toml"))
-    monkeypatch.setitem(rollout.PACKAGE, "sglang", "no_such_package_here")
+    _needs(monkeypatch, "no_such_package_here")
     with pytest.raises(MissingPackage) as info:
         check_packages(plan)
     message = str(info.value)
     assert message.startswith(f'{plan.file}: [models.policy] rollout = "sglang" needs')
     assert 'pip install -e ".[sglang]"' in message
-    monkeypatch.setitem(rollout.PACKAGE, "sglang", "json")
+    _needs(monkeypatch, "json")
     check_packages(plan)  # installed: nothing to say
 
 
@@ -570,6 +578,7 @@ finally:
 """
 
 
+@pytest.mark.slow  # a child process: a Python start-up with torch
 def test_the_trainer_survives_an_sglang_childs_death_with_its_own_error(tmp_path):
     """Run in a child process: with SGLang's handlers the whole process tree is killed."""
     args = [str(tmp_path), str(ROOT / "tests/unit"), str(ROOT / "graphs/grpo.toml")]
@@ -617,6 +626,7 @@ print(json.dumps(state))
 """
 
 
+@pytest.mark.slow  # a child process: a Python start-up with torch
 def test_shutting_sglang_down_leaves_flowrls_scorer_processes_running():
     result = subprocess.run(
         [sys.executable, "-c", SHUTDOWN, str(ROOT / "tests/unit")],

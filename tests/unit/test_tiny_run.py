@@ -93,6 +93,27 @@ def test_tiny_mini_batches_shrink_with_the_prompt_batch(graph):
     assert steps(tiny) == steps(full) and min(steps(full).values()) > 1
 
 
+def test_a_user_update_with_its_own_mini_batch_param_is_shrunk(tmp_path):
+    """The mini-batch param is the one the node's `MiniBatches` names (here `minibatch`, in
+    tests/unit/toy/custom_update.py), so the tiny run keeps its optimizer steps and passes the
+    node's own check: 16 of ppo's 48 rows would exceed the tiny run's 8."""
+    block = 'uses = "update.policy"\nmodel = "policy"\nmini_batch_size = 16'
+    text = (ROOT / "graphs/ppo.toml").read_text()
+    assert block in text
+    toy = Path(__file__).parent / "toy" / "custom_update.py"
+    graph = tmp_path / "custom.toml"
+    graph.write_text(text.replace(block, f'uses = "{toy}"\nmodel = "policy"\nminibatch = 16'))
+
+    def steps(plan):
+        decl = plan.spec.nodes["update_policy"]
+        return decl.spec.mini_batches.updates(decl.params, plan.batch.rows)
+
+    full = compiler.compile_file(graph)
+    tiny = compiler.compile_file(graph, tiny_overrides(graph, tmp_path))
+    assert tiny.spec.nodes["update_policy"].params.minibatch < 16 < full.batch.rows
+    assert steps(tiny) == steps(full) == 3  # 48 rows in mini-batches of 16
+
+
 def test_an_agent_graph_scripts_a_first_turn_calling_each_tool(tmp_path):
     """A tool of the user's own (a sibling of the graph) beside the calculator: the tiny
     overrides script the first turn, allow both calls in it, and budget the turn to fit."""

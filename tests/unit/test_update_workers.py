@@ -17,56 +17,15 @@ from flowrl.nodes.update import policy
 from flowrl.nodes.update.critic import CriticUpdateWorker
 from flowrl.nodes.update.critic import Params as CriticParams
 from flowrl.protocol import DataProto
-from flowrl.testing import tiny_model, tiny_tokenizer
-
-
-def batch(b=6, p=5, t=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    response_mask = torch.arange(t)[None] < torch.randint(1, t + 1, (b,), generator=g)[:, None]
-    advantages = torch.randn(b, 1, generator=g) * response_mask
-    advantages[::2] = 0.0  # half the rows carry no signal
-    return DataProto.from_dict(
-        {
-            "prompts": torch.randint(3, 100, (b, p), generator=g),
-            "prompt_mask": torch.ones(b, p, dtype=torch.long),
-            "responses": torch.randint(3, 100, (b, t), generator=g) * response_mask,
-            "response_mask": response_mask.long(),
-            "advantages": advantages,
-            "old_logprobs": torch.randn(b, t, generator=g) * 0.1 - 3.0,
-            "values": torch.zeros(b, t),
-            "returns": torch.randn(b, t, generator=g),
-        }
-    )
-
-
-def updated(model, worker_class, params, micro_tokens=4096, rows=None):
-    """(gradients of the first optimizer step, metrics) on `rows` (default: batch())."""
-    engine = TrainEngine(copy.deepcopy(model), tiny_tokenizer(), lr=1e-2, micro_tokens=micro_tokens)
-    grads, step = [], engine.step
-
-    def record_then_step():
-        grads.append(
-            {n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None}
-        )
-        return step()
-
-    engine.step = record_then_step
-    _, metrics = worker_class(engine, params)(batch() if rows is None else rows)
-    return grads[0], metrics
-
-
-def assert_same(a, b):
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-7)
+from flowrl.testing import assert_same, first_step, tiny_model, tiny_tokenizer, update_rows
 
 
 def test_skipping_zero_advantage_rows_keeps_the_update():
     model = tiny_model(seed=0)
-    skipped, metrics = updated(model, policy.PolicyUpdateWorker, policy.Params())
+    skipped, metrics = first_step(model, policy.PolicyUpdateWorker, policy.Params())
     assert metrics["computed_rows"] == pytest.approx(0.5)  # 3 of 6 rows skipped
     no_skip = policy.Params(skip_zero_rows=False)
-    full, full_metrics = updated(model, policy.PolicyUpdateWorker, no_skip)
+    full, full_metrics = first_step(model, policy.PolicyUpdateWorker, no_skip)
     assert full_metrics["computed_rows"] == 1.0
     assert_same(skipped, full)
     assert metrics["pg_loss"] == pytest.approx(full_metrics["pg_loss"], rel=1e-5)
@@ -76,7 +35,7 @@ def test_on_policy_update_equals_one_with_a_separate_old_logprob_pass():
     # on_policy = true takes the old log-probs from the update's own forward, detached; an
     # old_logprob node computes them with a separate forward of the same weights first
     model = tiny_model(seed=0)
-    rows = batch()
+    rows = update_rows()
     engine = TrainEngine(copy.deepcopy(model), tiny_tokenizer())
     old = engine.infer(rows)["logprobs"]
     with_pass = DataProto.from_dict(
@@ -109,23 +68,23 @@ def test_no_skip_when_kl_or_entropy_terms_need_every_row():
 def test_policy_micro_batches_give_the_same_update(agg):
     model = tiny_model(seed=1)
     params = policy.Params(agg=agg, entropy_coef=0.01)
-    whole, _ = updated(model, policy.PolicyUpdateWorker, params, micro_tokens=4096)
-    pieces, _ = updated(model, policy.PolicyUpdateWorker, params, micro_tokens=9)
+    whole, _ = first_step(model, policy.PolicyUpdateWorker, params, micro_tokens=4096)
+    pieces, _ = first_step(model, policy.PolicyUpdateWorker, params, micro_tokens=9)
     assert_same(whole, pieces)
 
 
 def test_critic_micro_batches_give_the_same_update():
     model = ValueModel(tiny_model(seed=2))
     torch.nn.init.normal_(model.value_head.weight, std=0.1)
-    whole, m1 = updated(model, CriticUpdateWorker, CriticParams(), micro_tokens=4096)
-    pieces, m2 = updated(model, CriticUpdateWorker, CriticParams(), micro_tokens=9)
+    whole, m1 = first_step(model, CriticUpdateWorker, CriticParams(), micro_tokens=4096)
+    pieces, m2 = first_step(model, CriticUpdateWorker, CriticParams(), micro_tokens=9)
     assert_same(whole, pieces)
     assert m1["vf_loss"] == pytest.approx(m2["vf_loss"], rel=1e-5)
 
 
 def test_mini_batches_take_several_optimizer_steps():
     model = tiny_model(seed=3)
-    _, metrics = updated(
+    _, metrics = first_step(
         model, policy.PolicyUpdateWorker, policy.Params(mini_batch_size=2, epochs=2)
     )
     assert metrics["lr"] == 1e-2 and "grad_norm" in metrics
@@ -161,7 +120,7 @@ def test_policy_update_attends_to_tool_tokens_and_trains_only_sampled_ones():
     # the update equals: a forward over every real token (no split), then the loss over the
     # sampled tokens only; the values planted on the tool tokens change nothing
     model = tiny_model(seed=4)
-    rows = with_tool_tokens(batch())
+    rows = with_tool_tokens(update_rows())
     sampled = rows["response_mask"]
     plain = DataProto.from_dict(
         {k: rows[k] for k in ("prompts", "prompt_mask", "responses")}
@@ -175,14 +134,14 @@ def test_policy_update_attends_to_tool_tokens_and_trains_only_sampled_ones():
             logprobs, rows["old_logprobs"], rows["advantages"], sampled, no_dual, Chunk()
         )[0]
 
-    grads, _ = updated(model, policy.PolicyUpdateWorker, policy.Params(), rows=rows)
+    grads, _ = first_step(model, policy.PolicyUpdateWorker, policy.Params(), rows=rows)
     assert_same(grads, reference_grads(model, loss_of))
 
 
 def test_critic_update_attends_to_tool_tokens_and_trains_only_sampled_ones():
     model = ValueModel(tiny_model(seed=5))
     torch.nn.init.normal_(model.value_head.weight, std=0.1)
-    rows = with_tool_tokens(batch())
+    rows = with_tool_tokens(update_rows())
     plain = DataProto.from_dict(
         {k: rows[k] for k in ("prompts", "prompt_mask", "responses")}
         | {"response_mask": rows["response_attention"]}
@@ -192,7 +151,7 @@ def test_critic_update_attends_to_tool_tokens_and_trains_only_sampled_ones():
         values = engine.forward(plain, grad=True)["values"]
         return clipped_value_loss(values, rows["values"], rows["returns"], rows["response_mask"])[0]
 
-    grads, _ = updated(model, CriticUpdateWorker, CriticParams(), rows=rows)
+    grads, _ = first_step(model, CriticUpdateWorker, CriticParams(), rows=rows)
     assert_same(grads, reference_grads(model, loss_of))
 
 
@@ -204,8 +163,8 @@ def test_each_policy_loss_gives_the_same_update_in_micro_batches(loss):
     # on-policy, so every loss starts at ratio 1 and has a gradient
     model = tiny_model(seed=1)
     params = policy.Params(loss=loss, on_policy=True, agg="seq-mean-token-sum-norm")
-    whole, metrics = updated(model, policy.PolicyUpdateWorker, params, micro_tokens=4096)
-    pieces, _ = updated(model, policy.PolicyUpdateWorker, params, micro_tokens=9)
+    whole, metrics = first_step(model, policy.PolicyUpdateWorker, params, micro_tokens=4096)
+    pieces, _ = first_step(model, policy.PolicyUpdateWorker, params, micro_tokens=9)
     assert_same(whole, pieces)
     assert any(g.abs().sum() > 0 for g in whole.values())
     assert set(LOSSES[loss].rates) <= metrics.keys()
@@ -216,13 +175,13 @@ def test_tis_weights_scale_the_update(shift, scale):
     # rollout log-probs = old + shift: every weight is exp(-shift) = 0.5, or 4 capped at 2,
     # so the gradient is the plain one times 0.5 or 2
     model = tiny_model(seed=0)
-    rows = batch()
+    rows = update_rows()
     with_rollout = DataProto.from_dict(
         {k: rows[k] for k in rows.keys()} | {"rollout_logprobs": rows["old_logprobs"] + shift}
     )
-    plain, _ = updated(model, policy.PolicyUpdateWorker, policy.Params())
+    plain, _ = first_step(model, policy.PolicyUpdateWorker, policy.Params())
     tis = policy.Params(tis_cap=2.0)
-    weighted, _ = updated(model, policy.PolicyUpdateWorker, tis, rows=with_rollout)
+    weighted, _ = first_step(model, policy.PolicyUpdateWorker, tis, rows=with_rollout)
     assert_same(weighted, {n: g * scale for n, g in plain.items()})
     assert any(g.abs().sum() > 0 for g in plain.values())
     assert "rollout_logprobs" in policy.SPEC.reads_for(policy.Params(tis_cap=2.0))
@@ -271,7 +230,7 @@ def test_update_loop_reports_every_named_metric_from_a_rank_without_rows():
         calls.append(len(micro))
         raise AssertionError("no micro-batch to compute")
 
-    empty = batch().index(slice(0, 0))
+    empty = update_rows().index(slice(0, 0))
     metrics = engine.update(empty, micro_loss, epochs=2, metrics=("pg_loss", "entropy"))
     assert calls == []
     assert metrics["pg_loss"] == metrics["entropy"] == 0.0

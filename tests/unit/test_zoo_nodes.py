@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_update_workers import assert_same, batch, updated
 
 from flowrl.engines import TrainEngine
 from flowrl.math import estimators, ops
@@ -17,7 +16,7 @@ from flowrl.nodes.reward import kl_penalty, overlong, token_rewards
 from flowrl.nodes.update import policy
 from flowrl.nodespec import CheckContext
 from flowrl.protocol import DataProto
-from flowrl.testing import tiny_model, tiny_tokenizer
+from flowrl.testing import assert_same, first_step, tiny_model, tiny_tokenizer, update_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -240,8 +239,8 @@ def test_dual_clip_is_on_by_default_with_verls_c():
 def test_dual_clip_changes_nothing_in_an_on_policy_update():
     # grpo.toml's update (on_policy, one mini-batch): every ratio is 1, the bound never acts
     model = tiny_model(seed=0)
-    with_c, _ = updated(model, policy.PolicyUpdateWorker, policy.Params(on_policy=True))
-    without, _ = updated(
+    with_c, _ = first_step(model, policy.PolicyUpdateWorker, policy.Params(on_policy=True))
+    without, _ = first_step(
         model, policy.PolicyUpdateWorker, policy.Params(on_policy=True, dual_clip=0.0)
     )
     assert_same(with_c, without)
@@ -251,13 +250,13 @@ def test_update_reports_pg_clipfrac_lower():
     # old log-probs 2 nats below the policy's: ratio ~ 7.4 > 3 on every token, so the bound
     # binds on exactly the tokens of negative advantage
     model = tiny_model(seed=0)
-    rows = batch()
+    rows = update_rows()
     engine = TrainEngine(copy.deepcopy(model), tiny_tokenizer())
     now = engine.infer(rows)["logprobs"]
     shifted = DataProto.from_dict(
         {k: rows[k] for k in rows.keys() if k != "old_logprobs"} | {"old_logprobs": now - 2.0}
     )
-    _, metrics = updated(model, policy.PolicyUpdateWorker, policy.Params(), rows=shifted)
+    _, metrics = first_step(model, policy.PolicyUpdateWorker, policy.Params(), rows=shifted)
     mask, adv = rows["response_mask"], rows["advantages"]
     computed = (adv != 0).any(-1)  # zero-advantage rows are skipped
     negative = ((adv < 0) & mask.bool())[computed].sum() / mask[computed].sum()
