@@ -3,10 +3,12 @@ it as a sequence classifier that transformers loads, and run PPO scored by a rew
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from flowrl.testing import run_tiny
 
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
 ROOT = Path(__file__).resolve().parents[2]
 
 
