@@ -99,7 +99,7 @@ def one_mode(args) -> dict:
     ]
     with tempfile.TemporaryDirectory() as out:
         overrides.append(f'run.out_dir="{out}"')
-        _, _, plan = load_plan(str(ROOT / "graphs" / "ppo.toml"), overrides)
+        plan = load_plan(str(ROOT / "graphs" / "ppo.toml"), overrides)
         trainer = Trainer(plan, Path(out) / "run", "local")
         cuda = args.device == "cuda"
         steps, peaks = [], []
@@ -107,7 +107,7 @@ def one_mode(args) -> dict:
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            metrics, _ = trainer.step(step)
+            metrics = trainer.step(step).metrics
             if cuda:
                 torch.cuda.synchronize()
                 peaks.append(torch.cuda.max_memory_allocated() / GB)

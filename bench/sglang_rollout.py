@@ -152,7 +152,7 @@ def one_mode(args) -> dict:
     ]
     with tempfile.TemporaryDirectory() as out:
         overrides.append(f'run.out_dir="{out}"')
-        _, _, plan = load_plan(str(ROOT / "graphs" / "grpo_sglang.toml"), overrides)
+        plan = load_plan(str(ROOT / "graphs" / "grpo_sglang.toml"), overrides)
         trainer = Trainer(plan, Path(out) / "run", "local")
         steps = []
         for step in range(1, args.warmup + 1):
@@ -160,7 +160,7 @@ def one_mode(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
         with DevicePeak() as device:
             for step in range(args.warmup + 1, args.warmup + args.steps + 1):
-                metrics, _ = trainer.step(step)
+                metrics = trainer.step(step).metrics
                 steps.append(metrics["time_s"])
         worker = trainer.executor.workers["main"][0]
         worker.rollout["policy"].shutdown()

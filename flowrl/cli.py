@@ -66,10 +66,10 @@ def say_which(file: str, path: str) -> None:
 
 
 def load_plan(file: str, overrides=()):
-    """(GraphSpec, Graph, ExecutionPlan) of a graph file; raises GraphErrors. The spec is the
-    one that runs: without the nodes the graph skips (see flowrl/front/graph.py)."""
-    plan = compiler.compile_file(graph_path(file), overrides)
-    return plan.spec, plan.graph, plan
+    """The ExecutionPlan of a graph file or shipped graph name; raises GraphErrors. It carries
+    the spec that runs (`plan.spec`, without the nodes the graph skips, see
+    flowrl/front/graph.py) and the graph (`plan.graph`)."""
+    return compiler.compile_file(graph_path(file), overrides)
 
 
 def cmd_check(args) -> int:
@@ -82,11 +82,12 @@ def cmd_check(args) -> int:
     for file in graphs:
         try:
             path = graph_path(file)
-            spec, built, plan = load_plan(path, args.overrides)
+            plan = load_plan(path, args.overrides)
         except GraphErrors as e:
             print(e.report(), file=sys.stderr)
             status = 2
             continue
+        spec = plan.spec
         counts = ", ".join(
             _count(len(things), what)
             for things, what in ((spec.nodes, "node"), (spec.models, "model"), (spec.pools, "pool"))
@@ -96,7 +97,7 @@ def cmd_check(args) -> int:
             f", at most {plan.batch.rows_per_node[n]} after {f}" for f, n in _after_filters(plan)
         )
         print(f"{path}{shipped}: ok ({counts}, {plan.batch.rows} rows per step{after})")
-        print(node_table(spec, built))
+        print(node_table(spec, plan.graph))
         for warning in plan.warnings:
             print(f"  warning: {warning}")
     return status
@@ -148,15 +149,15 @@ def node_table(spec, built) -> str:
 
 def cmd_plan(args) -> int:
     say_which(args.file, graph_path(args.file))
-    _, _, plan = load_plan(args.file, args.overrides)
+    plan = load_plan(args.file, args.overrides)
     print(plan.to_json() if args.json else plan.text(), end="")
     return 0
 
 
 def cmd_render(args) -> int:
     say_which(args.file, graph_path(args.file))
-    _, built, plan = load_plan(args.file, args.overrides)
-    dot = plan.to_dot() if args.plan else render.graph_dot(built, all_keys=args.all_keys)
+    plan = load_plan(args.file, args.overrides)
+    dot = plan.to_dot() if args.plan else render.graph_dot(plan.graph, all_keys=args.all_keys)
     out = args.output or str(Path(args.file).with_suffix(".plan.svg" if args.plan else ".svg"))
     try:
         ok, message = render.write(dot, out)  # the format follows the extension
@@ -195,7 +196,7 @@ def cmd_run(args) -> int:
     say_which(args.file, graph_path(args.file))
     if args.tiny:  # the tiny model first, so the command line's own overrides win
         args.overrides = [*tiny_run.tiny_overrides(graph_path(args.file)), *args.overrides]
-    _, _, plan = load_plan(args.file, args.overrides)
+    plan = load_plan(args.file, args.overrides)
     from flowrl.runtime.controller import run  # torch and ray load from here on
 
     try:
@@ -237,7 +238,7 @@ def cmd_replay(args) -> int:
     for note in call.notes:
         print(f"  {note}")
     try:
-        writes, metrics = call.run()
+        result = call.run()
     except Exception as e:
         import traceback
 
@@ -246,7 +247,7 @@ def cmd_replay(args) -> int:
         if args.pdb:
             replay.post_mortem(e)
         raise
-    print(replay.describe(writes, metrics))
+    print(replay.describe(result.writes, result.metrics))
     return 0
 
 

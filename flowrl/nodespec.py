@@ -14,9 +14,12 @@ Two kinds of node:
   rank of the pool that hosts the node's model and calls `worker(batch)` with that rank's rows.
 
 Either returns a dict holding exactly the declared `writes`, or a pair `(writes, metrics)` with
-metrics a dict of floats. A node with `rows="repeat"` returns `params.n` rows per input row
-(interleaved: all samples of row 0, then row 1, ...); `rows="filter"` returns only the key
-`keep`, a bool (b,) mask, and the runtime drops the other rows from the step's batch.
+metrics a dict of floats, or a triple `(writes, metrics, phases)` with phases a list of
+`(name, start, end)` wall-clock spans in epoch seconds (e.g. the agent node's decode and tool
+time), which the run's trace shows under the node. A node with `rows="repeat"` returns
+`params.n` rows per input row (interleaved: all samples of row 0, then row 1, ...);
+`rows="filter"` returns only the key `keep`, a bool (b,) mask, and the runtime drops the other
+rows from the step's batch.
 
 What the framework needs to know about a node's params it asks the node, through hooks on the
 spec, never by reading a param name itself:
@@ -31,8 +34,9 @@ spec, never by reading a param name itself:
   decoding and the compiler can size the KV cache.
 
 The records that follow one node through the stages: `NodeSpec` (here: what the module declares),
-`NodeRef` (registry: where the module is), `NodeDecl` (the graph file's `[nodes.<id>]`, resolved)
-and `NodeSetup` (runtime: the plain data a pool rank builds the node's worker from).
+`NodeRef` (registry: where the module is), `NodeDecl` (the graph file's `[nodes.<id>]`, resolved),
+`NodeSetup` (runtime/setup.py: the plain data a pool rank builds the node's worker from) and
+`NodeCall` (runtime/node_call.py: what every call of the node shares: id, spec, renames, params).
 
 This module imports neither torch nor ray.
 """
@@ -49,9 +53,6 @@ DISPATCHES = ("split", "broadcast", "rank0")
 ROWS = ("same", "repeat", "filter")
 HEADS = ("lm", "value")
 KEEP = "keep"  # the one key a filter node returns
-# a worker's metrics may hold, under this key, [(name, start, end)] wall-clock spans of its
-# phases (e.g. the agent node's decode and tool time); the trace shows them under the node
-PHASES = "trace_phases"
 
 
 @attrs.frozen
@@ -83,6 +84,7 @@ class CheckContext:
     base_dir: str  # the graph file's folder: relative paths in params resolve against it
     model_path: str = ""  # the path of the node's model ("" for a controller node)
     policy_path: str = ""  # the rollout model's path: its tokenizer writes the batch's ids
+    data_sources: tuple = ()  # data.source and data.val_source (built-in names or files)
 
 
 @attrs.frozen
@@ -266,9 +268,15 @@ class Refill:
         return int(getattr(params, self.groups)), int(getattr(params, self.rounds))
 
 
-def split_output(out: Any) -> tuple[dict, dict]:
-    """A node's return value as (writes, metrics)."""
-    if isinstance(out, tuple):
-        writes, metrics = out
-        return dict(writes), dict(metrics)
-    return dict(out), {}
+def split_output(out: Any) -> tuple[dict, dict, list]:
+    """A node's return value (writes, (writes, metrics) or (writes, metrics, phases)) as
+    (writes, metrics, phases)."""
+    if not isinstance(out, tuple):
+        return dict(out), {}, []
+    if len(out) not in (2, 3):
+        raise TypeError(
+            f"a node returned a tuple of {len(out)}: return writes, (writes, metrics) or "
+            "(writes, metrics, phases)"
+        )
+    writes, metrics, *phases = out
+    return dict(writes), dict(metrics), [tuple(p) for p in (phases[0] if phases else ())]

@@ -184,6 +184,27 @@ class DataProto:
         columns = {k: np.concatenate([p.non_tensor[k] for p in parts]) for k in parts[0].non_tensor}
         return DataProto(batch, columns, dict(parts[0].meta))
 
+    @staticmethod
+    def concat_padded(parts: list[DataProto], left: Iterable[str] = ()) -> DataProto:
+        """Concatenate batches whose per-token columns (b, t, ...) may differ in t: each is
+        padded with zeros to the widest t among the parts, on the left for the keys in `left`
+        (left-padded prompts), on the right for the others (responses; masks are 0 there, so
+        no forward or loss sees the padding). Parts without rows are left out."""
+        parts = [p for p in parts if len(p)] or parts[:1]
+        if len(parts) == 1:
+            return parts[0]
+        left, padded = set(left), []
+        for part in parts:
+            columns = {key: part[key] for key in part.keys()}
+            for key, value in columns.items():
+                if isinstance(value, torch.Tensor) and value.dim() >= 2:
+                    extra = max(p[key].shape[1] for p in parts) - value.shape[1]
+                    side = (extra, 0) if key in left else (0, extra)
+                    pad = (0, 0) * (value.dim() - 2) + side
+                    columns[key] = torch.nn.functional.pad(value, pad) if extra else value
+            padded.append(DataProto.from_columns(columns, part.meta))
+        return DataProto.concat(padded)
+
     def to(self, device) -> DataProto:
         return DataProto(self.batch.to(device), self.non_tensor, self.meta)
 

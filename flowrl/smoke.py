@@ -89,7 +89,7 @@ def check_start(state) -> str:
     from flowrl.engines.sglang_backend import SGLangRollout
     from flowrl.models import load_model
 
-    _, _, plan = load_plan(state["graph"])
+    plan = load_plan(state["graph"])
     config = plan.spec.models["policy"]
     module, tokenizer = load_model(config.path, dtype=config.dtype)
     module.to("cuda:0").eval()

@@ -23,16 +23,21 @@ __all__ = [
     "CHAT_TEMPLATE",
     "SPECIAL",
     "ScriptedTurns",
-    "VARIED_SCORER",
     "TinyRun",
+    "VARIED_SCORER",
     "assert_same",
     "compile_text",
     "first_step",
     "graph_problems",
     "load_node",
     "load_ref",
+    "local_bytes",
     "loss_params",
+    "on_ranks",
+    "parameters",
     "ragged_rows",
+    "rank_host",
+    "rollout_parameters",
     "run_tiny",
     "scripted_request",
     "tiny_engine",
@@ -125,6 +130,50 @@ def update_batch(b: int = 4, p: int = 5, t: int = 4, seed: int = 0):
             "old_logprobs": torch.randn(b, t, generator=g) * 0.1 - 3.0,
         }
     )
+
+
+# -- probes: what a test looks at inside a pool rank, run there by `on_ranks` -----------------
+# (module-level functions of an installed module, so a Ray rank can unpickle them)
+
+
+def on_ranks(executor, pool: str, probe, *args) -> list:
+    """`probe(worker, *args)` on every rank of `pool`: each rank's result, in rank order."""
+    return executor.apply(pool, probe, *args)
+
+
+def parameters(worker, model: str) -> dict:
+    """The model's whole parameters as CPU tensors; under fsdp a collective (every rank)."""
+    engine = worker.train[model]
+    return engine.sharding.full_state(engine.module, worker.rank, everywhere=True)
+
+
+def rollout_parameters(worker, model: str) -> dict:
+    """The weights the rollout engine of `model` generates from, as CPU tensors."""
+    module = worker.rollout_copies.get(model, worker.train[model].module)
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+
+def local_bytes(worker, model: str) -> dict:
+    """Bytes of `model` the rank holds: {"weights", "optimizer"} (its shards under fsdp)."""
+    from flowrl.engines import sharding
+
+    return sharding.local_bytes(worker.train[model])
+
+
+def rank_host(worker) -> dict:
+    """Where the rank runs: Ray node id (under Ray), host and process id."""
+    import os
+    import socket
+
+    node = ""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            node = ray.get_runtime_context().get_node_id()
+    except ImportError:
+        pass
+    return {"node_id": node, "host": socket.gethostname(), "pid": os.getpid()}
 
 
 def ragged_rows(seed: int = 0, b: int = 4, p: int = 6, t: int = 5):
@@ -264,11 +313,10 @@ def scripted_request(
         **limits: `flowrl.agent.episode.Limits` fields (`max_assistant_turns`,
             `max_user_turns`, `tool_timeout_s`, ...).
     """
-    import concurrent.futures
-
     from flowrl.agent.chat import ChatTokens
     from flowrl.agent.driver import run_sync, run_waves
     from flowrl.agent.episode import Episode, Limits
+    from flowrl.agent.interactions import FunctionInteraction
     from flowrl.agent.objects import load_object
     from flowrl.agent.parsers import make_parser
     from flowrl.agent.tools import Toolbox
@@ -279,20 +327,20 @@ def scripted_request(
         interaction = load_object(interaction, base_dir, "interaction")
     messages = [{"role": "user", "content": prompt}]
     script = [tokenizer(t, add_special_tokens=False)["input_ids"] + [chat.eos] for t in turns]
-    limits = {"max_user_turns": 1 if interaction else 0, **limits}
-    limits.setdefault("max_assistant_turns", len(turns))
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        episode = Episode(
-            chat.encode(messages, generation_prompt=True),
-            chat,
-            make_parser(parser, box.names, base_dir),
-            box.open(tools_kwargs, pool),
-            Limits(**limits),
-            messages=messages,
-            interaction=interaction,
-            interaction_kwargs=interaction_kwargs,
-        )
-        run_sync(run_waves([episode], ScriptedTurns({0: script})))
+    # verl's turn limit is checked before the user's reply: one more turn lets the
+    # interaction answer the last scripted turn
+    limits.setdefault("max_assistant_turns", len(turns) + (1 if interaction else 0))
+    episode = Episode(
+        chat.encode(messages, generation_prompt=True),
+        chat,
+        make_parser(parser, box.names, base_dir),
+        box.open({"tools_kwargs": tools_kwargs or {}}),
+        Limits(**limits),
+        messages=messages,
+        interaction=FunctionInteraction(interaction) if interaction else None,
+        interaction_kwargs=interaction_kwargs,
+    )
+    run_sync(run_waves([episode], ScriptedTurns({0: script})))
     return episode
 
 

@@ -8,19 +8,21 @@ in it are parsed, run (concurrently, each under a timeout) and their output appe
 the policy did not sample; until a turn makes no call or a limit ends it. All requests advance
 turn by turn on the engine's KV cache (flowrl/engines/wave_rollout.py). `response_mask` is 1
 on sampled tokens only; `response_attention` on tool output too. `rollout_info` carries each
-request's turns, calls, tool rewards and why it ended (verl's names), for reward.rule with
-`rollout_info = true`. Replaces [nodes.generate] in a graph; docs/multi-turn.md.
+request's turns, calls, tool rewards and why it ended (verl's names and counts), for
+reward.rule with `rollout_info = true`. Tools are functions, classes, or verl's tool YAML
+(`tool_config`); interactions a function, a verl class or verl's YAML; the prompt carries the
+tools' schemas (the data loader templates it with `tools=`). Replaces [nodes.generate] in a
+graph; docs/multi-turn.md.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 
 import attrs
 
 from flowrl.front.validators import MAX_TOKENS, Rule, checked, count, one_of, positive
-from flowrl.nodespec import PHASES, CheckContext, Finding, NodeSpec, RolloutParams
+from flowrl.nodespec import CheckContext, Finding, NodeSpec, RolloutParams
 
 
 def _names() -> Rule:
@@ -31,11 +33,17 @@ def _names() -> Rule:
 class Params(RolloutParams):
     max_new_tokens: int = checked(256, count(1, MAX_TOKENS))  # whole response, sampled + tool
     tools: tuple[str, ...] = checked((), _names())  # built-in names or "file.py:name"
+    tool_config: str = ""  # a verl tool YAML (tools: [{class_name, config, tool_schema}])
     parser: str = "hermes"  # "hermes", "tag" (<name>argument</name>) or "file.py:parse"
+    chat_template: str = ""  # a template file replacing the tokenizer's (tools in the prompt)
+    system_prompt: str = ""  # put before the row's system message; {tools} = the schemas
     max_turn_tokens: int = checked(0, count(0, MAX_TOKENS))  # one turn; 0 = max_new_tokens
-    max_assistant_turns: int = checked(4, count(1, 10_000))  # assistant turns per request
-    max_calls_per_turn: int = checked(1, count(1, 10_000))  # more get an error
-    max_obs_tokens: int = checked(256, count(1, MAX_TOKENS))  # one output, else cut
+    max_assistant_turns: int = checked(4, count(1, 10_000))  # every assistant turn (verl's)
+    max_user_turns: int = checked(0, count(0, 10_000))  # tool rounds + replies; 0 = no limit
+    max_parallel_calls: int = checked(1, count(1, 10_000))  # per turn; the rest are dropped
+    max_tool_response_length: int = checked(256, count(1, 10**9))  # characters (verl's)
+    tool_response_truncate_side: str = checked("middle", one_of(("left", "middle", "right")))
+    max_obs_tokens: int = checked(256, count(1, MAX_TOKENS))  # tokens of one output, else cut
     tool_timeout_s: float = checked(10.0, positive())  # one call
     request_timeout_s: float = checked(120.0, positive())  # one request's time in tools, summed
     max_invalid_calls: int = checked(3, count(0, 10_000))  # in a row; 0 = no limit
@@ -43,8 +51,8 @@ class Params(RolloutParams):
     solution: str = checked(
         "assistant", one_of(("assistant", "full"))
     )  # response_text; full = verl
-    interaction: str = ""  # "file.py:reply", reply(messages, **kwargs) -> (done, text, reward)
-    max_user_turns: int = checked(0, count(0, 10_000))  # interaction replies per request
+    interaction: str = ""  # "file.py:reply" (a function) or "file.py:Cls" (verl interaction)
+    interaction_config: str = ""  # a verl interaction YAML; rows pick by interaction_kwargs.name
     script_first_turn: bool = False  # first turn = a call of each tool (--tiny sets it)
 
 
@@ -54,9 +62,11 @@ def limits(p: Params):
     return Limits(
         max_new_tokens=p.max_new_tokens,
         max_turn_tokens=p.max_turn_tokens or p.max_new_tokens,
-        **{f: getattr(p, f) for f in ("max_assistant_turns", "max_calls_per_turn")},
-        **{f: getattr(p, f) for f in ("max_obs_tokens", "tool_timeout_s", "request_timeout_s")},
-        **{f: getattr(p, f) for f in ("max_invalid_calls", "max_user_turns", "obs_role")},
+        **{f: getattr(p, f) for f in ("max_assistant_turns", "max_user_turns")},
+        **{f: getattr(p, f) for f in ("max_parallel_calls", "max_tool_response_length")},
+        **{f: getattr(p, f) for f in ("tool_response_truncate_side", "max_obs_tokens")},
+        **{f: getattr(p, f) for f in ("tool_timeout_s", "request_timeout_s")},
+        **{f: getattr(p, f) for f in ("max_invalid_calls", "obs_role")},
     )
 
 
@@ -90,7 +100,6 @@ class AgentWorker:
 
         p, start = self.params, time.perf_counter()
         setup = agent_setup(p, batch.meta.get("base_dir", "."), self.engine.tokenizer)
-        pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="flowrl-tool")
         wave = WaveRollout(
             self.engine,
             temperature=p.temperature,
@@ -101,16 +110,15 @@ class AgentWorker:
             first_turn=scripted_turn(setup, p) if p.script_first_turn else (),
         )
         try:
-            episodes = episodes_for(batch, setup, limits(p), p.n, pool)
+            episodes = episodes_for(batch, setup, limits(p), p.n)
             wave.start(batch["prompts"], batch["prompt_mask"], p.n, p.max_new_tokens)
             stats = run_sync(run_waves(episodes, wave))
         finally:
             wave.close()
-            pool.shutdown(wait=False, cancel_futures=True)  # a hung sync tool keeps its thread
         out = assemble(episodes, self.engine.pad, p.solution)
         metrics = generation_metrics(out["response_mask"], time.perf_counter() - start)
         # decode and tool phases go to the run's trace, on this rank's track
-        return out, {**metrics, **agent_metrics(episodes, stats), PHASES: stats.phases}
+        return out, {**metrics, **agent_metrics(episodes, stats)}, stats.phases
 
 
 SPEC = NodeSpec(

@@ -38,10 +38,12 @@ class ChatTokens:
 
     Args:
         tokenizer: a transformers tokenizer with a chat template; its eos token ends a turn.
+        chat_template: a template text used instead of the tokenizer's (the node's
+            `chat_template` file), or None.
     """
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, chat_template: str | None = None):
+        self.tokenizer, self.chat_template = tokenizer, chat_template
         self.eos = tokenizer.eos_token_id
         base = self.encode(list(BASE), generation_prompt=False)
         if self.eos not in base:
@@ -51,10 +53,13 @@ class ChatTokens:
             )
         self.base = base[: len(base) - base[::-1].index(self.eos)]  # up to the last eos
 
-    def encode(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+    def encode(self, messages: list[dict], generation_prompt: bool, tools=None) -> list[int]:
         """The chat template's ids of `messages` (as the data loader tokenizes prompts)."""
+        kwargs = {"tools": tools} if tools else {}
+        if self.chat_template:
+            kwargs["chat_template"] = self.chat_template
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
+            messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
         )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -91,17 +96,19 @@ class ChatTokens:
         return kept + (self.tokenizer.decode(ids[-tail:]) if tail else ""), True
 
 
-def template_problems(tokenizer, obs_role: str = "tool") -> list[str]:
+def template_problems(
+    tokenizer, obs_role: str = "tool", chat_template: str | None = None, tools=None
+) -> list[str]:
     """What stops this tokenizer's template from appending turns token for token: [] when
-    prompt + sampled turns + observation deltas equals the template of a canned two-call
-    conversation (with `obs_role` messages as the observations)."""
+    prompt (with `tools`) + sampled turns + observation deltas equals the template of a canned
+    two-call conversation (with `obs_role` messages as the observations)."""
     try:
-        chat = ChatTokens(tokenizer)
+        chat = ChatTokens(tokenizer, chat_template)
         messages = [
             {"role": "system", "content": "Use the calculator."},
             {"role": "user", "content": "What is 12 * 34?"},
         ]
-        ids = chat.encode(messages, generation_prompt=True)
+        ids = chat.encode(messages, generation_prompt=True, tools=tools)
         turns = ["<calc>12*34</calc>", "Check: <calc>408/34</calc>", "The answer is 408."]
         results = ["408", "12"]
         for k, turn in enumerate(turns):
@@ -111,7 +118,7 @@ def template_problems(tokenizer, obs_role: str = "tool") -> list[str]:
                 observation = [{"role": obs_role, "content": results[k]}]
                 ids += chat.delta(observation)
                 messages += observation
-        full = chat.encode(messages, generation_prompt=False)
+        full = chat.encode(messages, generation_prompt=False, tools=tools)
     except Exception as e:  # a template that raises on these messages is unusable too
         return [f"{type(e).__name__}: {e}"]
     full = full[: len(full) - full[::-1].index(chat.eos)] if chat.eos in full else full
@@ -130,3 +137,16 @@ def _first_difference(a: list[int], b: list[int]) -> int:
         if x != y:
             return i
     return min(len(a), len(b))
+
+
+def truncate_chars(text: str, length: int, side: str) -> str:
+    """verl's cut of a tool response longer than `length` characters (tool_agent_loop.py):
+    "left" keeps the first characters, "right" the last, "middle" half of each."""
+    if len(text) <= length:
+        return text
+    if side == "left":
+        return text[:length] + "...(truncated)"
+    if side == "right":
+        return "(truncated)..." + text[-length:]
+    half = length // 2
+    return text[:half] + "...(truncated)..." + (text[-half:] if half else "")

@@ -11,38 +11,57 @@ from pathlib import Path
 from flowrl.nodespec import CheckContext, Finding
 
 PARSERS = ("hermes", "tag")
-_TEMPLATE: dict = {}  # (model path, obs_role) -> problems
+_TEMPLATE: dict = {}  # (model path, obs_role, template and tools) -> problems
 
 
 def agent_findings(p, context: CheckContext) -> list[Finding]:
     out = _limit_findings(p)
-    toolbox = None
+    toolbox, interactions = None, {}
     try:
         from flowrl.agent.tools import Toolbox
 
-        toolbox = Toolbox(p.tools, context.base_dir)
+        toolbox = Toolbox(p.tools, context.base_dir, p.tool_config)
     except Exception as e:
-        out.append(Finding(f"tools: {e}", 'tools = ["calculator", "python", "file.py:name"]'))
+        fix = 'tools = ["calculator", "file.py:name"] or tool_config = "tools.yaml" (verl\'s)'
+        out.append(Finding(f"tools: {e}", fix))
     out += _parser_findings(p, context, toolbox)
-    if p.interaction:
-        try:
-            from flowrl.agent.objects import load_object
+    if p.interaction and p.interaction_config:
+        out.append(Finding("interaction and interaction_config are both set", "keep one"))
+    try:  # instantiates verl interaction classes as verl's registry does
+        from flowrl.agent.interactions import load_interactions
 
-            load_object(p.interaction, context.base_dir, "interaction")
-        except Exception as e:
-            out.append(Finding(str(e), 'interaction = "file.py:reply"'))
-        if not p.max_user_turns:
-            out.append(
-                Finding("interaction is set but max_user_turns = 0: it never answers", warning=True)
-            )
-    elif p.max_user_turns:
-        out.append(Finding("max_user_turns is set but there is no interaction", warning=True))
+        interactions = load_interactions(p.interaction, p.interaction_config, context.base_dir)
+    except Exception as e:
+        fix = 'interaction = "file.py:reply" or interaction_config = "interaction.yaml"'
+        out.append(Finding(f"interaction: {e}", fix))
+    template = None
+    try:
+        from flowrl.agent.prompt import read_template
+
+        template = read_template(p.chat_template, context.base_dir)
+    except Exception as e:
+        out.append(Finding(str(e), 'chat_template = "file.jinja" (relative to the graph)'))
+    if toolbox is not None:
+        from flowrl.agent.data_checks import row_findings
+
+        out += row_findings(toolbox, interactions, context)
     if context.model_path:
+        tools = toolbox.schemas if toolbox is not None else []
         out += [
             Finding(f"chat template: {problem}", _TEMPLATE_FIX)
-            for problem in _template(context.model_path, p.obs_role)
+            for problem in _template(context.model_path, p.obs_role, template, tools)
         ]
+        if tools and not p.system_prompt and _shows_tools(context.model_path, template) is False:
+            out.append(Finding(_NO_TOOLS.format(context.model_path), warning=True))
     return out
+
+
+_NO_TOOLS = (
+    "chat template of {} ignores tools=: the model is never shown its tools' schemas. "
+    'Set chat_template = "file.jinja" to a template with a tool block (Qwen2.5\'s: '
+    'graphs/chat_templates/qwen2_5_tools.jinja), or system_prompt = "... {{tools}} ..." '
+    "to describe them in text"
+)
 
 
 _TEMPLATE_FIX = (
@@ -53,7 +72,7 @@ _TEMPLATE_FIX = (
 
 def _limit_findings(p) -> list[Finding]:
     out = []
-    positive = ("max_new_tokens", "max_assistant_turns", "max_calls_per_turn", "max_obs_tokens")
+    positive = ("max_new_tokens", "max_assistant_turns", "max_parallel_calls", "max_obs_tokens")
     for name in positive:
         if getattr(p, name) < 1:
             out.append(Finding(f"{name} = {getattr(p, name)} must be at least 1"))
@@ -108,33 +127,68 @@ def _parser_findings(p, context, toolbox) -> list[Finding]:
     return []
 
 
-def _template(path: str, obs_role: str) -> list[str]:
-    key = (path, obs_role)
+def _template(path: str, obs_role: str, template: str | None = None, tools=()) -> list[str]:
+    """Problems of appending turns with this tokenizer (and `template`, `tools` in the
+    prompt), kept per model directory, role, template and tools."""
+    tools = list(tools)
+    variant = _variant(template, tools)
+    key = (path, obs_role, variant)
     if key not in _TEMPLATE:
-        stored = _stored(path, obs_role)
+        stored = _stored(path, f"{obs_role}|{variant}")
         _TEMPLATE[key] = stored.get() if stored else None
         if _TEMPLATE[key] is None:
-            _TEMPLATE[key] = _template_problems(path, obs_role)
+            _TEMPLATE[key] = _template_problems(path, obs_role, template, tools)
             loaded = not any(p.startswith("cannot load") for p in _TEMPLATE[key])
             if stored and loaded:  # a tokenizer that failed to load is tried again next time
                 stored.put(_TEMPLATE[key])
     return _TEMPLATE[key]
 
 
-def _template_problems(path: str, obs_role: str) -> list[str]:
+def _variant(template: str | None, tools: list) -> str:
+    """A short key of the template override and the tools the prompt carries."""
+    import hashlib
+
+    text = json.dumps([template, tools], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _template_problems(path: str, obs_role: str, template=None, tools=()) -> list[str]:
     from flowrl.agent.chat import template_problems
     from flowrl.agent.file_tokenizer import FileTokenizer
 
+    tools = list(tools)
     try:
         tokenizer = tokenizer_of(path)
-        problems = template_problems(tokenizer, obs_role) if tokenizer else []
+        problems = template_problems(tokenizer, obs_role, template, tools) if tokenizer else []
         if problems and isinstance(tokenizer, FileTokenizer):
             # found through tokenizers + jinja2: transformers, the authority, confirms
             tokenizer = tokenizer_of(path, fast=False)
-            problems = template_problems(tokenizer, obs_role) if tokenizer else []
+            problems = template_problems(tokenizer, obs_role, template, tools) if tokenizer else []
     except Exception as e:
         return [f"cannot load the tokenizer of {path!r}: {e}"]
     return problems
+
+
+def _shows_tools(path: str, template: str | None) -> bool | None:
+    """Whether the (override) template renders tools=; None when the tokenizer is not at
+    hand (the embedded model before its first conversion). Kept like the template check."""
+    from flowrl.agent.prompt import template_shows_tools
+
+    key = ("shows_tools", path, _variant(template, []))
+    if key not in _TEMPLATE:
+        stored = _stored(path, "|".join(key[::2]))
+        _TEMPLATE[key] = stored.get() if stored else None
+        if _TEMPLATE[key] is None:
+            try:
+                tokenizer = tokenizer_of(path)
+            except Exception:
+                return None
+            if tokenizer is None:
+                return None
+            _TEMPLATE[key] = template_shows_tools(tokenizer, template)
+            if stored:
+                stored.put(_TEMPLATE[key])
+    return _TEMPLATE[key]
 
 
 class _Stored:
@@ -161,10 +215,10 @@ class _Stored:
         except (OSError, ValueError):
             return {}
 
-    def get(self) -> list[str] | None:
+    def get(self) -> list[str] | bool | None:
         return self._read().get(self.key)
 
-    def put(self, problems: list[str]) -> None:
+    def put(self, problems: list[str] | bool) -> None:
         try:
             data = {**self._read(), self.key: problems}
             self.file.parent.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,10 @@
 """One request of a multi-turn rollout as a state machine, in plain Python (no torch, no engine).
 
-    start: create the request's tools ------------------------------▶ GENERATING | DONE(error)
-    GENERATING --a sampled turn--▶ parse it:
-        calls                                   ─▶ TOOLS     | DONE(max_turns | timeout | length)
-        no call, an interaction, user turns left ─▶ INTERACTING
+    start: create the tools, start the interaction ------------------▶ GENERATING | DONE(error)
+    GENERATING --a sampled turn--▶ parse it (verl's turn limits first: assistant turns, and
+    user turns = tool rounds + interaction replies):
+        calls                                   ─▶ TOOLS     | DONE(max_turns | length)
+        no call, an interaction                 ─▶ INTERACTING | DONE(max_turns)
         no call                                 ─▶ DONE(stop; length if the turn was cut)
     TOOLS --run the calls (timeouts)--▶ observation ids ─▶ GENERATING
                                       | DONE(budget | invalid_calls | timeout)
@@ -23,13 +24,13 @@ all 0). No request's failure escapes to the step.
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import time
+import uuid
 
 import attrs
 
-from flowrl.agent.session import ToolResult
+from flowrl.agent.chat import truncate_chars
+from flowrl.agent.runner import run_call
 
 GENERATING, TOOLS, INTERACTING, DONE = "generating", "tools", "interacting", "done"
 REASONS = (
@@ -49,21 +50,24 @@ FAILED = ("error", "timeout")  # requests that contribute zero loss
 class Limits:
     max_new_tokens: int = 256  # the whole response: sampled and observation tokens
     max_turn_tokens: int = 256  # one assistant turn
-    max_assistant_turns: int = 4
-    max_calls_per_turn: int = 1  # further calls of a turn are answered with an error
-    max_obs_tokens: int = 256  # one tool output, middle-truncated with a marker
+    max_assistant_turns: int = 4  # every assistant turn counts (verl's)
+    max_user_turns: int = 0  # tool rounds and interaction replies (verl's); 0 = no limit
+    max_parallel_calls: int = 1  # calls run per turn (verl's); the rest are dropped, counted
+    max_tool_response_length: int = 256  # characters of one tool output (verl's)
+    tool_response_truncate_side: str = "middle"  # verl's: "left" keeps the head, "right" the tail
+    max_obs_tokens: int = 256  # tokens of one tool output, after the character cut
     tool_timeout_s: float = 10.0  # one call
     request_timeout_s: float = 120.0  # a request's time in tools and interactions, summed
     max_invalid_calls: int = 3  # invalid calls in a row that end the request (0 = no limit)
-    max_user_turns: int = 0  # interaction replies
     obs_role: str = "tool"  # the role of tool output messages
 
 
 class Episode:
     """One request's conversation. Args: prompt_ids, the chat (chat.ChatTokens), a parser
     (text -> [ToolCall]), the request's tool session (tools.Session), Limits; optionally the
-    prompt messages, an interaction `reply(messages, **kwargs) -> (done, text, reward)` with
-    its kwargs, and a clock."""
+    prompt messages, an interaction (`start(request_id, **kwargs)`, `reply(request_id,
+    messages, **kwargs) -> (done, text, reward)`, `finish(request_id)`: verl.VerlInteraction
+    or rows.FunctionInteraction) with its kwargs, and a clock."""
 
     def __init__(
         self,
@@ -86,7 +90,10 @@ class Episode:
         self.state, self.reason, self.error = GENERATING, None, None
         self.ids, self.mask, self.logprobs = [], [], []
         self.turn_texts: list[str] = []
-        self.user_turns, self.invalid_streak = 0, 0
+        self.request_id = uuid.uuid4().hex
+        self.user_turns, self.interaction_turns, self.invalid_streak = 0, 0, 0
+        self.dropped_calls = 0  # calls past max_parallel_calls in their turn, not run
+        self.release_errors: list[str] = []
         self.calls: list[dict] = []  # {name, status, seconds} per call
         self.tool_rewards: list[float] = []  # step rewards tools returned
         self.turn_scores: list[float] = []  # interaction rewards
@@ -102,10 +109,22 @@ class Episode:
         return min(self.limits.max_turn_tokens, self.limits.max_new_tokens - len(self.ids))
 
     # -- transitions -----------------------------------------------------------------------
+    def fail_at_start(self, error: Exception) -> None:
+        """End the request before it starts (a row whose interaction cannot be chosen); its
+        tools are not created."""
+        self.session.tools = []
+        self._fail(error)
+
     async def start(self) -> None:
-        """Create the request's tools (class instances, verl `create`)."""
+        """Create the request's tools (class instances, verl `create`) and start its
+        interaction (verl `start_interaction`)."""
+        if self.done:
+            return
         try:
             await self.session.start()
+            if self.interaction is not None:
+                args = {"request_id": self.request_id, **self.interaction_kwargs}
+                await run_call("interaction", self.interaction.start, args, self._timeout())
         except Exception as e:
             self._fail(e)
 
@@ -138,15 +157,18 @@ class Episode:
             return []
 
     async def finish(self) -> None:
-        """End-of-request tool rewards and release; call once, after the request is done."""
+        """End-of-request tool rewards and release of every tool created (also after a
+        failure), and the interaction's finalize; call once, after the request is done."""
         if self.state != DONE:
             self._end("error")
             self.error = "the rollout stopped before the request ended"
-        try:
-            if self.session.states is not None:
-                self.reward_scores = await self.session.close()
-        except Exception as e:
-            self.reward_scores, self.error = {}, self.error or f"{type(e).__name__}: {e}"
+        self.reward_scores, self.release_errors = await self.session.close()
+        if self.interaction is not None:
+            try:
+                args = {"request_id": self.request_id}
+                await run_call("interaction", self.interaction.finish, args, self._timeout())
+            except Exception as e:
+                self.release_errors.append(f"interaction: finish: {type(e).__name__}: {e}")
 
     # -- inside the transitions ------------------------------------------------------------
     def _on_turn(self, ids: list[int], logprobs: list[float]) -> None:
@@ -158,20 +180,22 @@ class Episode:
         self.turn_texts.append(text)
         self.messages.append({"role": "assistant", "content": text})
         calls = self.parser(text)
-        if not calls:
-            if not ended:
-                return self._end("length")
-            if self.interaction is None or not self.limits.max_user_turns:
-                return self._end("stop")
-            if self.user_turns < self.limits.max_user_turns:
-                self.state = INTERACTING
-                return None
-            return self._end("max_turns")  # the user had their turns
-        if len(self.turn_texts) >= self.limits.max_assistant_turns:
+        if not calls and not ended:
+            return self._end("length")
+        if not calls and self.interaction is None:
+            return self._end("stop")
+        # a call or the user would follow: verl's turn limits end the request first
+        limits = self.limits
+        if len(self.turn_texts) >= limits.max_assistant_turns or (
+            limits.max_user_turns and self.user_turns >= limits.max_user_turns
+        ):
             return self._end("max_turns")
+        if not calls:
+            self.state = INTERACTING
+            return None
+        if len(self.ids) >= limits.max_new_tokens:  # verl: the budget ends it, calls not run
+            return self._end("length")
         if not ended:  # cut by max_turn_tokens: close the turn as the template would
-            if len(self.ids) >= self.limits.max_new_tokens:
-                return self._end("length")
             self._append([self.chat.eos], trained=False)
             self._unfed = [self.chat.eos]
         self._pending_calls, self.state = calls, TOOLS
@@ -179,12 +203,10 @@ class Episode:
 
     async def _run_calls(self) -> list[dict] | None:
         limits, calls = self.limits, self._pending_calls
-        allowed, extra = calls[: limits.max_calls_per_turn], calls[limits.max_calls_per_turn :]
+        allowed = calls[: limits.max_parallel_calls]
+        self.dropped_calls += len(calls) - len(allowed)  # verl drops them too, unanswered
         timeout = min(limits.tool_timeout_s, self._time_left())
         results = list(await asyncio.gather(*(self.session.call(c, timeout) for c in allowed)))
-        for call in extra:
-            text = f"error: at most {limits.max_calls_per_turn} calls per turn; not run"
-            results.append(ToolResult(call.name or "", text, "invalid"))
         for result in results:
             self.calls.append(
                 {"name": result.name, "status": result.status, "seconds": result.seconds}
@@ -195,24 +217,28 @@ class Episode:
         if limits.max_invalid_calls and self.invalid_streak >= limits.max_invalid_calls:
             return self._end("invalid_calls")
         out = []
-        for result in results:
-            text, _ = self.chat.truncate(result.text, limits.max_obs_tokens)
+        for result in results:  # characters first (verl's), so a huge output is never tokenized
+            text = truncate_chars(
+                result.text, limits.max_tool_response_length, limits.tool_response_truncate_side
+            )
+            text, _ = self.chat.truncate(text, limits.max_obs_tokens)
             out.append({"role": limits.obs_role, "content": text})
         return out
 
     async def _interact(self) -> list[dict] | None:
-        self.user_turns += 1
-        if inspect.iscoroutinefunction(self.interaction):
-            reply = await self.interaction(self.messages, **self.interaction_kwargs)
-        else:  # a blocking reply runs in the tools' threads, not on the event loop
-            call = functools.partial(self.interaction, self.messages, **self.interaction_kwargs)
-            reply = await asyncio.get_running_loop().run_in_executor(self.session.pool, call)
-        done, text, reward = reply
+        self.interaction_turns += 1
+        args = {"request_id": self.request_id, "messages": list(self.messages)}
+        args.update(self.interaction_kwargs)
+        done, text, reward = await run_call(
+            "interaction", self.interaction.reply, args, self._timeout()
+        )
         if reward is not None:
             self.turn_scores.append(float(reward))
-        if done:
+        message = [{"role": "user", "content": str(text)}]
+        if done:  # verl appends the closing message too, then ends
+            self._observe(message)
             return self._end("interaction_done")
-        return [{"role": "user", "content": str(text)}]
+        return message
 
     def _observe(self, messages: list[dict]) -> list[int]:
         ids = self.chat.delta(messages)
@@ -220,6 +246,7 @@ class Episode:
             return self._end("budget") or []
         self._append(ids, trained=False)
         self.messages += messages
+        self.user_turns += 1  # verl counts tool rounds and interaction replies alike
         unfed, self._unfed = self._unfed, []
         self.state = GENERATING
         return unfed + ids
@@ -235,6 +262,9 @@ class Episode:
     def _fail(self, error: Exception) -> None:
         self.error = f"{type(error).__name__}: {error}"
         self._end("error")
+
+    def _timeout(self) -> float:
+        return max(min(self.limits.tool_timeout_s, self._time_left()), 1e-3)
 
     def _time_left(self) -> float:
         """What is left of the request's time for tools. Only tool and interaction time
@@ -260,11 +290,14 @@ class Episode:
         return {
             "termination": self.reason,
             "error": self.error,
+            "release_errors": list(self.release_errors),
             "assistant_turns": len(self.turn_texts),
-            "user_turns": self.user_turns,
+            "user_turns": self.user_turns,  # tool rounds and interaction replies, as verl
+            "interaction_turns": self.interaction_turns,
             "num_turns": len(self.turn_texts) + self.user_turns + 1,  # verl counts the prompt
             "calls": list(self.calls),
             "tool_calls": len(self.calls),
+            "dropped_calls": self.dropped_calls,
             "invalid_calls": statuses.count("invalid"),
             "tool_errors": statuses.count("error"),
             "tool_timeouts": statuses.count("timeout"),

@@ -59,12 +59,21 @@ class FileTokenizer:
         return cls((path / "tokenizer.json").read_text(), template, special)
 
     def apply_chat_template(
-        self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False
+        self,
+        messages: list[dict],
+        tokenize: bool = False,
+        add_generation_prompt: bool = False,
+        tools: list[dict] | None = None,
+        chat_template: str | None = None,
     ):
-        if self._template is None:
-            self._template = _compile(self.chat_template)
-        text = self._template.render(
-            messages=messages, tools=None, documents=None,
+        if chat_template:  # an agent node's own template (tools in the prompt)
+            template = _compile(chat_template)
+        else:
+            if self._template is None:
+                self._template = _compile(self.chat_template)
+            template = self._template
+        text = template.render(
+            messages=messages, tools=tools or None, documents=None,
             add_generation_prompt=add_generation_prompt, **self.special,
         )  # fmt: skip
         return self(text)["input_ids"] if tokenize else text

@@ -14,8 +14,11 @@ import torch
 
 from flowrl.agent.chat import ChatTokens
 from flowrl.agent.episode import REASONS, Episode, Limits
+from flowrl.agent.interactions import load_interactions, pick_interaction
 from flowrl.agent.parsers import make_parser
-from flowrl.agent.tools import Toolbox, load_object
+from flowrl.agent.prompt import read_template
+from flowrl.agent.runner import stuck_threads
+from flowrl.agent.tools import Toolbox
 
 
 @attrs.frozen
@@ -23,25 +26,24 @@ class AgentSetup:
     toolbox: Toolbox
     parser: object
     chat: ChatTokens
-    interaction: object | None
+    interactions: dict  # name -> interaction; "" = the one every row gets
 
 
 _SETUPS: dict = {}  # (params' references, base_dir, tokenizer id) -> AgentSetup
 
 
 def agent_setup(params, base_dir: str, tokenizer) -> AgentSetup:
-    """The resolved tools, parser, chat and interaction of an agent node's params (cached:
+    """The resolved tools, parser, chat and interactions of an agent node's params (cached:
     built once per worker process, not every step)."""
-    key = (tuple(params.tools), params.parser, params.interaction, base_dir, id(tokenizer))
+    refs = (tuple(params.tools), params.tool_config, params.parser, params.chat_template)
+    key = (*refs, params.interaction, params.interaction_config, base_dir, id(tokenizer))
     if key not in _SETUPS:
-        toolbox = Toolbox(params.tools, base_dir)
+        toolbox = Toolbox(params.tools, base_dir, params.tool_config)
         _SETUPS[key] = AgentSetup(
             toolbox,
             make_parser(params.parser, toolbox.names, base_dir),
-            ChatTokens(tokenizer),
-            load_object(params.interaction, base_dir, "interaction")
-            if params.interaction
-            else None,
+            ChatTokens(tokenizer, read_template(params.chat_template, base_dir)),
+            load_interactions(params.interaction, params.interaction_config, base_dir),
         )
     return _SETUPS[key]
 
@@ -50,7 +52,7 @@ def _no_calls(text: str) -> list:
     return []
 
 
-def episodes_for(batch, setup: AgentSetup, limits: Limits, n: int, pool) -> list[Episode]:
+def episodes_for(batch, setup: AgentSetup, limits: Limits, n: int) -> list[Episode]:
     """One Episode per row and sample (interleaved: row 0's n samples first). A row's
     `extra_info` gives verl's `tools_kwargs` and `interaction_kwargs`; `agent_name =
     "single_turn_agent"` runs it without tools."""
@@ -62,19 +64,26 @@ def episodes_for(batch, setup: AgentSetup, limits: Limits, n: int, pool) -> list
         ids = prompts[i][mask[i].bool()].tolist()
         extra = infos[i] if isinstance(infos[i], dict) else {}
         single = extra.get("agent_name") == "single_turn_agent"
+        kwargs = dict(extra.get("interaction_kwargs") or {})
         for _ in range(n):
-            out.append(
-                Episode(
-                    ids,
-                    setup.chat,
-                    _no_calls if single else setup.parser,
-                    setup.toolbox.open(extra.get("tools_kwargs"), pool),
-                    limits,
-                    messages=list(messages[i] or ()),
-                    interaction=None if single else setup.interaction,
-                    interaction_kwargs=extra.get("interaction_kwargs"),
-                )
+            problem, interaction = None, None
+            try:
+                interaction = None if single else pick_interaction(setup.interactions, kwargs)
+            except ValueError as e:
+                problem = e
+            episode = Episode(
+                ids,
+                setup.chat,
+                _no_calls if single else setup.parser,
+                setup.toolbox.open(extra, limits.tool_timeout_s),
+                limits,
+                messages=list(messages[i] or ()),
+                interaction=interaction,
+                interaction_kwargs=kwargs,
             )
+            if problem is not None:  # ends in "error" at start, shown with its row
+                episode.fail_at_start(problem)
+            out.append(episode)
     return out
 
 
@@ -120,10 +129,15 @@ def agent_metrics(episodes: list[Episode], stats) -> dict:
         "policy_tokens": mean("policy_tokens"),
         "tool_tokens": mean("tool_tokens"),
         "calls_per_request": mean("tool_calls"),
+        "dropped_calls": mean("dropped_calls"),
         "call_rate": sum(i["tool_calls"] > 0 for i in infos) / count,
         "invalid_calls": mean("invalid_calls"),
         "tool_errors": mean("tool_errors"),
         "tool_timeouts": mean("tool_timeouts"),
+        # requests with a trained token: 0 means the step learned nothing from its rollouts
+        "requests_trained": sum(any(e.trained_mask()) for e in episodes) / count,
+        "release_errors": sum(bool(i["release_errors"]) for i in infos) / count,
+        "stuck_tool_threads": float(stuck_threads()),
         "tool_seconds_mean": sum(seconds) / len(seconds) if seconds else 0.0,
         "tool_seconds_max": max(seconds, default=0.0),
         "decode_s": stats.decode_s,

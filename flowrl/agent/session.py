@@ -2,12 +2,12 @@
 
 `Session.call` turns every failure - a malformed call, an unknown tool, wrong arguments, an
 exception, a timeout - into an error text the model gets as the tool's answer, with a status
-the rollout counts. Async tools run on the event loop; blocking ones in the pool's threads.
+the rollout counts. Every call runs in a daemon thread of its own (runner.py), so neither a
+blocking async tool nor a hung one stalls the other requests or keeps the process alive.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import time
@@ -16,6 +16,7 @@ import typing
 import attrs
 
 from flowrl.agent.parsers import ToolCall
+from flowrl.agent.runner import ToolStuck, run_call
 
 JSON_TYPES = {
     "string": (str,),
@@ -38,22 +39,39 @@ class ToolResult:
 
 class Session:
     """One request's tools: `start` creates per-request state, `call` runs one call and never
-    raises, `close` collects end-of-request rewards ({tool: reward}) and releases."""
+    raises, `close` collects end-of-request rewards ({tool: reward}) and releases every tool
+    `start` created, also when creating a later one failed. Each of them runs in a thread of
+    its own under a timeout (runner.py): `create_timeout` for start and close."""
 
-    def __init__(self, toolbox, tools_kwargs: dict, pool=None):
-        self.toolbox, self.tools_kwargs, self.pool = toolbox, tools_kwargs, pool
-        self.states, self.functions = None, {}
+    def __init__(self, tools: list, tools_kwargs: dict, create_timeout: float = 60.0):
+        self.tools, self.tools_kwargs = list(tools), tools_kwargs
+        self.create_timeout = create_timeout
+        self.opened: list = []  # (tool, state) of the tools created so far
+        self.functions = {}
+        # verl's tools give every call a step reward, 0.0 when it failed (tool_agent_loop.py)
+        self.failed_reward = 0.0 if tools and all(t.verl for t in tools) else None
 
     async def start(self) -> None:
-        self.states = [await tool.open(self.tools_kwargs) for tool in self.toolbox.tools]
-        for tool, state in zip(self.toolbox.tools, self.states, strict=True):
+        for tool in self.tools:
+            args = {
+                "tools_kwargs": self.tools_kwargs
+            }  # its own key: a hung call is not a hung create
+            state = await run_call(f"{tool.names[0]}:create", tool.open, args, self.create_timeout)
+            self.opened.append((tool, state))
             self.functions.update(tool.handles(state))
 
-    async def close(self) -> dict:
-        rewards = {}
-        for tool, state in zip(self.toolbox.tools, self.states or [], strict=False):
-            rewards.update(await tool.close(state))
-        return rewards
+    async def close(self) -> tuple[dict, list[str]]:
+        """({tool: reward}, errors): every opened tool is closed, whatever another raised."""
+        rewards, errors = {}, []
+        opened, self.opened = self.opened, []
+        for tool, state in opened:
+            try:
+                close = functools.partial(tool.close, state)
+                name = f"{tool.names[0]}:release"
+                rewards.update(await run_call(name, close, {}, self.create_timeout))
+            except Exception as e:
+                errors.append(f"{tool.names[0]}: release: {type(e).__name__}: {e}")
+        return rewards, errors
 
     async def call(self, call: ToolCall, timeout: float) -> ToolResult:
         start = time.monotonic()
@@ -61,31 +79,25 @@ class Session:
         if call.error:
             text = f"error: could not parse the tool call: {call.error}"
             return ToolResult(name, text, "invalid")
+        failed = functools.partial(ToolResult, name, reward=self.failed_reward)
         function = self.functions.get(name)
         if function is None:
             known = ", ".join(self.functions) or "none"
-            text = f'error: unknown tool "{name}"; the tools are: {known}'
-            return ToolResult(name, text, "invalid")
+            return failed(f'error: unknown tool "{name}"; the tools are: {known}', "invalid")
         arguments, problem = bind_arguments(function, call.arguments)
         if problem:
-            return ToolResult(name, f"error: {name}: {problem}", "invalid")
+            return failed(f"error: {name}: {problem}", "invalid")
         try:
-            out = await asyncio.wait_for(self._invoke(function, arguments), timeout)
+            out = await run_call(name, function, arguments, timeout)
+        except ToolStuck as e:
+            return failed(f"error: TimeoutError: {e}", "timeout")
         except TimeoutError:
             text = f"error: TimeoutError: {name} took longer than {timeout:g} s"
-            return ToolResult(name, text, "timeout", time.monotonic() - start)
+            return failed(text, "timeout", time.monotonic() - start)
         except Exception as e:
-            text = f"error: {type(e).__name__}: {e}"
-            return ToolResult(name, text, "error", time.monotonic() - start)
+            return failed(f"error: {type(e).__name__}: {e}", "error", time.monotonic() - start)
         text, reward = tool_output(out)
         return ToolResult(name, text, "ok", time.monotonic() - start, reward)
-
-    async def _invoke(self, function, arguments: dict):
-        if inspect.iscoroutinefunction(function):
-            return await function(**arguments)
-        loop = asyncio.get_running_loop()
-        out = await loop.run_in_executor(self.pool, functools.partial(function, **arguments))
-        return await maybe_await(out)
 
 
 def bind_arguments(function, arguments) -> tuple[dict, str | None]:

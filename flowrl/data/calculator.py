@@ -22,12 +22,18 @@ EXAMPLE = [
     {"role": "assistant", "content": "408"},
 ]
 QUESTION = "What is {a} * {b}?"
+# the "calculator_tools" source: the tool is shown only by its schema, which the agent node's
+# chat template puts in the prompt (tools=); no call format, no worked example
+TOOLS_SYSTEM = "Use the calc tool for arithmetic. Then answer with just the number."
 
 
-def calculator_rows(split: str, size: int, seed: int = 0, examples: bool = True) -> list[dict]:
+def calculator_rows(
+    split: str, size: int, seed: int = 0, examples: bool = True, schema_only: bool = False
+) -> list[dict]:
     """`size` rows (0 = all) of the split ("train" or "validation"); validation takes the
     first 1024 pairs of the shuffle, train the rest. `examples=False` leaves out the worked
-    example (the prompt then only describes the tool)."""
+    example (the prompt then only describes the tool); `schema_only=True` neither describes
+    the call format nor shows an example: the template's tool block is all the model sees."""
     pairs = [(a, b) for a in range(100, 1000) for b in range(10, 100)]
     random.Random(seed).shuffle(pairs)
     pool = pairs[:1024] if split == "validation" else pairs[1024:]
@@ -37,6 +43,8 @@ def calculator_rows(split: str, size: int, seed: int = 0, examples: bool = True)
     rows = []
     for i, (a, b) in enumerate(pool[:size]):
         prompt = [{"role": "system", "content": SYSTEM}, *(EXAMPLE if examples else [])]
+        if schema_only:
+            prompt = [{"role": "system", "content": TOOLS_SYSTEM}]
         rows.append(
             {
                 "prompt": [*prompt, {"role": "user", "content": QUESTION.format(a=a, b=b)}],

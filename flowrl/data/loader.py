@@ -22,22 +22,30 @@ def make_rows(source: str, split: str, size: int, seed: int, base_dir=".") -> li
         return calculator_rows(split, size, seed)
     if source == "arithmetic_preferences":  # pairs for a reward model (data/preferences.py)
         return arithmetic_preference_rows(split, size, seed)
+    if source == "calculator_tools":  # the tool shown by its schema only
+        return calculator_rows(split, size, seed, schema_only=True)
     path = Path(source) if Path(source).is_absolute() else Path(base_dir) / source
     return load_rows(path)
 
 
 class PromptDataset:
-    """Tokenized prompts; rows longer than max_prompt_len tokens are dropped (`filtered`)."""
+    """Tokenized prompts; rows longer than max_prompt_len tokens are dropped (`filtered`).
+    `render(row) -> text` replaces the plain chat template (an agent node's prompts carry its
+    tools: flowrl/agent/prompt.py)."""
 
-    def __init__(self, rows: list[dict], tokenizer, max_prompt_len: int):
+    def __init__(self, rows: list[dict], tokenizer, max_prompt_len: int, render=None):
         self.tokenizer = tokenizer
         self.pad = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
         self.items = []
         for index, row in enumerate(rows):
-            text = tokenizer.apply_chat_template(
-                row["prompt"], add_generation_prompt=True, tokenize=False
+            text = (
+                render(row)
+                if render
+                else tokenizer.apply_chat_template(
+                    row["prompt"], add_generation_prompt=True, tokenize=False
+                )
             )
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) <= max_prompt_len:

@@ -4,6 +4,7 @@ filter's target groups after it), each node's checks against those rows, which f
 the step, and which train nodes wait out the critic warm-up. No torch, no ray.
 """
 
+import attrs
 import networkx as nx
 
 from flowrl.errors import Collector, did_you_mean, one_of
@@ -91,6 +92,7 @@ def batch_plan(graph: Graph, refill, errors: Collector) -> tuple[BatchPlan, list
             )
         workers = spec.pools[spec.pool_of(node)].workers if decl.model else 1
         model_path = spec.models[decl.model].path if decl.model in spec.models else ""
+        sources = tuple(s for s in (spec.data.source, spec.data.val_source) if s)
         context = CheckContext(
             node,
             rows[node],
@@ -101,6 +103,7 @@ def batch_plan(graph: Graph, refill, errors: Collector) -> tuple[BatchPlan, list
             model_path,
             policy,
         )
+        context = attrs.evolve(context, data_sources=sources)
         for finding in decl.spec.findings(decl.params, context):
             if finding.warning:
                 warnings.append(finding.message)
@@ -127,7 +130,7 @@ def check_save_inputs(graph: Graph, errors: Collector) -> None:
             )
 
 
-def held_nodes(graph: Graph, refill, errors: Collector) -> tuple[str, ...]:
+def after_warmup_nodes(graph: Graph, refill, errors: Collector) -> tuple[str, ...]:
     """The train nodes that wait out run.critic_warmup: those of models without a value head."""
     spec = graph.spec
     if not spec.run.critic_warmup:

@@ -31,11 +31,12 @@ SHARDED_ROLLOUT_NEEDS = ("rollout_weights", "kv_cache")
 PARTS = ("weights", "grads", "optimizer", "rollout_weights", "kv_cache")
 
 
-def compile_file(file: str | Path, overrides=()) -> ExecutionPlan:
+def compile_file(file: str | Path, overrides=(), base_dir: str | Path = "") -> ExecutionPlan:
     """Parse, check and compile a graph file; raises GraphErrors listing every problem: the
     file's own, then those of the stages after it (wiring, batch arithmetic, the nodes' check
-    hooks) as far as the file lets them run."""
-    spec, problems = dsl.load_partial(file, list(overrides))
+    hooks) as far as the file lets them run. `base_dir`: where its relative paths resolve
+    (default: the file's folder)."""
+    spec, problems = dsl.load_partial(file, list(overrides), base_dir)
     if spec is None:
         raise GraphErrors(problems)
     try:
@@ -70,7 +71,7 @@ def compile_graph(built: Graph) -> ExecutionPlan:
     refill = batching.refill_plan(built, errors)
     batch, warnings = batching.batch_plan(built, refill, errors)
     batching.check_save_inputs(built, errors)
-    held = batching.held_nodes(built, refill, errors)
+    after_warmup = batching.after_warmup_nodes(built, refill, errors)
     errors.raise_if_any()
     pools = _pools(built, batch, warnings)
     items = _Builder(built, pools).build()
@@ -84,7 +85,7 @@ def compile_graph(built: Graph) -> ExecutionPlan:
         _validation(built),
         built,
         refill,
-        held,
+        after_warmup,
     )
 
 
@@ -264,7 +265,8 @@ class _Builder:
             pool=pool,
             node=node,
             keys=decl.reads,
-            how=how if workers > 1 else f"{how}, 1 rank",
+            how=how,
+            ranks=workers,
         )
         call = self.add(
             "call",

@@ -38,9 +38,10 @@ class Item:
     mode: str | None = None
     parts: tuple[str, ...] = ()  # for transitions
     keys: tuple[str, ...] = ()  # for dispatch / collect
-    how: str = ""  # split / broadcast / rank0 for dispatch; concat / rank0 for collect
+    how: str = ""  # dispatch: split / broadcast / rank0 (DISPATCHES); collect: concat / rank0
     deps: tuple[int, ...] = ()
     note: str = ""
+    ranks: int = 0  # for dispatch: the ranks the rows go to
     to_pool: str | None = None  # for a sync to another pool: the pool that receives
 
     def describe(self) -> str:
@@ -49,7 +50,7 @@ class Item:
         return {
             "call": f"{self.node}  ({self.model}, {self.mode})",
             "controller": f"{self.node}",
-            "dispatch": f"{self.node}: {self.how} [{keys}]",
+            "dispatch": f"{self.node}: {self.how}{', 1 rank' * (self.ranks == 1)} [{keys}]",
             "collect": f"{self.node}: {self.how} [{keys or 'metrics'}]",
             "reload": f"{self.model}: {parts}",
             "offload": f"{self.model}: {parts}",
@@ -133,7 +134,7 @@ class ExecutionPlan:
     validation: ValidationPlan = ValidationPlan()
     graph: Any = attrs.field(default=None, eq=False, repr=False)  # the graph.Graph that runs
     refill: RefillPlan | None = None  # a filter node that refills the step
-    held: tuple[str, ...] = ()  # train nodes that skip the first run.critic_warmup steps
+    after_warmup: tuple[str, ...] = ()  # train nodes that skip the first run.critic_warmup steps
 
     @property
     def spec(self):
@@ -167,9 +168,9 @@ class ExecutionPlan:
         b = self.batch
         lines.append(f"batch: {b.prompts} prompts x {b.samples} samples = {b.rows} rows")
         lines += self.filter_lines()
-        if self.held:
+        if self.after_warmup:
             lines.append(
-                f"critic warm-up: {', '.join(self.held)} skip steps 1-"
+                f"critic warm-up: {', '.join(self.after_warmup)} skip steps 1-"
                 f"{self.spec.run.critic_warmup}; the other nodes run"
             )
         lines.append("step")
@@ -229,7 +230,7 @@ class ExecutionPlan:
             "batch": attrs.asdict(self.batch),
             "validation": attrs.asdict(self.validation),
             "refill": attrs.asdict(self.refill) if self.refill else None,
-            "held": list(self.held),
+            "after_warmup": list(self.after_warmup),
             "items": [attrs.asdict(i) for i in self.items],
             "overlaps": {name: list(others) for name, others in self.overlaps},
             "warnings": list(self.warnings),

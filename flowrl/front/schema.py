@@ -48,6 +48,7 @@ BUILTIN_SOURCES = (
     "arithmetic",
     "calculator",
     "arithmetic_preferences",
+    "calculator_tools",
 )  # data.source names that are not files (flowrl/data/)
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")  # data files the loader reads
 DEFAULT_POOL = "main"  # the pool of a graph that declares none
@@ -108,6 +109,8 @@ class RunConfig:
     # stop after this many steps in a row whose update had a non-finite loss or gradient norm
     # (each such optimizer step is skipped: the weights stay as they were)
     max_nonfinite_steps: int = checked(3, count(1, MAX_STEPS))
+    # stop after this many steps in a row that trained on nothing (every request failed)
+    max_failed_steps: int = checked(2, count(1, MAX_STEPS))
     save_inputs: list[str] = checked([], _names())  # nodes whose inputs are kept, to replay
     save_inputs_last: int = checked(1, count(1, MAX_STEPS))  # of the last K steps
     loggers: list[str] = checked([], _loggers())  # jsonl (always), tensorboard, wandb

@@ -103,10 +103,10 @@ def scripted_agents(spec) -> list[str]:
     out = []
     for node_id, decl in spec.nodes.items():
         p = decl.params
-        if "script_first_turn" not in attrs.fields_dict(type(p)) or not p.tools:
+        if "script_first_turn" not in attrs.fields_dict(type(p)) or not (p.tools or p.tool_config):
             continue
         try:
-            toolbox = Toolbox(p.tools, spec.base_dir)
+            toolbox = Toolbox(p.tools, spec.base_dir, p.tool_config)
         except Exception:  # `flowrl check` reports the tool; no script for it here
             continue
         text = first_turn_text(toolbox.schemas, p.parser)
@@ -117,7 +117,7 @@ def scripted_agents(spec) -> list[str]:
         where = f"nodes.{node_id}"
         out += [f"{where}.script_first_turn=true", f"{where}.max_turn_tokens={turn}"]
         out.append(f"{where}.max_new_tokens={2 * turn + calls * (p.max_obs_tokens + 32)}")
-        out.append(f"{where}.max_calls_per_turn={max(p.max_calls_per_turn, calls)}")
+        out.append(f"{where}.max_parallel_calls={max(p.max_parallel_calls, calls)}")
     return out
 
 
@@ -176,8 +176,8 @@ def summary(spec, metrics: list[dict]) -> str:
 
 def _tool_lines(node_id: str, decl, metrics: list[dict], base_dir) -> list[str]:
     """One line per tool of an agent node: calls and answered calls per request, by step."""
-    tools = getattr(decl.params, "tools", ())
-    if not tools:
+    tools, config = getattr(decl.params, "tools", ()), getattr(decl.params, "tool_config", "")
+    if not (tools or config):
         return []
     from flowrl.agent.tools import Toolbox
 
@@ -185,7 +185,7 @@ def _tool_lines(node_id: str, decl, metrics: list[dict], base_dir) -> list[str]:
     how = "first turn scripted, placeholder arguments" if scripted else "policy's own calls"
     out = []
     try:
-        names = Toolbox(tools, base_dir).names
+        names = Toolbox(tools, base_dir, config).names
     except Exception:  # the run could not have started with it: nothing to say
         return []
     for name in names:

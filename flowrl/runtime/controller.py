@@ -2,8 +2,8 @@
 
     for step in steps:
         batch = next(loader)                      # prompts, prompt_mask, uid, ground truths
-        batch, metrics = executor.run_step(batch) # every plan item, independent ones overlapped
-        log(metrics); validate / checkpoint when due
+        result = executor.run_step(batch)         # every plan item, independent ones overlapped
+        log(result.metrics); validate / checkpoint when due
 
 A run directory holds graph.toml (the resolved graph), run.json (where the graph file was:
 its relative paths resolve from there), metrics.jsonl, samples.jsonl, trace.json (Chrome /
@@ -20,11 +20,13 @@ from pathlib import Path
 import toml
 from tqdm import tqdm
 
+from flowrl.agent.prompt import agent_prompt
 from flowrl.data import PromptDataset, PromptLoader
 from flowrl.data.split import train_and_validation_rows
 from flowrl.models import load_tokenizer
 from flowrl.nodespec import GREEDY
 from flowrl.runtime import checkpoint, faults, guards, make_executor, rng, step_log
+from flowrl.runtime.executor import StepResult
 from flowrl.runtime.inputs import Recording
 from flowrl.runtime.loggers import Loggers
 from flowrl.runtime.refill import refilled_step
@@ -58,12 +60,13 @@ class Trainer:
         rows, val_rows, note = train_and_validation_rows(
             data, spec.run.val_size, spec.run.seed, spec.base_dir
         )  # never validates on training rows (flowrl/data/split.py)
-        self.train_set = PromptDataset(rows, self.tokenizer, data.max_prompt_len)
+        render = agent_prompt(spec, self.tokenizer)  # an agent node's prompts show its tools
+        self.train_set = PromptDataset(rows, self.tokenizer, data.max_prompt_len, render)
         self.loader = PromptLoader(self.train_set, data.batch_size, spec.run.seed, data.shuffle)
         self.val_batch = None
         if val_rows:
             print(note)
-            val_set = PromptDataset(val_rows, self.tokenizer, data.max_prompt_len)
+            val_set = PromptDataset(val_rows, self.tokenizer, data.max_prompt_len, render)
             self.val_batch = val_set.collate(list(range(len(val_set))))
         self.executor = make_executor(backend, plan, num_cpus=spec.run.num_cpus or None)
         self.trace = Trace()
@@ -98,7 +101,7 @@ class Trainer:
         self.trace.write(self.run_dir / "trace.json")
 
     def _loop(self, start_step: int, loggers: Loggers, samples_file) -> None:
-        run, nonfinite = self.spec.run, 0
+        run, nonfinite, failed_steps = self.spec.run, 0, 0
         bar = tqdm(
             range(start_step + 1, run.steps + 1),
             initial=start_step,
@@ -107,7 +110,8 @@ class Trainer:
             dynamic_ncols=True,
         )
         for step in bar:
-            metrics, batch = self.step(step)
+            result = self.step(step)
+            metrics, batch = result.metrics, result.batch
             last = step == run.steps
             if self.val_batch is not None and (
                 last or (run.val_every and step % run.val_every == 0)
@@ -115,6 +119,7 @@ class Trainer:
                 metrics.update(self.validate(step))
             loggers.log(metrics)  # metrics.jsonl, and TensorBoard / W&B when chosen
             step_log.log_samples(samples_file, step, batch, run.log_samples)
+            failed_steps = self._failures(step, batch, loggers, failed_steps)
             faults.point("logged", step)
             skipped = sorted(
                 k.rpartition("/")[0]
@@ -141,21 +146,44 @@ class Trainer:
                 self.save(step)
             bar.set_postfix(step_log.postfix(metrics))
 
-    def step(self, step: int) -> tuple[dict, object]:
+    def _failures(self, step: int, batch, loggers: Loggers, failed_steps: int) -> int:
+        """Show this step's failed requests (the first few with their rows); stop after
+        run.max_failed_steps steps in a row that trained on nothing. Returns that count."""
+        failed = step_log.failed_requests(batch)
+        lines = step_log.failure_lines(batch, failed)
+        if failed:
+            loggers.log({"event": "failed_requests", "step": step, "count": len(failed)})
+            tqdm.write(
+                f"step {step}: {len(failed)} of {len(batch)} requests failed\n" + "\n".join(lines)
+            )
+        failed_steps = failed_steps + 1 if step_log.trained_nothing(batch) else 0
+        if failed_steps >= self.spec.run.max_failed_steps:
+            raise guards.FailedStepsStop(
+                f"{failed_steps} steps in a row (up to step {step}) trained on nothing: every "
+                "request failed or had no sampled token. First failures:\n"
+                + ("\n".join(lines) or "  (none failed: every response was empty)")
+                + f"\nFix the tools or rows (flowrl check {self.spec.file}), then replay with "
+                f"flowrl run {self.spec.file} --resume {self.run_dir} "
+                "(run.max_failed_steps sets how many are tolerated)"
+            )
+        return failed_steps
+
+    def step(self, step: int) -> StepResult:
+        """One training step: the walk's StepResult, its metrics completed with the step's
+        timings, throughput and process metrics (what metrics.jsonl logs)."""
         start = time.time()
         batch = self._prompts(step)
         run = self.spec.run
         record = self._record(step, step - 1, keep=tuple(run.save_inputs))
         if self.plan.refill is not None:  # a filter that samples more prompts (DAPO)
             more = functools.partial(self._prompts, step)
-            batch, metrics, slices = refilled_step(
-                self.executor, self.plan.refill, batch, more, record
-            )
+            walked = refilled_step(self.executor, self.plan.refill, batch, more, record)
         else:
             only = None
-            if step <= run.critic_warmup:  # the critic alone trains: plan.held waits
-                only = set(self.spec.nodes) - set(self.plan.held)
-            batch, metrics, slices = self.executor.run_step(batch, only=only, record=record)
+            if step <= run.critic_warmup:  # the critic alone trains
+                only = set(self.spec.nodes) - set(self.plan.after_warmup)
+            walked = self.executor.run_step(batch, only=only, record=record)
+        batch, metrics, slices = walked.batch, walked.metrics, walked.slices
         seconds = time.time() - start
         self.trace.add(slices, step)
         out = {"step": step, "time_s": seconds, **step_log.batch_metrics(batch), **metrics}
@@ -168,7 +196,7 @@ class Trainer:
         )
         out["tokens_per_s"] = tokens / seconds
         out.update(step_log.process_metrics())
-        return out, batch
+        return StepResult(batch, out, slices)
 
     def _prompts(self, step: int, round_: int = 0):
         """The next prompt batch, with the meta that seeds its sampling."""
@@ -194,9 +222,9 @@ class Trainer:
         batch = self.val_batch.index(slice(0, len(self.val_batch)))
         batch.meta.update(self.batch_meta, step=0)
         record = self._record(step, step, validation=True)
-        out, _, _ = self.executor.run_step(
-            batch, only=set(validation.nodes), overrides=greedy, record=record
-        )
+        out = self.executor.run_step(
+            batch, only=set(validation.nodes), param_changes=greedy, record=record
+        ).batch
         result = {"val/score": float(out["scores"].float().mean())}
         if "response_mask" in out:
             result["val/response_length"] = float(out["response_mask"].sum(-1).float().mean())

@@ -11,12 +11,15 @@ import abc
 import time
 
 import attrs
-import torch
 
-from flowrl.nodespec import KEEP, PHASES
+from flowrl.nodespec import KEEP
 from flowrl.protocol import DataProto
 from flowrl.runtime.inputs import Recording
-from flowrl.runtime.node_call import NodeFailure, call_node
+from flowrl.runtime.node_call import ControllerFn, NodeCall, NodeFailure, call_node
+
+# 2-D columns padded on the left (the loader left-pads prompts); every other one is response-
+# aligned and padded on the right
+LEFT_PADDED = ("prompts", "prompt_mask")
 
 
 @attrs.define
@@ -31,13 +34,25 @@ class Slice:
     rows: int = 0
 
 
+@attrs.frozen
+class StepResult:
+    """What a walk of the plan gives back (`Executor.run_step`, `refilled_step`,
+    `Trainer.step`): the batch with every node's writes, the metrics, and the slices the
+    step's timings and trace are made of."""
+
+    batch: DataProto
+    metrics: dict
+    slices: list
+
+
 class Executor(abc.ABC):
     """Runs a plan's steps on the pools' ranks. A subclass says how ranks are reached:
 
     - `pools()`: the names of the pools that host models;
     - `ranks(pool)`: how many ranks the pool has;
     - `submit(pool, method, per_rank_args)`: start `PoolWorker.<method>(*args)` on every rank
-      (rank k gets per_rank_args[k]) without waiting; returns a handle;
+      (rank k gets per_rank_args[k]) without waiting; returns a handle; every method the walk
+      submits returns a record (flowrl/runtime/node_call.py: `CallResult`, `Timed`);
     - `finished(handles)`: of the handles given, those whose work is done, blocking until at
       least one is;
     - `results(handle)`: each rank's return value, in rank order; raises NodeFailure naming
@@ -50,6 +65,11 @@ class Executor(abc.ABC):
         self._by_id = {i.id: i for i in plan.items}
         self.node_state: dict[str, dict] = {
             n: {} for n, d in self.spec.nodes.items() if d.model is None
+        }
+        self.controller_calls = {  # what each controller node's calls share
+            n: NodeCall(n, d.spec, d.rename, d.params, "on the controller")
+            for n, d in self.spec.nodes.items()
+            if d.model is None
         }
 
     # -- what subclasses provide ----------------------------------------------------------
@@ -83,37 +103,37 @@ class Executor(abc.ABC):
             out += self.results(self.submit(pool, method, [args] * self.ranks(pool)))
         return out
 
-    def rank0(self, pool: str, method: str, *args):
-        """Call `method` on every rank of `pool`, wait, and return rank 0's result (e.g.
-        `rank0("main", "parameters", "policy")`)."""
-        return self.results(self.submit(pool, method, [args] * self.ranks(pool)))[0]
+    def apply(self, pool: str, fn, *args) -> list:
+        """`fn(worker, *args)` on every rank of `pool` (`PoolWorker.apply`), waited for: each
+        rank's result, in rank order. For tests and diagnostics that look inside the ranks."""
+        return self.results(self.submit(pool, "apply", [(fn, *args)] * self.ranks(pool)))
 
     # -- the walk --------------------------------------------------------------------------
     def run_step(
         self,
         batch: DataProto,
         only: set | None = None,
-        overrides: dict | None = None,
+        param_changes: dict | None = None,
         record: Recording | None = None,
-    ):
+    ) -> StepResult:
         """Run the plan's items (those of nodes in `only`, if given) on `batch`.
 
-        `overrides` maps a node id to params to change for this walk (e.g. greedy decoding).
+        `param_changes` maps a node id to params to change for this walk, {node: {param:
+        value}} (e.g. greedy decoding for validation).
         `record` says where a failed call's inputs go, and which nodes' inputs to keep
         (flowrl/runtime/inputs.py); None keeps nothing.
         Under `only`, the other items are passed over in plan order: a pool's transitions keep
         their order around the calls that run (a model no running call uses is not moved), so
         a partial walk leaves every pool as a whole step does.
-        Returns (batch with every node's writes, metrics, slices).
         """
         walk = _Walk(list(self.plan.items), batch, record, skip=self._skipped(only))
         while len(walk.done) < len(walk.items):
             ready = [i for i in walk.items if walk.ready(i)]
             for item in ready:
-                self._start(item, walk, overrides or {})
+                self._start(item, walk, param_changes or {})
             if not ready:
                 self._wait(walk)
-        return walk.batch, walk.metrics, walk.slices
+        return StepResult(walk.batch, walk.metrics, walk.slices)
 
     def _skipped(self, only: set | None) -> set:
         """Ids of the items a walk over the nodes in `only` passes over."""
@@ -134,7 +154,7 @@ class Executor(abc.ABC):
                 skip.add(item.id)
         return skip
 
-    def _start(self, item, walk: "_Walk", overrides: dict) -> None:
+    def _start(self, item, walk: "_Walk", param_changes: dict) -> None:
         if item.id in walk.skip:
             walk.done.add(item.id)
             return
@@ -145,7 +165,8 @@ class Executor(abc.ABC):
             walk.chunks[item.node] = self._dispatch(item, walk.batch)
         elif item.kind == "call":
             chunks = walk.chunks.pop(item.node)
-            args = [(item.node, c, overrides.get(item.node), walk.record) for c in chunks]
+            changes = param_changes.get(item.node)
+            args = [(item.node, c, changes, walk.record) for c in chunks]
             walk.pending[item.id] = self.submit(item.pool, "call", args)
             return
         elif item.kind == "collect":
@@ -174,13 +195,14 @@ class Executor(abc.ABC):
                 raise NodeFailure(f"{item.kind} {item.name} failed on pool {item.pool}: {e}") from e
             del walk.pending[item.id]
             walk.done.add(item.id)
-            for rank, result in enumerate(results):
-                t0, t1 = result[-1]
-                rows = len(result[0]) if item.kind == "call" else 0
+            for rank, result in enumerate(results):  # CallResult for a call, else Timed
+                rows = len(result.writes) if item.kind == "call" else 0
                 track = f"{item.to_pool or item.pool}/rank{rank}"
-                walk.slices.append(Slice(item.name, item.kind, track, t0, t1, rows))
+                walk.slices.append(
+                    Slice(item.name, item.kind, track, result.start, result.end, rows)
+                )
                 if item.kind == "call":  # a node's own phases, e.g. decode and tools
-                    for name, p0, p1 in result[1].pop(PHASES, ()):
+                    for name, p0, p1 in result.phases:
                         walk.slices.append(Slice(f"{item.name}/{name}", "phase", track, p0, p1))
             if item.kind == "call":
                 walk.outputs[item.node] = results
@@ -202,50 +224,33 @@ class Executor(abc.ABC):
     def _dispatch(self, item, batch: DataProto) -> list[DataProto]:
         rows = batch.select(item.keys)
         ranks = self.ranks(item.pool)
-        if item.how.startswith("split"):
+        if item.how == "split":
             return rows.chunk(ranks)
-        if item.how.startswith("rank0"):
+        if item.how == "rank0":
             return [rows] + [rows.index(slice(0, 0))] * (ranks - 1)
-        return [rows] * ranks
+        return [rows] * ranks  # broadcast
 
     def _collect(self, item, batch, results, metrics) -> DataProto:
         decl = self.spec.nodes[item.node]
-        outs = [r[0] for r in results]
-        writes = DataProto.concat(widest(outs)) if item.how == "concat" else outs[0]
-        _merge_metrics(metrics, item.node, [r[1] for r in results])
+        outs = [r.writes for r in results]
+        # ranks that generate stop at their own longest response: pad to the widest
+        writes = DataProto.concat_padded(outs, LEFT_PADDED) if item.how == "concat" else outs[0]
+        _merge_metrics(metrics, item.node, [r.metrics for r in results])
         return _merge(batch, writes, decl)
 
     def _controller(self, node: str, batch: DataProto, metrics: dict, record=None) -> DataProto:
-        decl = self.spec.nodes[node]
-        spec, state = decl.spec, self.node_state[node]
+        call, decl = self.controller_calls[node], self.spec.nodes[node]
+        state = self.node_state[node] if call.spec.stateful else None
         saver = None
         if record is not None:
-            saver = record.saver(
-                node, decl.uses, decl.params, state=state if spec.stateful else None
-            )
-
-        def run(view):
-            return (
-                spec.fn(view, decl.params, state) if spec.stateful else spec.fn(view, decl.params)
-            )
-
+            saver = record.saver(node, decl.uses, decl.params, state=state)
         context = {"base_dir": str(self.spec.base_dir)}  # relative paths in params resolve here
-        view = batch.select(decl.reads)
-        writes, node_metrics = call_node(
-            node,
-            spec,
-            decl.rename,
-            view,
-            run,
-            "on the controller",
-            context,
-            saver,
-            params=decl.params,
-        )
-        _merge_metrics(metrics, node, [node_metrics])
-        if spec.rows == "filter":
-            return batch.index(writes[decl.rename.get(KEEP, KEEP)])
-        return _merge(batch, writes, decl)
+        run = ControllerFn(call.spec, call.params, state)
+        result = call_node(call, batch.select(decl.reads), run, context, saver)
+        _merge_metrics(metrics, node, [result.metrics])
+        if call.spec.rows == "filter":
+            return batch.index(result.writes[decl.rename.get(KEEP, KEEP)])
+        return _merge(batch, result.writes, decl)
 
 
 @attrs.define
@@ -277,25 +282,6 @@ def _merge(batch: DataProto, writes: DataProto, decl) -> DataProto:
     if len(writes) != len(batch):
         raise NodeFailure(f"node {decl.id} returned {len(writes)} rows for a batch of {len(batch)}")
     return batch.union(writes)
-
-
-def widest(parts: list[DataProto]) -> list[DataProto]:
-    """The ranks' outputs with every per-token tensor (b, t, ...) right-padded with zeros to
-    the widest t among them: ranks that generate stop at their own longest response, and a
-    rank's responses are right-padded too (masks are 0 there). Prompt-side keys never differ:
-    every rank gets columns of the same batch."""
-    keys = [k for k in parts[0].batch.keys() if parts[0][k].dim() >= 2]
-    wide = {k: max(p[k].shape[1] for p in parts) for k in keys}
-    out = []
-    for part in parts:
-        short = {k: w for k, w in wide.items() if part[k].shape[1] < w}
-        if short:
-            part = part.clone()
-            for key, width in short.items():
-                pad = [0, 0] * (part[key].dim() - 2) + [0, width - part[key].shape[1]]
-                part[key] = torch.nn.functional.pad(part[key], pad)
-        out.append(part)
-    return out
 
 
 def _merge_metrics(metrics: dict, node: str, per_rank: list[dict]) -> None:

@@ -18,6 +18,10 @@ class NonFiniteStop(FlowrlError, RuntimeError):
     """Too many steps in a row had a non-finite loss or gradient norm."""
 
 
+class FailedStepsStop(FlowrlError, RuntimeError):
+    """Too many steps in a row trained on nothing (every request failed)."""
+
+
 class Stopped(FlowrlError, RuntimeError):
     """SIGINT or SIGTERM stopped the run between or during steps."""
 

@@ -50,7 +50,7 @@ class Recording:
             0 is the initial weights. Replay loads the checkpoint of this step.
         keep: nodes whose inputs are kept when they succeed (run.save_inputs).
         keep_last: how many steps of those are kept (run.save_inputs_last).
-        validation: the walk is a validation pass (its params include greedy overrides).
+        validation: the walk is a validation pass (its params include the greedy changes).
     """
 
     run_dir: str

@@ -4,7 +4,8 @@ several workers runs as one rank here, except under fsdp, which refuses (it need
 
 from flowrl.runtime.executor import Executor
 from flowrl.runtime.node_call import NodeFailure
-from flowrl.runtime.pool_worker import PoolWorker, pool_setups
+from flowrl.runtime.pool_worker import PoolWorker
+from flowrl.runtime.setup import pool_setups
 
 
 class LocalExecutor(Executor):

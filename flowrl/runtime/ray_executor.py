@@ -14,7 +14,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from flowrl.runtime.executor import Executor
 from flowrl.runtime.node_call import NodeFailure
-from flowrl.runtime.pool_worker import PoolWorker, pool_setups
+from flowrl.runtime.pool_worker import PoolWorker
+from flowrl.runtime.setup import pool_setups
 
 READY_TIMEOUT_S = 120
 
@@ -58,7 +59,7 @@ class RayExecutor(Executor):
                 for rank in range(pool.workers)
             ]
         for name in self.actors:  # wait until every rank has loaded its models
-            self.results([a.ping.remote() for a in self.actors[name]], pool=name)
+            self.results([a.apply.remote(_rank) for a in self.actors[name]], pool=name)
 
     def pools(self):
         return list(self.actors)
@@ -71,21 +72,11 @@ class RayExecutor(Executor):
             getattr(actor, method).remote(*args)
             for actor, args in zip(self.actors[pool], per_rank_args, strict=True)
         ]
-        return _Handle(pool, method, per_rank_args[0][0] if per_rank_args[0] else "", refs)
+        first = per_rank_args[0][0] if per_rank_args[0] else ""
+        return _Handle(pool, method, getattr(first, "__name__", first), refs)
 
     def rank0_output(self, handle):
         return handle.refs[0]  # Ray resolves it where it is passed: no copy via the driver
-
-    def placement(self, pool: str) -> dict:
-        """{"ranks": each rank's Ray node id, "bundles": each placement bundle's node id}."""
-        from ray.util import placement_group_table
-
-        where = self.results([a.where.remote() for a in self.actors[pool]], pool=pool)
-        table = placement_group_table(self.groups[pool])["bundles_to_node_id"]
-        return {
-            "ranks": [w["node_id"] for w in where],
-            "bundles": [table[i] for i in sorted(table)],
-        }
 
     def finished(self, handles):
         refs = [r for h in handles for r in h.refs]
@@ -132,6 +123,11 @@ def _start_ray(num_cpus: int | None) -> None:
         log_to_driver=True,
         configure_logging=False,
     )
+
+
+def _rank(worker) -> int:
+    """A rank's number: answered once the rank has built itself (`PoolWorker.apply`)."""
+    return worker.rank
 
 
 class _Handle:

@@ -19,15 +19,12 @@ import torch
 
 from flowrl.math import ops
 from flowrl.protocol import DataProto
-
-# 2-D columns padded on the left (the loader left-pads prompts); every other one is response-
-# aligned and padded on the right
-LEFT_PADDED = ("prompts", "prompt_mask")
+from flowrl.runtime.executor import LEFT_PADDED, StepResult
 
 
 def refilled_step(
     executor, refill, first: DataProto, more: Callable[[int], DataProto], record=None
-):
+) -> StepResult:
     """One training step under `refill` (a `flowrl.front.plan.RefillPlan`).
 
     Args:
@@ -38,33 +35,29 @@ def refilled_step(
             by run.save_inputs keeps its last round's inputs.
 
     Returns:
-        (the trained batch, metrics, slices), as `Executor.run_step`. When nothing is kept,
-        the nodes after the filter do not run (no update this step).
+        StepResult: the trained batch, metrics and slices, as `Executor.run_step`. When
+        nothing is kept, the nodes after the filter do not run (no update this step).
     """
     parts, metrics, slices = [], [], []
     batch = first
     for round_ in range(1, refill.rounds + 1):
-        out, round_metrics, round_slices = executor.run_step(
-            batch, only=set(refill.before), record=record
-        )
-        parts.append(out)
-        metrics.append(round_metrics)
-        slices += round_slices
+        walked = executor.run_step(batch, only=set(refill.before), record=record)
+        parts.append(walked.batch)
+        metrics.append(walked.metrics)
+        slices += walked.slices
         if not refill.groups or group_count(parts) >= refill.groups or round_ == refill.rounds:
             break
         batch = more(round_)
-    kept = concat_padded(parts)
+    kept = DataProto.concat_padded(parts, LEFT_PADDED)  # each round pads to its own longest
     found = group_count([kept])
     if refill.groups:
         kept = first_groups(kept, refill.groups)
     summary = {"refill/rounds": len(parts), "refill/groups": found, "refill/rows": len(kept)}
     step_metrics = {**ops.mean_metrics(metrics), **summary}
     if len(kept) == 0:
-        return kept, step_metrics, slices
-    out, after_metrics, after_slices = executor.run_step(
-        kept, only=set(refill.after), record=record
-    )
-    return out, {**step_metrics, **after_metrics}, slices + after_slices
+        return StepResult(kept, step_metrics, slices)
+    after = executor.run_step(kept, only=set(refill.after), record=record)
+    return StepResult(after.batch, {**step_metrics, **after.metrics}, slices + after.slices)
 
 
 def group_count(parts: list[DataProto]) -> int:
@@ -82,23 +75,3 @@ def first_groups(batch: DataProto, groups: int) -> DataProto:
         chosen.setdefault(uid, None)
     keep = torch.tensor([uid in chosen for uid in batch["uid"].tolist()], dtype=torch.bool)
     return batch.index(keep)
-
-
-def concat_padded(parts: list[DataProto]) -> DataProto:
-    """Concatenate batches whose 2-D columns may differ in width (each round pads its prompts
-    and responses to its own longest): zeros on the left of `LEFT_PADDED` columns, on the right
-    of the others; masks are 0 there, so no forward or loss sees the padding."""
-    parts = [p for p in parts if len(p)] or parts[:1]
-    if len(parts) == 1:
-        return parts[0]
-    padded = []
-    for part in parts:
-        columns = {key: part[key] for key in part.keys()}
-        for key, value in columns.items():
-            if isinstance(value, torch.Tensor) and value.dim() >= 2:
-                width = max(p[key].shape[1] for p in parts)
-                extra = width - value.shape[1]
-                side = (extra, 0) if key in LEFT_PADDED else (0, extra)
-                columns[key] = torch.nn.functional.pad(value, (0, 0) * (value.dim() - 2) + side)
-        padded.append(DataProto.from_columns(columns, part.meta))
-    return DataProto.concat(padded)

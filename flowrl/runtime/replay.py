@@ -21,12 +21,13 @@ import torch
 
 from flowrl.protocol import DataProto
 from flowrl.runtime import checkpoint, inputs
-from flowrl.runtime.node_call import call_node
+from flowrl.runtime.node_call import CallResult, ControllerFn, NodeCall, call_node
 
 
 @attrs.define
 class ReplayCall:
-    """One saved node call, loaded and ready: `run()` -> (writes under graph keys, metrics)."""
+    """One saved node call, loaded and ready: `run()` -> its CallResult (writes under graph
+    keys, metrics)."""
 
     node: str
     decl: object  # the dsl.NodeDecl the graph has for the node
@@ -37,18 +38,16 @@ class ReplayCall:
     info: dict  # call.json
     notes: list[str]  # what differs from the run, for the user
 
-    def run(self) -> tuple[DataProto, dict]:
+    def run(self) -> CallResult:
         where = f"in replay (step {self.info['step']}, rank {self.info['rank']})"
-        spec, rename = self.decl.spec, self.decl.rename
-        return call_node(self.node, spec, rename, self.batch, self.call, where, self.meta)
+        call = NodeCall(self.node, self.decl.spec, self.decl.rename, self.params, where)
+        return call_node(call, self.batch, self.call, self.meta)
 
 
 def load_plan(run_dir, overrides=()):
     """The plan of a run directory's graph.toml (overrides applied), with relative paths
     resolving from the original graph file's folder, recorded in run.json."""
-    from flowrl.front import dsl
-    from flowrl.front.compiler import compile_graph
-    from flowrl.front.graph import build
+    from flowrl.front.compiler import compile_file
 
     run_dir = Path(run_dir)
     graph = run_dir / "graph.toml"
@@ -56,7 +55,7 @@ def load_plan(run_dir, overrides=()):
         raise FileNotFoundError(f"{run_dir} has no graph.toml: is it a run directory?")
     source = run_dir / "run.json"
     base_dir = json.loads(source.read_text())["base_dir"] if source.is_file() else ""
-    return compile_graph(build(dsl.load(graph, list(overrides), base_dir)))
+    return compile_file(graph, overrides, base_dir)
 
 
 def load(run_dir, step: int, node: str, rank: int = 0, overrides=()) -> ReplayCall:
@@ -76,7 +75,7 @@ def load(run_dir, step: int, node: str, rank: int = 0, overrides=()) -> ReplayCa
         state = None
         if decl.spec.stateful:
             state = _controller_state(saved, run_dir, node, info["state_step"], notes)
-        call = _controller_call(decl.spec, params, state)
+        call = ControllerFn(decl.spec, params, state)
         context = {"base_dir": str(plan.spec.base_dir)}  # as the executor gives controller nodes
         return ReplayCall(node, decl, params, batch, call, context, info, notes)
     engine = _engine(plan, decl, run_dir, info["state_step"], notes)
@@ -103,12 +102,6 @@ def _params(decl, saved: dict, overrides):
     return decl.spec.params(**kwargs)
 
 
-def _controller_call(spec, params, state):
-    if spec.stateful:
-        return lambda view: spec.fn(view, params, state)
-    return lambda view: spec.fn(view, params)
-
-
 def _controller_state(saved: Path, run_dir, node: str, state_step: int, notes) -> dict:
     """A stateful controller node's state: saved with the call, else from the checkpoint."""
     if (saved / "state.pt").is_file():
@@ -123,7 +116,8 @@ def _controller_state(saved: Path, run_dir, node: str, state_step: int, notes) -
 
 def _engine(plan, decl, run_dir, state_step: int, notes):
     """The node's engine, on its pool built in-process, with the models' state at state_step."""
-    from flowrl.runtime.pool_worker import PoolWorker, pool_setups
+    from flowrl.runtime.pool_worker import PoolWorker
+    from flowrl.runtime.setup import pool_setups
 
     pool = plan.pool_of(decl.id)
     worker = PoolWorker(pool_setups(plan)[pool])

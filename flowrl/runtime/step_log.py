@@ -66,8 +66,40 @@ def truncate_log(path: Path, step: int) -> None:
     temp.replace(path)
 
 
+def failed_requests(batch) -> list[int]:
+    """Rows of a multi-turn batch whose request failed (an error, a timeout, a tool that
+    could not be released): their text goes to samples.jsonl and the first few to the log."""
+    if "rollout_info" not in batch:
+        return []
+    infos = batch["rollout_info"]
+    return [
+        i
+        for i, info in enumerate(infos)
+        if info.get("error") or info.get("release_errors") or info["termination"] == "timeout"
+    ]
+
+
+def failure_lines(batch, rows: list[int], count: int = 3) -> list[str]:
+    """The first `count` failed requests, each with its row (uid, prompt) and error."""
+    out = []
+    for i in rows[:count]:
+        info = batch["rollout_info"][i]
+        error = info.get("error") or "; ".join(info.get("release_errors") or []) or "timed out"
+        prompt = str(batch["prompt_text"][i])[-120:] if "prompt_text" in batch else ""
+        uid = int(batch["uid"][i]) if "uid" in batch else i
+        out.append(f"  request {i} (row uid {uid}, {info['termination']}): {error} | {prompt!r}")
+    return out
+
+
+def trained_nothing(batch) -> bool:
+    """A step whose rollouts gave no trained token (every request failed, or was cut to
+    nothing): its update learned nothing."""
+    return "response_mask" in batch and int(batch["response_mask"].sum()) == 0
+
+
 def log_samples(file, step: int, batch, count: int) -> None:
-    for i in range(min(count, len(batch))):
+    failed = failed_requests(batch)
+    for i in sorted(set(range(min(count, len(batch)))) | set(failed)):
         row = {"step": step}
         for key in ("prompt_text", "response_text", "ground_truth"):
             if key in batch:
@@ -77,6 +109,8 @@ def log_samples(file, step: int, batch, count: int) -> None:
         if "rollout_info" in batch:  # a multi-turn row: the conversation, trained spans in [[ ]]
             info = batch["rollout_info"][i]
             row["termination"] = info["termination"]
+            if info.get("error") or info.get("release_errors"):
+                row["error"] = info.get("error") or "; ".join(info["release_errors"])
             row["conversation"] = info["messages"]
             row["response_marked"] = "".join(
                 f"[[{text}]]" if trained else text for text, trained in info["trained_spans"]

@@ -126,7 +126,7 @@ def test_two_grpo_steps_leave_sglang_with_the_trainers_weights(qwen_dir, tmp_pat
         "models.policy.lr=1e-2",  # random weights: let two steps move them far
         f'run.out_dir="{tmp_path}"',
     ]
-    _, _, plan = load_plan(str(ROOT / "graphs/grpo_sglang.toml"), overrides)
+    plan = load_plan(str(ROOT / "graphs/grpo_sglang.toml"), overrides)
     trainer = Trainer(plan, tmp_path / "run", "local")
     worker = trainer.executor.workers["main"][0]
     rollout, module = worker.rollout["policy"], worker.train["policy"].module

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.front import compiler, dsl, graph, registry
+from flowrl.front import compiler, registry
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "docs" / "debugging"
 
 
 def test_example_graph_compiles_with_a_checkpoint_every_step():
-    plan = compiler.compile_graph(graph.build(dsl.load(EXAMPLE / "grpo_stats.toml")))
+    plan = compiler.compile_file(EXAMPLE / "grpo_stats.toml")
     assert plan.spec.run.save_every == 1 and plan.spec.run.steps == 4
     assert plan.spec.nodes["update_policy"].params.stats_every == 3  # fails at step 3
     assert (plan.spec.base_dir / plan.spec.nodes["reward"].params.scorer.split(":")[0]).is_file()

@@ -11,14 +11,11 @@ import pytest
 
 from flowrl.cli import main
 from flowrl.errors import GraphErrors
-from flowrl.front import compiler, dsl, graph, registry, schema
+from flowrl.front import dsl, registry, schema
+from flowrl.front.compiler import compile_file
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAPHS = sorted((ROOT / "graphs").glob("*.toml"))
-
-
-def compile_file(path, overrides=()):
-    return compiler.compile_graph(graph.build(dsl.load(path, list(overrides))))
 
 
 @pytest.mark.parametrize("path", GRAPHS, ids=[p.stem for p in GRAPHS])
@@ -317,6 +314,20 @@ def test_nodes_lists_the_keys_that_depend_on_params(capsys):
     assert "+ rollout_logprobs (depending on its params)" in generate
     update = out[out.index("\nupdate.policy  ") :]
     assert "+ old_logprobs, ref_logprobs, rollout_logprobs (depending on its params)" in update
+
+
+@pytest.mark.parametrize("path", GRAPHS, ids=[p.stem for p in GRAPHS])
+def test_dispatch_items_hold_the_node_mode_and_the_pool_ranks(path):
+    """A dispatch item's `how` is the node's own dispatch mode, never display text (the
+    executor compares it); the plan prints ", 1 rank" from `ranks` alone."""
+    plan = compile_file(path)
+    dispatches = [i for i in plan.items if i.kind == "dispatch"]
+    assert dispatches
+    for item in dispatches:
+        assert item.how == plan.spec.nodes[item.node].spec.dispatch
+        assert item.ranks == plan.pools[item.pool].workers
+        shown = f"{item.how}, 1 rank" if item.ranks == 1 else item.how
+        assert item.describe() == f"{item.node}: {shown} [{', '.join(item.keys)}]"
 
 
 def test_check_of_every_graph_is_under_a_second_each_without_torch_or_transformers():

@@ -109,10 +109,11 @@ def write_graph(tmp_path, **values) -> Path:
 @pytest.mark.parametrize(("backend", "workers"), [("local", 1), ("ray", 2)])
 def test_train_engine_logprobs_equal_the_rollouts_on_multi_turn_rows(tmp_path, backend, workers):
     graph = write_graph(tmp_path, workers=workers, extra_nodes=OLD_LOGPROB, on_policy="false")
-    _, _, plan = load_plan(str(graph))
+    plan = load_plan(str(graph))
     trainer = Trainer(plan, tmp_path / "run", backend)
     try:
-        metrics, batch = trainer.step(1)
+        result = trainer.step(1)
+        metrics, batch = result.metrics, result.batch
     finally:
         trainer.close()
     trained = batch["response_mask"].bool()

@@ -6,6 +6,7 @@ from conftest import fixed_batch
 
 from flowrl.runtime.local_executor import LocalExecutor
 from flowrl.runtime.node_call import NodeFailure
+from flowrl.testing import on_ranks, parameters
 
 pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
 
@@ -17,13 +18,13 @@ def test_two_ranks_match_one_rank(tiny_plan):
 
     lr = 1e-4
     batch = fixed_batch()  # 7 rows: ranks get 4 and 3
-    spec1, _, plan1 = tiny_plan("grpo.toml", **{"models.policy.lr": lr})
+    plan1 = tiny_plan("grpo.toml", **{"models.policy.lr": lr})
     local = LocalExecutor(plan1)
-    before = local.workers["main"][0].parameters("policy")
-    _, one, _ = local.workers["main"][0].call("update_policy", batch)
-    expected = local.workers["main"][0].parameters("policy")
+    before = parameters(local.workers["main"][0], "policy")
+    one = local.workers["main"][0].call("update_policy", batch).metrics
+    expected = parameters(local.workers["main"][0], "policy")
 
-    spec2, _, plan2 = tiny_plan(
+    plan2 = tiny_plan(
         "grpo.toml", **{"models.policy.lr": lr, "pools.main.workers": 2, "run.num_cpus": 2}
     )
     executor = RayExecutor(plan2, num_cpus=2)
@@ -32,11 +33,11 @@ def test_two_ranks_match_one_rank(tiny_plan):
             "main", "call", [("update_policy", c, None) for c in batch.chunk(2)]
         )
         results = executor.results(handle)
-        ranks = [ray.get(a.parameters.remote("policy")) for a in executor.actors["main"]]
+        ranks = on_ranks(executor, "main", parameters, "policy")
         # the loss and the summed gradient's norm agree to float precision
         for key in ("pg_loss", "kl_loss", "grad_norm"):
-            assert results[0][1][key] == pytest.approx(one[key], rel=1e-4), key
-            assert results[1][1][key] == results[0][1][key]
+            assert results[0].metrics[key] == pytest.approx(one[key], rel=1e-4), key
+            assert results[1].metrics[key] == results[0].metrics[key]
         for key, value in expected.items():
             assert torch.equal(ranks[0][key], ranks[1][key])  # the ranks stay in lockstep
             # AdamW's first step is about lr * sign(grad): equal up to a sign flip of a
@@ -50,7 +51,7 @@ def test_two_ranks_match_one_rank(tiny_plan):
 def test_dead_rank_is_named(tiny_plan):
     from flowrl.runtime.ray_executor import RayExecutor
 
-    spec, _, plan = tiny_plan("grpo.toml", **{"run.num_cpus": 2})
+    plan = tiny_plan("grpo.toml", **{"run.num_cpus": 2})
     executor = RayExecutor(plan, num_cpus=2)
     try:
         ray.kill(executor.actors["main"][0])

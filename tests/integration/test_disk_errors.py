@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loa
 
 
 def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tiny_plan, tmp_path):
-    _, _, plan = tiny_plan("grpo.toml", **{"run.steps": 3, "run.save_every": 1})
+    plan = tiny_plan("grpo.toml", **{"run.steps": 3, "run.save_every": 1})
     trainer = Trainer(plan, tmp_path / "run", "local")
     broadcast = trainer.executor.broadcast
 
@@ -33,7 +33,7 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tiny_plan, tmp_pat
 
 
 def test_unwritable_run_directory_is_a_clear_error(tiny_plan, tmp_path):
-    _, _, plan = tiny_plan("grpo.toml")
+    plan = tiny_plan("grpo.toml")
     (tmp_path / "a_file").write_text("not a folder")
     trainer = Trainer(plan, tmp_path / "a_file" / "run", "local")
     try:

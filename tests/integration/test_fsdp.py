@@ -14,7 +14,14 @@ from flowrl.runtime import checkpoint
 from flowrl.runtime.controller import Trainer
 from flowrl.runtime.export import export
 from flowrl.runtime.local_executor import LocalExecutor
-from flowrl.testing import tiny_model, tiny_tokenizer
+from flowrl.testing import (
+    local_bytes,
+    on_ranks,
+    parameters,
+    rollout_parameters,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
 
@@ -41,16 +48,16 @@ def test_two_fsdp_ranks_update_like_one_and_resume_on_one(tiny_plan, tmp_path):
     from flowrl.runtime.ray_executor import RayExecutor
 
     first, second = fixed_batch(), fixed_batch(rows=5, t=6)
-    _, _, plan1 = tiny_plan("grpo.toml", **SETTINGS)
+    plan1 = tiny_plan("grpo.toml", **SETTINGS)
     local = LocalExecutor(plan1).workers["main"][0]
-    before = local.parameters("policy")
-    _, one, _ = local.call("update_policy", first)
-    expected = local.parameters("policy")
+    before = parameters(local, "policy")
+    one = local.call("update_policy", first).metrics
+    expected = parameters(local, "policy")
 
-    spec2, _, plan2 = tiny_plan("grpo.toml", **SETTINGS, **FSDP, **{"pools.main.workers": 2})
+    plan2 = tiny_plan("grpo.toml", **SETTINGS, **FSDP, **{"pools.main.workers": 2})
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "graph.toml").write_text(toml.dumps(spec2.raw))
+    (run_dir / "graph.toml").write_text(toml.dumps(plan2.spec.raw))
     executor = RayExecutor(plan2, num_cpus=2)
     try:
         handle = executor.submit(
@@ -58,15 +65,15 @@ def test_two_fsdp_ranks_update_like_one_and_resume_on_one(tiny_plan, tmp_path):
         )
         results = executor.results(handle)  # 7 rows: 4 and 3, in 2 and 1 micro-batches
         for key in ("pg_loss", "kl_loss", "grad_norm"):
-            assert results[0][1][key] == pytest.approx(one[key], rel=1e-4), key
-            assert results[1][1][key] == results[0][1][key]
-        trained = on_all_ranks(executor, "parameters", "policy")[0]
+            assert results[0].metrics[key] == pytest.approx(one[key], rel=1e-4), key
+            assert results[1].metrics[key] == results[0].metrics[key]
+        trained = on_ranks(executor, "main", parameters, "policy")[0]
         # AdamW's first step is about lr * sign(grad): equal up to a sign flip at rounding level
         assert_close_to(trained, expected, atol=2 * LR)
         assert any(not torch.equal(before[k], v) for k, v in trained.items())
 
         # each rank holds half of the weights and of the AdamW moments (measured on its shards)
-        held = on_all_ranks(executor, "local_bytes", "policy")
+        held = on_ranks(executor, "main", local_bytes, "policy")
         total = sum(v.numel() * v.element_size() for k, v in trained.items() if "lm_head" not in k)
         assert sum(h["weights"] for h in held) == total
         assert sum(h["optimizer"] for h in held) == 2 * total  # two moments per weight
@@ -76,10 +83,10 @@ def test_two_fsdp_ranks_update_like_one_and_resume_on_one(tiny_plan, tmp_path):
 
         # the sync gathers the shards into each rank's unsharded rollout copy
         on_all_ranks(executor, "transition", "sync", "policy", ())
-        for copy in on_all_ranks(executor, "rollout_parameters", "policy"):
+        for copy in on_ranks(executor, "main", rollout_parameters, "policy"):
             assert_close_to(copy, trained, atol=0)
         # a rollout pool gets the whole state from rank 0
-        exported, other = (r[0] for r in on_all_ranks(executor, "export_weights", "policy"))
+        exported, other = (r.value for r in on_all_ranks(executor, "export_weights", "policy"))
         assert_close_to(exported, trained, atol=0)
         assert other is None
 
@@ -88,8 +95,8 @@ def test_two_fsdp_ranks_update_like_one_and_resume_on_one(tiny_plan, tmp_path):
         handle = executor.submit(
             "main", "call", [("update_policy", c, None) for c in second.chunk(2)]
         )
-        two_ranks = executor.results(handle)[0][1]
-        continued = on_all_ranks(executor, "parameters", "policy")[0]
+        two_ranks = executor.results(handle)[0].metrics
+        continued = on_ranks(executor, "main", parameters, "policy")[0]
     finally:
         executor.shutdown()
     saved = checkpoint.latest(run_dir) / "pool-main"
@@ -97,15 +104,15 @@ def test_two_fsdp_ranks_update_like_one_and_resume_on_one(tiny_plan, tmp_path):
     assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "engines.json"]
 
     # the 2-rank checkpoint on 1 rank: the same weights, then the same next update
-    _, _, plan_one = tiny_plan("grpo.toml", **SETTINGS, **FSDP)
+    plan_one = tiny_plan("grpo.toml", **SETTINGS, **FSDP)
     resumed = LocalExecutor(plan_one).workers["main"][0]
     resumed.load(str(checkpoint.latest(run_dir)))
-    assert_close_to(resumed.parameters("policy"), trained, atol=0)
-    _, one_rank, _ = resumed.call("update_policy", second)
+    assert_close_to(parameters(resumed, "policy"), trained, atol=0)
+    one_rank = resumed.call("update_policy", second).metrics
     assert one_rank["grad_norm"] == pytest.approx(two_ranks["grad_norm"], rel=1e-4)
     assert one_rank["pg_loss"] == pytest.approx(two_ranks["pg_loss"], rel=1e-4)
     # a second AdamW step from the loaded moments; without them it would differ by ~lr
-    assert_close_to(resumed.parameters("policy"), continued, atol=LR / 10)
+    assert_close_to(parameters(resumed, "policy"), continued, atol=LR / 10)
 
     # the export loads with transformers alone and decodes greedily as the trained weights do
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -135,13 +142,13 @@ def test_two_fsdp_ranks_update_like_one_and_resume_on_one(tiny_plan, tmp_path):
 
 def test_grpo_runs_on_two_fsdp_ranks_and_resumes_on_one(tiny_plan, tmp_path):
     extra = {**FSDP, "run.save_every": 1, "run.num_cpus": 2}
-    _, _, plan = tiny_plan("grpo.toml", **extra, **{"pools.main.workers": 2})
+    plan = tiny_plan("grpo.toml", **extra, **{"pools.main.workers": 2})
     trainer = Trainer(plan, tmp_path / "two", "ray")
     try:
         trainer.fit()
-        weights = trainer.executor.rank0("main", "parameters", "policy")
+        weights = on_ranks(trainer.executor, "main", parameters, "policy")[0]
         # after the last update the sync refreshed every rank's rollout copy
-        for copy in on_all_ranks(trainer.executor, "rollout_parameters", "policy"):
+        for copy in on_ranks(trainer.executor, "main", rollout_parameters, "policy"):
             assert_close_to(copy, weights, atol=0)
     finally:
         trainer.close()
@@ -151,7 +158,7 @@ def test_grpo_runs_on_two_fsdp_ranks_and_resumes_on_one(tiny_plan, tmp_path):
     # continue the run from its step-1 checkpoint with one rank
     shutil.copytree(tmp_path / "two", tmp_path / "one")
     shutil.rmtree(tmp_path / "one/checkpoints/step_000002")
-    _, _, plan_one = tiny_plan("grpo.toml", **extra)
+    plan_one = tiny_plan("grpo.toml", **extra)
     resumed = Trainer(plan_one, tmp_path / "one", "local")
     resumed.fit(resume=True)
     rows = [eval_json(line) for line in (tmp_path / "one/metrics.jsonl").open()]

@@ -30,7 +30,7 @@ def test_graph_trains_with_models_from_the_hub_cache(tiny_plan, tmp_path, monkey
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     cache_tiny_model(tmp_path / "hub", "acme/tiny-llama")
     paths = {f"models.{m}.path": '"acme/tiny-llama"' for m in ("policy", "ref")}
-    _, _, plan = tiny_plan("grpo.toml", **paths)
+    plan = tiny_plan("grpo.toml", **paths)
     trainer = Trainer(plan, tmp_path / "run", "local")
     try:
         trainer.fit()

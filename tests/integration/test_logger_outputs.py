@@ -64,7 +64,7 @@ def tensorboard_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
 def test_tensorboard_and_offline_wandb_get_every_metric(tiny_plan, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    _, _, plan = tiny_plan("grpo.toml", **{"run.loggers": '["jsonl", "tensorboard", "wandb"]'})
+    plan = tiny_plan("grpo.toml", **{"run.loggers": '["jsonl", "tensorboard", "wandb"]'})
     trainer = Trainer(plan, tmp_path / "run", "local")
     try:
         trainer.fit()

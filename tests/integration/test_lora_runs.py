@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flowrl.runtime.controller import Trainer
-from flowrl.testing import tiny_plan
+from flowrl.testing import parameters, tiny_plan
 
 pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
 
@@ -27,7 +27,7 @@ def run(plan, run_dir, inspect):
 def test_lora_graph_trains_the_adapter_and_checkpoints_it_alone(tmp_path):
     plan = tiny_plan(ROOT / "examples/grpo_lora.toml", tmp_path)
     assert list(plan.pools["main"].configs) == ["policy"]  # the reference is no second model
-    weights = lambda t: t.executor.rank0("main", "parameters", "policy")  # noqa: E731
+    weights = lambda t: t.executor.apply("main", parameters, "policy")[0]  # noqa: E731
     before, after = run(plan, tmp_path / "run", weights)
     adapter = {k for k in before if "lora_" in k}
     assert len(adapter) == 2 * 7 * 2  # all-linear, 2 layers, A and B
@@ -42,7 +42,7 @@ def test_rollout_pool_receives_the_adapter(tmp_path):
     plan = tiny_plan(
         ROOT / "graphs/grpo_disaggregated.toml", tmp_path, **{"models.policy.lora": lora}
     )
-    both = lambda t: [t.executor.rank0(p, "parameters", "policy") for p in ("train", "gen")]  # noqa: E731
+    both = lambda t: [t.executor.apply(p, parameters, "policy")[0] for p in ("train", "gen")]  # noqa: E731
     (_, served_before), (trained, served) = run(plan, tmp_path / "run", both)
     assert trained.keys() == served.keys()
     for key, value in trained.items():
@@ -56,7 +56,7 @@ def test_export_folds_the_adapter_into_the_base_weights(tmp_path):
     from flowrl.runtime.export import export
 
     plan = tiny_plan(ROOT / "examples/grpo_lora.toml", tmp_path)  # rank 16, alpha 32
-    weights = lambda t: t.executor.rank0("main", "parameters", "policy")  # noqa: E731
+    weights = lambda t: t.executor.apply("main", parameters, "policy")[0]  # noqa: E731
     _, trained = run(plan, tmp_path / "run", weights)
     state = AutoModelForCausalLM.from_pretrained(export(tmp_path / "run", tmp_path / "hf"))
     state = state.state_dict()

@@ -15,7 +15,7 @@ FORGETFUL = Path(__file__).with_name("forgetful_advantage.py")
 
 @pytest.mark.parametrize("backend", ["local", "ray"])
 def test_controller_node_missing_an_output_is_named(tiny_plan, tmp_path, backend):
-    _, _, plan = tiny_plan("grpo.toml", **{"nodes.advantage.uses": f'"{FORGETFUL}"'})
+    plan = tiny_plan("grpo.toml", **{"nodes.advantage.uses": f'"{FORGETFUL}"'})
     trainer = Trainer(plan, tmp_path / "run", backend)
     try:
         with pytest.raises(NodeFailure) as info:

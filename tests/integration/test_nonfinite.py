@@ -9,6 +9,7 @@ import torch
 
 from flowrl.runtime.controller import Trainer
 from flowrl.runtime.guards import NonFiniteStop
+from flowrl.testing import parameters
 
 pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
 
@@ -16,7 +17,7 @@ NAN_UPDATE = Path(__file__).with_name("nan_update.py")
 
 
 def test_nonfinite_updates_are_skipped_then_the_run_stops(tiny_plan, tmp_path):
-    _, _, plan = tiny_plan(
+    plan = tiny_plan(
         "grpo.toml",
         **{
             "nodes.update_policy.uses": f'"{NAN_UPDATE}"',
@@ -25,11 +26,11 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops(tiny_plan, tmp_path):
         },
     )
     trainer = Trainer(plan, tmp_path / "run", "local")
-    before = trainer.executor.rank0("main", "parameters", "policy")
+    before = trainer.executor.apply("main", parameters, "policy")[0]
     try:
         with pytest.raises(NonFiniteStop, match="2 steps in a row .*update_policy.*--resume"):
             trainer.fit()
-        after = trainer.executor.rank0("main", "parameters", "policy")
+        after = trainer.executor.apply("main", parameters, "policy")[0]
     finally:
         trainer.close()
     for key, value in before.items():

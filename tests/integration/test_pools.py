@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flowrl.runtime.controller import Trainer
+from flowrl.testing import on_ranks, parameters, rank_host
 
 pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
 
@@ -30,7 +31,7 @@ def calls_by_track(run_dir) -> dict:
 
 
 def test_ref_on_its_own_pool_overlaps_the_other_pools(tiny_plan, tmp_path):
-    spec, built, plan = tiny_plan(
+    plan = tiny_plan(
         "ppo_pools.toml",
         **{"run.num_cpus": 3, "data.batch_size": 4, "nodes.generate.max_new_tokens": 12},
     )
@@ -55,18 +56,18 @@ def test_ref_on_its_own_pool_overlaps_the_other_pools(tiny_plan, tmp_path):
 
 
 def test_disaggregated_rollout_generates_with_the_synced_weights(tiny_plan, tmp_path):
-    spec, built, plan = tiny_plan("grpo_disaggregated.toml", **{"run.num_cpus": 2})
+    plan = tiny_plan("grpo_disaggregated.toml", **{"run.num_cpus": 2})
     sync = plan.item("sync:policy")
     assert (sync.pool, sync.to_pool) == ("train", "gen")
     assert "policy: weights train -> rollout on pool gen" in plan.text()
     assert plan.item("generate").pool == "gen" and plan.item("update_policy").pool == "train"
     trainer = Trainer(plan, tmp_path / "run", "ray")
     try:
-        train, gen = (trainer.executor.actors[p][0] for p in ("train", "gen"))
-        before = ray.get(gen.parameters.remote("policy"))
+        executor = trainer.executor
+        before = on_ranks(executor, "gen", parameters, "policy")[0]
         trainer.fit()
-        trained = ray.get(train.parameters.remote("policy"))
-        served = ray.get(gen.parameters.remote("policy"))
+        trained = on_ranks(executor, "train", parameters, "policy")[0]
+        served = on_ranks(executor, "gen", parameters, "policy")[0]
         assert trained.keys() == served.keys()
         for key, value in trained.items():
             assert torch.equal(value, served[key]), key  # bit for bit
@@ -81,17 +82,17 @@ def test_disaggregated_rollout_generates_with_the_synced_weights(tiny_plan, tmp_
 
 
 def test_disaggregated_rollout_resumes_with_the_checkpointed_weights(tiny_plan, tmp_path):
-    spec, built, plan = tiny_plan("grpo_disaggregated.toml", **{"run.num_cpus": 2})
+    plan = tiny_plan("grpo_disaggregated.toml", **{"run.num_cpus": 2})
     first = Trainer(plan, tmp_path / "run", "local")
     try:
         first.fit()
-        trained = first.executor.workers["train"][0].parameters("policy")
+        trained = parameters(first.executor.workers["train"][0], "policy")
     finally:
         first.close()
     resumed = Trainer(plan, tmp_path / "run", "local")
     try:
         resumed._resume()
-        served = resumed.executor.workers["gen"][0].parameters("policy")
+        served = parameters(resumed.executor.workers["gen"][0], "policy")
         for key, value in trained.items():
             assert torch.equal(value, served[key]), key
     finally:
@@ -113,8 +114,10 @@ def two_node_cluster():
 
 
 def test_pool_spanning_two_nodes_places_a_rank_on_each(tiny_plan, tmp_path, two_node_cluster):
+    from ray.util import placement_group_table
+
     _, worker_nodes = two_node_cluster
-    spec, built, plan = tiny_plan(
+    plan = tiny_plan(
         "grpo.toml", **{"pools.main.workers": 2, "pools.main.nodes": 2, "data.batch_size": 2}
     )
     main = plan.pools["main"]
@@ -122,9 +125,10 @@ def test_pool_spanning_two_nodes_places_a_rank_on_each(tiny_plan, tmp_path, two_
     assert "placement: STRICT_SPREAD over 2 nodes (node 0: rank 0; node 1: rank 1)" in plan.text()
     trainer = Trainer(plan, tmp_path / "run", "ray")
     try:
-        where = trainer.executor.placement("main")
-        assert where["ranks"] == where["bundles"]  # rank k runs on the node of bundle k
-        assert sorted(where["ranks"]) == sorted(worker_nodes)  # one on each worker node
+        ranks = [w["node_id"] for w in on_ranks(trainer.executor, "main", rank_host)]
+        table = placement_group_table(trainer.executor.groups["main"])["bundles_to_node_id"]
+        assert ranks == [table[i] for i in sorted(table)]  # rank k runs on bundle k's node
+        assert sorted(ranks) == sorted(worker_nodes)  # one on each worker node
         trainer.fit()
         lines = (tmp_path / "run/metrics.jsonl").read_text().splitlines()
         assert json.loads(lines[-1])["step"] == 2

@@ -99,7 +99,7 @@ def test_failure_on_ray_is_saved_and_replayed(tmp_path, monkeypatch, capsys):
     assert "  grad_norm: " in fixed.stdout
     rank1 = replay.load(run_dir, 2, "update_policy", 1, ["nodes.update_policy.fail_at_step=0"])
     assert any("the run had 2 ranks" in note for note in rank1.notes)
-    _, metrics = rank1.run()
+    metrics = rank1.run().metrics
     assert metrics["grad_norm"] > 0
 
 
@@ -134,7 +134,7 @@ def test_replayed_healthy_update_gives_the_logged_metrics(tiny_plan, tmp_path):
         "run.save_inputs": '["update_policy", "advantage"]',
         "run.save_inputs_last": 2,
     }
-    _, _, plan = tiny_plan("grpo.toml", **extra)
+    plan = tiny_plan("grpo.toml", **extra)
     run_dir = tmp_path / "run"
     trainer = Trainer(plan, run_dir, "local")
     try:
@@ -158,7 +158,7 @@ def test_replayed_healthy_update_gives_the_logged_metrics(tiny_plan, tmp_path):
         call = replay.load(run_dir, step, "update_policy")
         # step N's update started from the weights after step N-1: checkpoint N-1
         assert f"model state: step_{step - 1:06d}" in call.notes
-        _, metrics = call.run()
+        metrics = call.run().metrics
         replayed[step] = metrics
         expected = {
             k.split("/", 1)[1]: v for k, v in logged[step].items() if k.startswith("update_policy/")
@@ -169,5 +169,5 @@ def test_replayed_healthy_update_gives_the_logged_metrics(tiny_plan, tmp_path):
     # the comparison can tell steps apart (the loss terms changed from step 2 to 3)
     assert replayed[2]["kl_loss"] != pytest.approx(replayed[3]["kl_loss"], rel=1e-3)
     # a controller node's saved call replays too
-    writes, _ = replay.load(run_dir, 3, "advantage").run()
+    writes = replay.load(run_dir, 3, "advantage").run().writes
     assert writes.keys() == ["advantages"] and writes["advantages"].shape[0] == 16

@@ -6,6 +6,7 @@ import torch
 
 from flowrl.runtime import checkpoint
 from flowrl.runtime.controller import Trainer
+from flowrl.testing import parameters
 
 pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
 
@@ -15,12 +16,12 @@ class Stop(Exception):
 
 
 def final_params(trainer):
-    return trainer.executor.workers["main"][0].parameters("policy")
+    return parameters(trainer.executor.workers["main"][0], "policy")
 
 
 def test_resume_matches_uninterrupted_run(tiny_plan, tmp_path):
     extra = {"run.steps": 4, "run.save_every": 2}
-    spec, built, plan = tiny_plan("grpo.toml", **extra)
+    plan = tiny_plan("grpo.toml", **extra)
 
     straight = Trainer(plan, tmp_path / "a", "local")
     straight.fit()

@@ -19,10 +19,11 @@ from flowrl.cli import load_plan
 from flowrl.runtime.controller import Trainer
 
 graph, run_dir, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
-_, _, plan = load_plan(graph, overrides)
+plan = load_plan(graph, overrides)
 trainer = Trainer(plan, __import__("pathlib").Path(run_dir), "local")
 try:
-    metrics, batch = trainer.step(1)
+    result = trainer.step(1)
+    metrics, batch = result.metrics, result.batch
 finally:
     trainer.close()
 assert batch["responses"].shape[0] == 2 * plan.spec.nodes["generate"].params.n

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flowrl.runtime.controller import Trainer
+from flowrl.testing import on_ranks, parameters
 
 pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
 
@@ -15,14 +16,14 @@ GRAPHS = sorted(p.name for p in (ROOT / "graphs").glob("*.toml"))
 
 
 def params_of(trainer, model):
-    return trainer.executor.rank0(trainer.spec.models[model].pool, "parameters", model)
+    return on_ranks(trainer.executor, trainer.spec.models[model].pool, parameters, model)[0]
 
 
-def train(spec, plan, tmp_path, backend):
+def train(plan, tmp_path, backend):
     trainer = Trainer(plan, tmp_path / "run", backend)
-    before = {m: params_of(trainer, m) for m in spec.models}
+    before = {m: params_of(trainer, m) for m in plan.spec.models}
     trainer.fit()
-    after = {m: params_of(trainer, m) for m in spec.models}
+    after = {m: params_of(trainer, m) for m in plan.spec.models}
     return trainer, before, after
 
 
@@ -35,10 +36,10 @@ def check_parameters(spec, before, after):
 
 @pytest.mark.parametrize("graph", GRAPHS)
 def test_graph_trains_on_local_executor(graph, tiny_plan, tmp_path):
-    spec, _, plan = tiny_plan(graph)
-    trainer, before, after = train(spec, plan, tmp_path, "local")
+    plan = tiny_plan(graph)
+    trainer, before, after = train(plan, tmp_path, "local")
     try:
-        check_parameters(spec, before, after)
+        check_parameters(plan.spec, before, after)
         lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
         assert [x["step"] for x in lines] == [0, 1, 2]
         last = lines[-1]
@@ -64,10 +65,11 @@ def test_graph_trains_on_local_executor(graph, tiny_plan, tmp_path):
 
 
 def test_step_batch_keys_and_shapes_match_declarations(tiny_plan, tmp_path):
-    spec, _, plan = tiny_plan("ppo.toml")
+    plan = tiny_plan("ppo.toml")
+    spec = plan.spec
     trainer = Trainer(plan, tmp_path / "run", "local")
     try:
-        _, batch = trainer.step(1)
+        batch = trainer.step(1).batch
         rows, t = batch["responses"].shape
         assert rows == 2 * spec.nodes["generate"].params.n
         for decl in spec.nodes.values():
@@ -92,10 +94,10 @@ def test_step_batch_keys_and_shapes_match_declarations(tiny_plan, tmp_path):
 
 def test_grpo_trains_on_ray(tiny_plan, tmp_path):
     ray = pytest.importorskip("ray")
-    spec, _, plan = tiny_plan("grpo.toml", **{"run.num_cpus": 2})
-    trainer, before, after = train(spec, plan, tmp_path, "ray")
+    plan = tiny_plan("grpo.toml", **{"run.num_cpus": 2})
+    trainer, before, after = train(plan, tmp_path, "ray")
     try:
-        check_parameters(spec, before, after)
+        check_parameters(plan.spec, before, after)
         trace = json.loads((tmp_path / "run/trace.json").read_text())
         tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
         assert {"controller", "main/rank0"} <= tracks
@@ -114,10 +116,10 @@ def test_dapo_refills_until_enough_groups_on_both_executors(backend, tiny_plan, 
     if backend == "ray":
         pytest.importorskip("ray")
     # 2 prompts a batch, 3 groups wanted: every step needs a second prompt batch at least
-    spec, _, plan = tiny_plan("dapo.toml", **{"nodes.filter.min_groups": 3, "run.num_cpus": 2})
-    trainer, before, after = train(spec, plan, tmp_path, backend)
+    plan = tiny_plan("dapo.toml", **{"nodes.filter.min_groups": 3, "run.num_cpus": 2})
+    trainer, before, after = train(plan, tmp_path, backend)
     try:
-        check_parameters(spec, before, after)
+        check_parameters(plan.spec, before, after)
         lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
         for line in lines[1:]:
             assert line["refill/rounds"] >= 2, line

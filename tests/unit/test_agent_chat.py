@@ -97,7 +97,7 @@ def test_episode_ids_equal_the_full_template_and_masks_mark_sampled_tokens(token
         chat.encode(prompt, generation_prompt=True),
         chat,
         make_parser("tag", ["calc"]),
-        box.open({}, pool),
+        box.open({}),
         Limits(max_new_tokens=500, max_turn_tokens=100),
         messages=prompt,
     )

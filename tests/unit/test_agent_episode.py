@@ -11,6 +11,7 @@ import pytest
 from flowrl.agent.chat import ChatTokens
 from flowrl.agent.driver import run_sync, run_waves
 from flowrl.agent.episode import Episode, Limits
+from flowrl.agent.interactions import FunctionInteraction
 from flowrl.agent.parsers import make_parser
 from flowrl.agent.tools import FunctionTool, Toolbox
 from flowrl.testing import ScriptedTurns, tiny_tokenizer
@@ -118,10 +119,10 @@ def run(script, pool, parser="hermes", box=None, interaction=None, clock=None, *
             CHAT.encode(PROMPT, generation_prompt=True),
             CHAT,
             make_parser(parser, box.names),
-            box.open({}, pool),
+            box.open({}),
             limits,
             messages=PROMPT,
-            interaction=interaction,
+            interaction=FunctionInteraction(interaction) if interaction else None,
             **({"clock": clock} if clock else {}),
         )
         episodes.append(episode)
@@ -145,7 +146,8 @@ def test_one_call_then_an_answer(pool):
     assert backend.appended[0] == [[], observation]  # the engine appends the observation
     assert episode.info()["calls"][0]["status"] == "ok"
     assert episode.solution() == "<calc>12*34</calc>\n408"
-    assert "408" in episode.solution("full") and episode.info()["num_turns"] == 3
+    # verl's count: 2 assistant turns + 1 tool round + 1 for the prompt
+    assert "408" in episode.solution("full") and episode.info()["num_turns"] == 4
     show = TOKENIZER.decode  # with special tokens: what samples.jsonl shows
     assert episode.info()["trained_spans"] == [
         [show(turn1), 1],
@@ -156,7 +158,7 @@ def test_one_call_then_an_answer(pool):
 
 def test_several_calls_keep_call_order_when_they_finish_out_of_order(pool):
     turn = ids(hermes("slow_first", x="20") + hermes("slow_first", x="0"))
-    (episode,), _, _ = run({0: [turn, ids("done")]}, pool, max_calls_per_turn=2)
+    (episode,), _, _ = run({0: [turn, ids("done")]}, pool, max_parallel_calls=2)
     # the second call finished first; the observation still lists the first call first
     observation = tool_delta("echo 20", "echo 0")
     assert episode.reason == "stop"
@@ -164,11 +166,13 @@ def test_several_calls_keep_call_order_when_they_finish_out_of_order(pool):
     assert [c["status"] for c in episode.calls] == ["ok", "ok"]
 
 
-def test_calls_over_the_per_turn_limit_are_answered_with_an_error(pool):
-    turn = ids(hermes("calc", expression="2*3") + hermes("calc", expression="4*5"))
-    (episode,), _, _ = run({0: [turn, ids("6")]}, pool, max_calls_per_turn=1)
-    assert [c["status"] for c in episode.calls] == ["ok", "invalid"]
-    assert "at most 1 calls per turn" in episode.messages[-2]["content"]
+def test_calls_over_the_per_turn_limit_are_dropped_and_counted_as_verl_does(pool):
+    calls = [hermes("calc", expression=f"{k}*3") for k in range(1, 5)]
+    (episode,), _, _ = run({0: [ids("".join(calls)), ids("3")]}, pool, max_parallel_calls=1)
+    # four calls in one turn: the first runs, three are dropped unanswered; the request goes on
+    assert episode.reason == "stop" and [c["status"] for c in episode.calls] == ["ok"]
+    assert episode.info()["dropped_calls"] == 3 and episode.info()["invalid_calls"] == 0
+    assert [m["content"] for m in episode.messages if m["role"] == "tool"] == ["3"]
 
 
 @pytest.mark.parametrize(
@@ -258,8 +262,8 @@ def test_one_failing_request_does_not_fail_the_others(pool):
     def broken_parser(text):
         raise RuntimeError("parser bug")
 
-    good = Episode([1], CHAT, make_parser("tag", box.names), box.open({}, pool), Limits())
-    bad = Episode([1], CHAT, broken_parser, box.open({}, pool), Limits())
+    good = Episode([1], CHAT, make_parser("tag", box.names), box.open({}), Limits())
+    bad = Episode([1], CHAT, broken_parser, box.open({}), Limits())
     script = {0: [ids("<calc>2*3</calc>"), ids("6")], 1: [ids("hi")]}
     run_sync(run_waves([good, bad], ScriptedTurns(script)))
     assert good.reason == "stop" and bad.reason == "error"
@@ -297,7 +301,10 @@ def test_an_interaction_answers_as_the_user_until_it_is_done(pool):
     assert episode.reason == "interaction_done" and seen == ["12", "408"]
     assert episode.info()["turn_scores"] == [1.0, 2.0]
     user = CHAT.delta([{"role": "user", "content": "Try again."}])
-    assert backend.appended[0][1] == user and episode.mask.count(0) == len(user)
+    assert backend.appended[0][1] == user
+    # the closing reply is appended too (verl's agent loop), after the last turn, untrained
+    assert episode.ids[-len(user) :] == user and episode.mask.count(0) == 2 * len(user)
+    assert episode.info()["num_turns"] == 2 + 2 + 1 and episode.interaction_turns == 2
 
 
 def test_an_interaction_out_of_turns_ends_by_max_turns(pool):
@@ -307,8 +314,10 @@ def test_an_interaction_out_of_turns_ends_by_max_turns(pool):
     script = {0: [ids("1"), ids("2"), ids("3")]}
     (episode,), backend, _ = run(script, pool, interaction=reply, max_user_turns=2)
     assert episode.reason == "max_turns" and episode.user_turns == 2 and backend.count[0] == 3
-    (quiet,), _, _ = run({0: [ids("1")]}, pool, interaction=reply, max_user_turns=0)
-    assert quiet.reason == "stop"
+    # max_user_turns also bounds tool rounds, as verl's: the 2nd call ends the request
+    call = ids("<calc>2*3</calc>")
+    (tools,), backend, _ = run({0: [call, call, call]}, pool, "tag", max_user_turns=1)
+    assert tools.reason == "max_turns" and len(tools.calls) == 1 and backend.count[0] == 2
 
 
 def test_an_async_interaction_and_the_end_reason_it_gives_are_kept(pool):
@@ -366,7 +375,9 @@ def test_a_class_tool_keeps_state_per_request_and_is_rewarded_once(pool):
     box.tools, box.names = [ClassTool(Counter)], ["add"]
     Counter.closed.clear()
     episodes = [
-        Episode([1], CHAT, make_parser("hermes", ["add"]), box.open(kwargs, pool), Limits())
+        Episode(
+            [1], CHAT, make_parser("hermes", ["add"]), box.open({"tools_kwargs": kwargs}), Limits()
+        )
         for kwargs in ({"Counter": {"create_kwargs": {"start": 10}}}, {})
     ]
     turn = ids(hermes("add", n=5))
@@ -387,10 +398,10 @@ def test_a_tool_whose_creation_fails_ends_only_its_request(pool):
         [1],
         CHAT,
         make_parser("hermes", ["add"]),
-        box.open({"Counter": {"create_kwargs": {"wrong": 1}}}, pool),
+        box.open({"tools_kwargs": {"Counter": {"create_kwargs": {"wrong": 1}}}}),
         Limits(),
     )
-    good = Episode([1], CHAT, make_parser("hermes", ["add"]), box.open({}, pool), Limits())
+    good = Episode([1], CHAT, make_parser("hermes", ["add"]), box.open({}), Limits())
     backend = ScriptedTurns({0: [], 1: [ids("hi")]})
     run_sync(run_waves([bad, good], backend))
     assert bad.reason == "error" and "TypeError" in bad.error and bad.ids == []

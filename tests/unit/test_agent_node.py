@@ -3,6 +3,7 @@
 check`, and reward.rule handing the rollout's record to the scorer under verl's names."""
 
 import textwrap
+from pathlib import Path
 
 import attrs
 import numpy as np
@@ -77,8 +78,11 @@ PARAMS = agent.Params(
 
 def test_the_worker_returns_multi_turn_rows(tools_dir):
     batch = batch_of(tiny_tokenizer(), ["Hi?", "Bye?"], tools_dir)
-    out, metrics = worker(PARAMS)(batch)
+    out, metrics, phases = worker(PARAMS)(batch)
     assert set(out) == set(agent.SPEC.writes)
+    # decode and tool spans go to the trace through the third element, not the metrics
+    assert {name for name, _, _ in phases} == {"decode", "tools"}
+    assert all(start <= end for _, start, end in phases)
     rows, t = out["responses"].shape
     assert rows == 4 and out["rollout_logprobs"].shape == (4, t)
     mask, attention = out["response_mask"], out["response_attention"]
@@ -104,9 +108,9 @@ def test_the_worker_returns_multi_turn_rows(tools_dir):
 
 def test_the_worker_is_seeded_by_step(tools_dir):
     tokenizer = tiny_tokenizer()
-    first, _ = worker(PARAMS)(batch_of(tokenizer, ["Hi?"], tools_dir))
-    again, _ = worker(PARAMS)(batch_of(tokenizer, ["Hi?"], tools_dir))
-    other, _ = worker(PARAMS)(batch_of(tokenizer, ["Hi?"], tools_dir, step=2))
+    first, _, _ = worker(PARAMS)(batch_of(tokenizer, ["Hi?"], tools_dir))
+    again, _, _ = worker(PARAMS)(batch_of(tokenizer, ["Hi?"], tools_dir))
+    other, _, _ = worker(PARAMS)(batch_of(tokenizer, ["Hi?"], tools_dir, step=2))
     assert torch.equal(first["responses"], again["responses"])
     assert not torch.equal(first["responses"], other["responses"])
 
@@ -115,10 +119,20 @@ def context(base_dir, model_path="tiny"):
     return CheckContext("rollout", 8, 2, 4, 1, str(base_dir), model_path)
 
 
+QWEN_TEMPLATE = Path(__file__).parents[1] / "data" / "qwen2_5_tools.jinja"
+
+
 def test_check_accepts_a_good_node(tools_dir):
-    assert agent.check(PARAMS, context(tools_dir)) == []
-    tag = attrs.evolve(PARAMS, tools=("calculator",), parser="tag")
+    # the tiny model's template drops tools=: a warning that names both fixes
+    (warning,) = agent.check(PARAMS, context(tools_dir))
+    assert warning.warning and "ignores tools=" in warning.message
+    assert "chat_template" in warning.message and "system_prompt" in warning.message
+    tag = attrs.evolve(
+        PARAMS, tools=("calculator",), parser="tag", chat_template=str(QWEN_TEMPLATE)
+    )
     assert agent.check(tag, context(tools_dir)) == []
+    described = attrs.evolve(PARAMS, system_prompt="Tools: {tools}")
+    assert agent.check(described, context(tools_dir)) == []
 
 
 @pytest.mark.parametrize(
@@ -188,12 +202,12 @@ def test_flowrl_check_runs_the_template_check_without_loading_weights(tools_dir,
         flowrl.compile(graph)
     from flowrl.agent import checks
 
-    monkeypatch.setitem(checks._TEMPLATE, ("tiny", "tool"), ["a template that rewrites"])
+    monkeypatch.setattr(checks, "_template", lambda *a: ["a template that rewrites"])
     text = graph.read_text().replace("max_assistant_turns = 0\n", "max_turn_tokens = 900\n")
     graph.write_text(text)
     with pytest.raises(GraphErrors, match="chat template: a template that rewrites"):
         flowrl.compile(graph)
-    monkeypatch.setitem(checks._TEMPLATE, ("tiny", "tool"), [])
+    monkeypatch.setattr(checks, "_template", lambda *a: [])
     plan = flowrl.compile(graph)
     assert plan.spec.nodes["rollout"].params.tools == ("my_tools.py:echo",)
     assert any("max_turn_tokens = 900 exceeds" in w for w in plan.warnings)
@@ -296,3 +310,37 @@ def test_params_state_their_rules(change, says):
     with pytest.raises(ValueError) as info:
         attrs.evolve(PARAMS, **change)
     assert says in str(info.value)
+
+
+def test_failed_requests_reach_samples_and_the_log_with_their_rows(tmp_path):
+    import io
+    import json
+
+    from flowrl.runtime import step_log
+
+    infos = [
+        {"termination": "stop", "error": None, "messages": [], "trained_spans": [["a", 1]]},
+        {"termination": "error", "error": "TypeError: bad", "messages": [], "trained_spans": []},
+        {
+            "termination": "stop",
+            "error": None,
+            "release_errors": ["t: release: OSError: gone"],
+            "messages": [],
+            "trained_spans": [],
+        },
+    ]
+    batch = DataProto.from_dict(
+        {"uid": torch.tensor([7, 8, 9]), "response_mask": torch.tensor([[1], [0], [1]])},
+        {"rollout_info": infos, "prompt_text": ["p0", "p1", "p2"]},
+    )
+    assert step_log.failed_requests(batch) == [1, 2]
+    lines = step_log.failure_lines(batch, [1, 2])
+    assert lines[0] == "  request 1 (row uid 8, error): TypeError: bad | 'p1'"
+    assert "OSError: gone" in lines[1]
+    out = io.StringIO()
+    step_log.log_samples(out, 3, batch, count=1)  # one logged row, plus both failures
+    rows = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [r.get("error") for r in rows] == [None, "TypeError: bad", "t: release: OSError: gone"]
+    assert not step_log.trained_nothing(batch)
+    batch["response_mask"] = torch.zeros(3, 1, dtype=torch.long)
+    assert step_log.trained_nothing(batch)

@@ -150,13 +150,15 @@ def run(coroutine):
 
 def test_answer_check_scores_like_verls_gsm8k_tool():
     box = Toolbox(["answer_check"])
-    session = box.open({"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}})
+    session = box.open(
+        {"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}}
+    )
 
     async def go():
         await session.start()
         wrong = await session.call(ToolCall("calc_gsm8k_reward", {"answer": "70"}), 1.0)
         right = await session.call(ToolCall("calc_gsm8k_reward", {"answer": "72"}), 1.0)
-        return wrong, right, await session.close()
+        return wrong, right, (await session.close())[0]
 
     wrong, right, rewards = run(go())
     assert wrong.text == "Current parsed answer='70' reward=0.0" and wrong.reward == -0.05
@@ -212,7 +214,7 @@ def test_a_verl_shaped_tool_runs_through_the_adapter(tmp_path):
     assert tool.names == ["guess"] and tool.tool.name == "guess"
     box = Toolbox([])
     box.tools, box.names = [tool], ["guess"]
-    session = box.open({"guess": {"create_kwargs": {"secret": 7}}})
+    session = box.open({"tools_kwargs": {"guess": {"create_kwargs": {"secret": 7}}}})
     VerlShaped.released.clear()
 
     async def go():
@@ -220,7 +222,7 @@ def test_a_verl_shaped_tool_runs_through_the_adapter(tmp_path):
         miss = await session.call(ToolCall("guess", {"number": 3}), 1.0)
         bad = await session.call(ToolCall("guess", {"numbr": 7}), 1.0)
         hit = await session.call(ToolCall("guess", {"number": 7}), 1.0)
-        return miss, bad, hit, await session.close()
+        return miss, bad, hit, (await session.close())[0]
 
     miss, bad, hit, rewards = run(go())
     assert (miss.text, miss.reward, hit.text, hit.reward) == ("no", 0.0, "yes", 1.0)

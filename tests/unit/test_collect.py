@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from flowrl.protocol import DataProto
-from flowrl.runtime.executor import widest
+from flowrl.runtime.executor import LEFT_PADDED
 
 
 def test_ranks_that_generated_different_lengths_are_right_padded_to_the_widest():
@@ -25,7 +25,7 @@ def test_ranks_that_generated_different_lengths_are_right_padded_to_the_widest()
         },
         non_tensor={"response_text": np.array([""], dtype=object)},
     )
-    rows = DataProto.concat(widest([rank0, rank1]))
+    rows = DataProto.concat_padded([rank0, rank1], LEFT_PADDED)
     assert torch.equal(rows["responses"], torch.tensor([[5, 6, 2], [7, 2, 0], [2, 0, 0]]))
     assert torch.equal(rows["response_mask"], torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]]))
     assert torch.equal(rows["scores"], torch.tensor([1.0, 0.0, 0.5]))

@@ -6,24 +6,24 @@ import pytest
 
 from flowrl.cli import load_plan
 from flowrl.errors import GraphErrors
-from flowrl.runtime.pool_worker import pool_setups
+from flowrl.runtime.setup import pool_setups
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
 
 
 def test_the_policy_update_waits_and_its_schedule_counts_only_its_own_steps():
-    _, _, plan = load_plan(str(GRAPHS / "ppo.toml"), ["run.critic_warmup=3", "run.steps=10"])
-    assert plan.held == ("update_policy",)
+    plan = load_plan(str(GRAPHS / "ppo.toml"), ["run.critic_warmup=3", "run.steps=10"])
+    assert plan.after_warmup == ("update_policy",)
     assert "critic warm-up: update_policy skip steps 1-3" in plan.text()
-    total = pool_setups(plan)["main"].total_steps
+    total = pool_setups(plan)["main"].optimizer_steps
     per_step = plan.pools["main"].updates_per_step
-    assert total["policy"] == per_step["policy"] * 7  # 10 steps, 3 of them held
+    assert total["policy"] == per_step["policy"] * 7  # 10 steps, 3 of them the warm-up
     assert total["critic"] == per_step["critic"] * 10
 
 
 def test_no_warmup_holds_nothing():
-    _, _, plan = load_plan(str(GRAPHS / "ppo.toml"), ["run.critic_warmup=0"])
-    assert plan.held == () and "critic warm-up" not in plan.text()
+    plan = load_plan(str(GRAPHS / "ppo.toml"), ["run.critic_warmup=0"])
+    assert plan.after_warmup == () and "critic warm-up" not in plan.text()
 
 
 @pytest.mark.parametrize(

@@ -285,9 +285,10 @@ def example_toml(first_line: str) -> str:
     "keep", [torch.tensor([1, 0, 1]), torch.tensor([True, False]), [True, False, True]]
 )
 def test_a_keep_that_is_not_a_bool_mask_over_the_rows_stops_the_call(tmp_path, keep):
-    from flowrl.runtime.node_call import NodeFailure, call_node
+    from flowrl.runtime.node_call import NodeCall, NodeFailure, call_node
 
     spec = write_node(tmp_path, "# my_nodes/top_k.py", "top_k.py")
     rows = DataProto.from_dict({"scores": torch.zeros(3), "uid": torch.tensor([0, 0, 1])})
+    call = NodeCall("best", spec, {}, spec.params(), "on the controller")
     with pytest.raises(NodeFailure, match=r"keep must be a torch.bool tensor of shape \(3,\)"):
-        call_node("best", spec, {}, rows, lambda batch: {"keep": keep}, "on the controller")
+        call_node(call, rows, lambda batch: {"keep": keep})

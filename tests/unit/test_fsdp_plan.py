@@ -14,7 +14,7 @@ GB = 1024**3
 
 
 def plan_of(graph: str, **overrides):
-    return load_plan(str(GRAPHS / graph), [f"{k}={v}" for k, v in overrides.items()])[2]
+    return load_plan(str(GRAPHS / graph), [f"{k}={v}" for k, v in overrides.items()])
 
 
 def test_seven_billion_on_eight_ranks_holds_an_eighth_of_each_part():

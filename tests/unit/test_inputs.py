@@ -15,7 +15,7 @@ from flowrl.front import dsl
 from flowrl.nodespec import NodeSpec
 from flowrl.protocol import DataProto
 from flowrl.runtime import inputs, replay
-from flowrl.runtime.node_call import NodeFailure, call_node
+from flowrl.runtime.node_call import NodeCall, NodeFailure, call_node
 
 TOY = Path(__file__).parent / "toy"
 GOOD = (TOY / "good.toml.template").read_text()  # a graph of the toy nodes; {toy} is TOY
@@ -43,7 +43,9 @@ def batch_of(*scores):
 
 def call(batch, run, record, node="shaping", rank=0):
     saver = record.saver(node, "shaping.py", Params(), rank, 2)
-    return call_node(node, SPEC, RENAME, batch, run, "here", {"rank": rank}, saver)
+    return call_node(
+        NodeCall(node, SPEC, RENAME, Params(), "here"), batch, run, {"rank": rank}, saver
+    )
 
 
 def broken(view):
@@ -125,7 +127,9 @@ def test_stateful_controller_node_state_is_kept(tmp_path):
     record = inputs.Recording(str(tmp_path), 1, 0)
     saver = record.saver("shaping", "s.py", Params(), state={"seen": 5})
     with pytest.raises(NodeFailure):
-        call_node("shaping", SPEC, RENAME, batch_of(1.0), broken, "", None, saver)
+        call_node(
+            NodeCall("shaping", SPEC, RENAME, Params(), ""), batch_of(1.0), broken, None, saver
+        )
     saved = tmp_path / "failures" / "step_1_shaping_rank0" / "state.pt"
     assert torch.load(saved, weights_only=False) == {"seen": 5}
 
@@ -183,9 +187,9 @@ def test_replay_of_a_stateful_controller_node_restores_its_state_and_params(tmp_
     state = {"calls": 3}  # the node's state when step 5 ran: 3 calls before
     saver = record.saver("advantage", "counting_adv.py", params, state=state)
     with pytest.raises(NodeFailure):  # the call fails: its batch, params and state are kept
-        call_node("advantage", counting.spec, {}, batch, broken, "", None, saver)
+        call_node(NodeCall("advantage", counting.spec, {}, params, ""), batch, broken, None, saver)
     call = replay.load(run_dir, 5, "advantage")
     assert call.params.scale == 3.0 and "node state: as saved with the call" in call.notes
-    writes, _ = call.run()
+    writes = call.run().writes
     # 4th call, scale 3: [1, 2] * 4 * 3
     torch.testing.assert_close(writes["advantages"], torch.tensor([12.0, 24.0]))

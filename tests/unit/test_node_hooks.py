@@ -12,8 +12,8 @@ import torch
 from flowrl import testing
 from flowrl.nodespec import NodeSpec, RolloutParams
 from flowrl.protocol import DataProto
-from flowrl.runtime.node_call import NodeFailure, call_node
-from flowrl.runtime.pool_worker import pool_setups
+from flowrl.runtime.node_call import NodeCall, NodeFailure, call_node
+from flowrl.runtime.setup import pool_setups
 
 TOY = Path(__file__).parent / "toy"
 GOOD = (TOY / "good.toml.template").read_text()  # a graph of the toy nodes; {toy} is TOY
@@ -42,8 +42,8 @@ def test_user_node_gets_the_built_in_schedule_arithmetic(tmp_path):
     assert custom.pools["main"].updates_per_step == {"policy": 6}
     assert builtin_like.pools["main"].updates_per_step == {"policy": 6}
     # the learning-rate schedule spans every optimizer step of the run's 3 training steps
-    assert pool_setups(custom)["main"].total_steps == {"policy": 18}
-    assert pool_setups(builtin_like)["main"].total_steps == {"policy": 18}
+    assert pool_setups(custom)["main"].optimizer_steps == {"policy": 18}
+    assert pool_setups(builtin_like)["main"].optimizer_steps == {"policy": 18}
 
 
 def test_optional_reads_follow_the_params(tmp_path):
@@ -83,13 +83,15 @@ FORGETFUL = NodeSpec(("scores",), ("advantages", "bonus"), NoParams, fn=forgetfu
 def test_node_call_names_a_node_that_forgets_a_declared_output():
     batch = DataProto.from_dict({"scores": torch.ones(3)})
     with pytest.raises(NodeFailure, match=r"node shaping returned keys \['advantages'\].*bonus"):
-        call_node("shaping", FORGETFUL, {}, batch, lambda b: forgetful(b, None), "here")
+        call = NodeCall("shaping", FORGETFUL, {}, NoParams(), "here")
+        call_node(call, batch, lambda b: forgetful(b, None))
 
 
 def test_node_call_renames_in_and_out():
     batch = DataProto.from_dict({"my_scores": torch.tensor([1.0, 2.0])})
     spec = NodeSpec(("scores",), ("advantages",), NoParams, fn=forgetful)
     rename = {"scores": "my_scores", "advantages": "adv"}
-    out, _ = call_node("a", spec, rename, batch, lambda b: forgetful(b, 0), "")
+    out = call_node(NodeCall("a", spec, rename, NoParams(), ""), batch, lambda b: forgetful(b, 0))
+    out = out.writes
     assert out.keys() == ["adv"]
     torch.testing.assert_close(out["adv"], torch.tensor([1.0, 2.0]))

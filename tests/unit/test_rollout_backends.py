@@ -15,7 +15,8 @@ from flowrl.engines.rollout import RolloutBackend, rollout_class
 from flowrl.engines.wave_rollout import WaveRollout
 from flowrl.errors import GraphErrors
 from flowrl.front import dsl, schema
-from flowrl.runtime.pool_worker import PoolSetup, PoolWorker
+from flowrl.runtime.pool_worker import PoolWorker
+from flowrl.runtime.setup import PoolSetup
 from flowrl.testing import tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

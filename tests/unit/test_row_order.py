@@ -10,9 +10,10 @@ import torch
 
 from flowrl import testing
 from flowrl.protocol import DataProto
-from flowrl.runtime.executor import Executor
+from flowrl.runtime.executor import LEFT_PADDED, Executor
 from flowrl.runtime.local_executor import LocalExecutor
-from flowrl.runtime.refill import concat_padded, first_groups, refilled_step
+from flowrl.runtime.node_call import CallResult, Timed
+from flowrl.runtime.refill import first_groups, refilled_step
 
 TOY = Path(__file__).parent / "toy"
 GOOD = (TOY / "good.toml.template").read_text()  # a graph of the toy nodes; {toy} is TOY
@@ -144,13 +145,13 @@ class Recording(Executor):
         args = per_rank_args[0]
         if method == "transition":
             self.log.append((args[0], args[1], args[2]))
-            return [(None, (0.0, 0.0))]
+            return [Timed(None, 0.0, 0.0)]
         node, chunk = args[0], args[1]
         self.log.append(("call", node))
         decl = self.spec.nodes[node]
         rows = len(chunk) * (decl.params.n if decl.spec.rows == "repeat" else 1)
         writes = {k: torch.ones(rows, 3, dtype=torch.long) for k in decl.writes}
-        return [(DataProto.from_dict(writes), {}, (0.0, 0.0))]
+        return [CallResult(DataProto.from_dict(writes), {}, 0.0, 0.0)]
 
     def finished(self, handles):
         return handles
@@ -225,7 +226,8 @@ def test_refilled_step_samples_until_enough_groups_then_trims(tmp_path):
         batch.meta["round"] = round_
         return batch
 
-    out, metrics, slices = refilled_step(executor, plan.refill, prompts([0, 1]), more)
+    result = refilled_step(executor, plan.refill, prompts([0, 1]), more)
+    out, metrics, slices = result.batch, result.metrics, result.slices
     # round 0 keeps uid 1, round 1 uid 5, round 2 uid 7: 3 groups, no fourth batch asked
     assert asked == [1, 2]
     assert metrics["refill/rounds"] == 3 and metrics["refill/groups"] == 3
@@ -242,14 +244,15 @@ def test_refilled_step_samples_until_enough_groups_then_trims(tmp_path):
 
 def test_refill_stops_at_max_rounds_and_skips_the_rest_when_nothing_is_kept(tmp_path):
     plan = compile_text(tmp_path, REFILL, ["nodes.filter.max_rounds=2"])
-    out, metrics, slices = refilled_step(
+    result = refilled_step(
         LocalExecutor(plan), plan.refill, prompts([0, 2]), lambda r: prompts([4, 6])
     )
+    out, metrics, slices = result.batch, result.metrics, result.slices
     assert metrics["refill/rounds"] == 2 and len(out) == 0
     assert "advantage" not in [s.name for s in slices]  # no update on an empty batch
 
 
-def test_first_groups_and_concat_padded():
+def test_first_groups_and_padded_concat():
     batch = DataProto.from_dict({"uid": torch.tensor([3, 3, 1, 1, 2, 2])})
     assert first_groups(batch, 2)["uid"].tolist() == [3, 3, 1, 1]
     a = DataProto.from_dict(
@@ -258,6 +261,6 @@ def test_first_groups_and_concat_padded():
     b = DataProto.from_dict(
         {"prompts": torch.tensor([[9, 9, 9]]), "responses": torch.tensor([[4]])}
     )
-    both = concat_padded([a, b])
+    both = DataProto.concat_padded([a, b], LEFT_PADDED)
     assert both["prompts"].tolist() == [[0, 7, 8], [9, 9, 9]]  # left-padded
     assert both["responses"].tolist() == [[1, 2, 3], [4, 0, 0]]  # right-padded

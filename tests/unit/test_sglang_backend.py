@@ -263,7 +263,7 @@ def sglang_trainer(tmp_path, monkeypatch):
             "nodes.generate.max_new_tokens=6",
             f'run.out_dir="{tmp_path}"',
         ]
-        _, _, plan = load_plan(str(ROOT / "graphs" / graph), overrides)
+        plan = load_plan(str(ROOT / "graphs" / graph), overrides)
         trainers.append(controller.Trainer(plan, tmp_path / "run", "local"))
         return trainers[-1], engines
 
@@ -369,7 +369,7 @@ def test_run_stops_before_loading_a_model_when_the_package_is_missing(monkeypatc
     from flowrl.runtime.guards import MissingPackage, check_packages
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    _, _, plan = load_plan(str(ROOT / "graphs/grpo_sglang.toml"))
+    plan = load_plan(str(ROOT / "graphs/grpo_sglang.toml"))
     _needs(monkeypatch, "no_such_package_here")
     with pytest.raises(MissingPackage) as info:
         check_packages(plan)
@@ -565,7 +565,7 @@ overrides += ['models.policy.rollout="sglang"', 'pools.main.device="cuda"',
               "data.batch_size=2", "data.train_size=8", "nodes.generate.n=2",
               "nodes.generate.max_new_tokens=4", "run.steps=2", "run.save_every=1",
               f'run.out_dir="{run}"']
-_, _, plan = load_plan(sys.argv[3], overrides)
+plan = load_plan(sys.argv[3], overrides)
 trainer = controller.Trainer(plan, run / "run", "local")
 try:
     trainer.fit()

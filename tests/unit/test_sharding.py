@@ -111,6 +111,6 @@ def test_activation_checkpointing_recomputes_layers_for_the_same_gradients():
 def test_local_executor_refuses_fsdp_over_several_ranks():
     graph = str(Path(__file__).resolve().parents[2] / "graphs" / "grpo.toml")
     overrides = ['models.policy.path="tiny"', 'models.ref.path="tiny"', "pools.main.workers=2"]
-    _, _, plan = load_plan(graph, [*overrides, 'pools.main.strategy="fsdp"'])
+    plan = load_plan(graph, [*overrides, 'pools.main.strategy="fsdp"'])
     with pytest.raises(NodeFailure, match="--backend ray"):
         LocalExecutor(plan)

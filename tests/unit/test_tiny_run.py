@@ -134,7 +134,7 @@ def test_an_agent_graph_scripts_a_first_turn_calling_each_tool(tmp_path):
     )
     assert "nodes.generate.script_first_turn=true" in out
     assert f"nodes.generate.max_turn_tokens={len(turn) + 1}" in out
-    assert "nodes.generate.max_calls_per_turn=2" in out
+    assert "nodes.generate.max_parallel_calls=2" in out
 
 
 UNIT_TOOL = '''

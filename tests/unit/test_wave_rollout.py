@@ -63,7 +63,7 @@ def rollout(model, n=2, seed=0, do_sample=True, reserve=64, max_turn_tokens=6, f
     )
     pool = concurrent.futures.ThreadPoolExecutor(2)
     episodes = [
-        Episode(ids, chat, user_parser(calls_unless_done), box.open({}, pool), limits)
+        Episode(ids, chat, user_parser(calls_unless_done), box.open({}), limits)
         for ids in prompt_ids
         for _ in range(n)
     ]
