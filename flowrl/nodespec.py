@@ -83,8 +83,8 @@ class CheckContext:
     workers: int  # ranks of the pool it runs on (1 for a controller node)
     base_dir: str  # the graph file's folder: relative paths in params resolve against it
     model_path: str = ""  # the path of the node's model ("" for a controller node)
-    policy_path: str = ""  # the rollout model's path: its tokenizer writes the batch's ids
     data_sources: tuple = ()  # data.source and data.val_source (built-in names or files)
+    policy_path: str = ""  # the rollout model's path: its tokenizer writes the batch's ids
 
 
 @attrs.frozen

@@ -94,16 +94,9 @@ def batch_plan(graph: Graph, refill, errors: Collector) -> tuple[BatchPlan, list
         model_path = spec.models[decl.model].path if decl.model in spec.models else ""
         sources = tuple(s for s in (spec.data.source, spec.data.val_source) if s)
         context = CheckContext(
-            node,
-            rows[node],
-            samples[node],
-            prompts,
-            workers,
-            str(spec.base_dir),
-            model_path,
-            policy,
+            node, rows[node], samples[node], prompts, workers, str(spec.base_dir), model_path
         )
-        context = attrs.evolve(context, data_sources=sources)
+        context = attrs.evolve(context, data_sources=sources, policy_path=policy)
         for finding in decl.spec.findings(decl.params, context):
             if finding.warning:
                 warnings.append(finding.message)
