@@ -140,6 +140,10 @@ def _json_lines(path: Path) -> list[tuple[str, dict]]:
 def _check(row: dict, path: Path, where: str) -> dict:
     """A row in verl's format, normalised; DataError naming file, row and column otherwise."""
     at = f"{path}, {where}"
+    if "chosen" in row or "rejected" in row:  # a preference pair (TRL, verl reward-model data)
+        from flowrl.data.preferences import preference_row
+
+        row = preference_row(row, at)
     prompt = row.get("prompt")
     if "prompt" not in row:
         raise DataError(f'{at}: no "prompt" column (a list of {{"role", "content"}} messages)')

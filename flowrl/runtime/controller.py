@@ -96,6 +96,8 @@ class Trainer:
         policy = _rollout_model(spec)
         self.tokenizer = load_tokenizer(spec.models[policy].path)  # also fills the model cache
         guards.check_models(spec, policy, self.tokenizer)
+        # a reward model with its own tokenizer compares vocabularies with it (reward.model)
+        self.batch_meta = {"seed": spec.run.seed, "policy_tokenizer": spec.models[policy].path}
         render = agent_prompt(spec, self.tokenizer)  # an agent node's prompts show its tools
         self.train_set, self.val_batch, _ = prompt_sets(spec, self.tokenizer, render)
         self.loader = PromptLoader(
@@ -269,7 +271,7 @@ class Trainer:
     def _prompts(self, step: int, round_: int = 0):
         """The next prompt batch, with the meta that seeds its sampling."""
         batch = next(self.loader)
-        batch.meta.update(step=step, seed=self.spec.run.seed)
+        batch.meta.update(self.batch_meta, step=step)
         if round_:
             batch.meta["round"] = round_
         return batch
@@ -288,7 +290,7 @@ class Trainer:
             return {}
         greedy = dict.fromkeys(validation.greedy, GREEDY)
         batch = self.val_batch.index(slice(0, len(self.val_batch)))
-        batch.meta.update(step=0, seed=self.spec.run.seed)
+        batch.meta.update(self.batch_meta, step=0)
         record = self._record(step, step, validation=True)
         walked = self.executor.run_step(
             batch, only=set(validation.nodes), param_changes=greedy, record=record

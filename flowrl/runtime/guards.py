@@ -101,8 +101,11 @@ def check_models(spec, policy: str, tokenizer) -> None:
             file=sys.stderr,
         )
     for name, other in spec.models.items():
+        users = [d for d in spec.nodes.values() if d.model == name]
         if name == policy or other.path == config.path:
             continue
+        if users and all(hasattr(d.params, "tokenizer") for d in users):
+            continue  # its nodes write the text again with its own tokenizer (reward.model)
         differences = tokenizer_differences(tokenizer, load_tokenizer(other.path))
         if differences:
             raise ModelMismatch(
