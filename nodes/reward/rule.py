@@ -70,7 +70,8 @@ def _in_process(rows, params, base_dir: str):
             results.append(score_value(function(*row), f"scorer {params.scorer}"))
         except BadValue as e:
             if not errors:
-                print(failure_message(params.scorer, rows, index, "bad value", str(e)), file=sys.stderr)
+                message = failure_message(params.scorer, rows, index, "bad value", str(e))
+                print(message, file=sys.stderr)
             results.append(None)
             errors += 1
     return results, {"errors": errors, "timeouts": 0}

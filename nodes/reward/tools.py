@@ -4,7 +4,8 @@ reads: rule_scores, rollout_info -> writes: scores
 score = rule_score + coef * sum(step rewards the tools returned) + final_coef * sum(tools'
 end-of-request rewards) + call_bonus if the request made a call that ran (verl's
 gsm8k_toolcall_shaping adds such a bonus). A reward a tool returned that is no finite number
-(None, text, NaN, infinity) adds nothing and is counted in this node's `errors` metric. Wire it after reward.rule renamed:
+(None, text, NaN, infinity) adds nothing and is counted in this node's `errors` metric.
+Wire it after reward.rule renamed:
 
     [nodes.reward]
     uses = "reward.rule"
