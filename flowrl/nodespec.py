@@ -84,6 +84,7 @@ class CheckContext:
     base_dir: str  # the graph file's folder: relative paths in params resolve against it
     model_path: str = ""  # the path of the node's model ("" for a controller node)
     data_sources: tuple = ()  # data.source and data.val_source (built-in names or files)
+    policy_path: str = ""  # the rollout model's path: its tokenizer writes the batch's ids
 
 
 @attrs.frozen

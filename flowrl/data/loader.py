@@ -7,18 +7,21 @@ import torch
 
 from flowrl.data.arithmetic import arithmetic_rows
 from flowrl.data.calculator import calculator_rows
+from flowrl.data.preferences import arithmetic_preference_rows
 from flowrl.data.verl_format import DataError, load_rows
 from flowrl.front.schema import DATASET_KEYS
 from flowrl.protocol import DataProto
 
 
 def make_rows(source: str, split: str, size: int, seed: int, base_dir=".") -> list[dict]:
-    """ "arithmetic" or "calculator" -> a built-in task; else a data file relative to
-    base_dir."""
+    """ "arithmetic", "calculator" or "arithmetic_preferences" -> a built-in task; else a data
+    file relative to base_dir."""
     if source == "arithmetic":
         return arithmetic_rows(split, size, seed)
     if source == "calculator":
         return calculator_rows(split, size, seed)
+    if source == "arithmetic_preferences":  # pairs for a reward model (data/preferences.py)
+        return arithmetic_preference_rows(split, size, seed)
     if source == "calculator_tools":  # the tool shown by its schema only
         return calculator_rows(split, size, seed, schema_only=True)
     path = Path(source) if Path(source).is_absolute() else Path(base_dir) / source

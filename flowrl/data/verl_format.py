@@ -58,6 +58,10 @@ def _json_lines(path: Path) -> list[dict]:
 
 def _check(row: dict, path: Path, index: int) -> dict:
     where = f"{path}, row {index}"
+    if "chosen" in row or "rejected" in row:  # a preference pair (TRL, verl reward-model data)
+        from flowrl.data.preferences import preference_row
+
+        row = preference_row(row, where)
     prompt = row.get("prompt")
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]

@@ -38,10 +38,27 @@ class ResponseForward(nn.Module):
         entropy: bool = False,
         temperature: float = 1.0,
         share_prompts: bool = False,
+        read_at=None,
     ) -> dict:
         """prompts, prompt_mask (b, p) left-padded; responses, attention (b, t) right-padded ->
         {"logprobs" (b, t)[, "entropy" (b, t)]} for an LM, {"values" (b, t)} for a value model
-        (not masked: the engine zeroes the padding)."""
+        (not masked: the engine zeroes the padding).
+
+        With `read_at` (b,) positions in the joined prompt + response sequence, a value model
+        returns {"scores" (b,)}: its head at the hidden state *of* that token, as a sequence
+        classifier reads a reward (flowrl/engines/sequence_scores.py), not of the token before.
+        """
+        if read_at is not None:
+            ids = torch.cat([prompts, responses], dim=1)  # (b, s)
+            mask = torch.cat([prompt_mask, attention], dim=1)
+            hidden = self.model.base_model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                use_cache=False,
+            ).last_hidden_state  # (b, s, h)
+            picked = hidden[torch.arange(len(ids), device=ids.device), read_at]  # (b, h)
+            return {"scores": self.model.value_head(picked).squeeze(-1).float()}
         hidden = self.hidden(prompts, prompt_mask, responses, attention, share_prompts)
         if self.is_value:
             values = self.model.value_head(hidden).squeeze(-1).float()  # (b, t), a view

@@ -79,6 +79,8 @@ def batch_plan(graph: Graph, refill, errors: Collector) -> tuple[BatchPlan, list
     spec, warnings = graph.spec, []
     prompts = spec.data.batch_size
     rows, samples = node_rows(graph, refill, prompts)
+    rollout = [d.model for d in spec.nodes.values() if d.mode == "rollout"] + list(spec.models)
+    policy = spec.models[rollout[0]].path if rollout and rollout[0] in spec.models else ""
     for node, decl in spec.nodes.items():
         where = f"[nodes.{node}]"
         if decl.spec.groups and samples[node] < 2:
@@ -94,7 +96,7 @@ def batch_plan(graph: Graph, refill, errors: Collector) -> tuple[BatchPlan, list
         context = CheckContext(
             node, rows[node], samples[node], prompts, workers, str(spec.base_dir), model_path
         )
-        context = attrs.evolve(context, data_sources=sources)
+        context = attrs.evolve(context, data_sources=sources, policy_path=policy)
         for finding in decl.spec.findings(decl.params, context):
             if finding.warning:
                 warnings.append(finding.message)

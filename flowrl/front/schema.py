@@ -47,6 +47,7 @@ LOGGER_PACKAGES = {"jsonl": "", "tensorboard": "tensorboard", "wandb": "wandb"}
 BUILTIN_SOURCES = (
     "arithmetic",
     "calculator",
+    "arithmetic_preferences",
     "calculator_tools",
 )  # data.source names that are not files (flowrl/data/)
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")  # data files the loader reads

@@ -2,14 +2,12 @@
 local Hugging Face cache (flowrl/models/hub.py), or "tiny" (a small random model built
 in-process, for tests). Nothing is downloaded."""
 
-import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from flowrl.models import embedded, hub
-from flowrl.models.value_head import ValueModel
+from flowrl.models import embedded, hub, value_checkpoints
 from flowrl.nodespec import HEADS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,8 +46,9 @@ def load_model(path: str, *, head: str = "lm", dtype: str = "float32", seed: int
         path: "smollm2-135m-instruct" (embedded), a local HF directory, a hub id already in
             the local HF cache, or "tiny".
         head: "lm" gives the causal LM; "value" a ValueModel: the backbone with a scalar head,
-            new and zero-initialised, or the `score` layer of a sequence classifier (a reward
-            model saved with transformers' *ForSequenceClassification, num_labels = 1).
+            the `score` layer of a *ForSequenceClassification directory, a value head saved
+            beside a causal LM (TRL, OpenRLHF, flowrl), or a new one, zero-initialised
+            (flowrl/models/value_checkpoints.py).
         dtype: "float32", "bfloat16" or "float16".
         seed: seeds whatever is initialised at random (the tiny model), without touching the
             global random state.
@@ -73,21 +72,9 @@ def load_model(path: str, *, head: str = "lm", dtype: str = "float32", seed: int
 
 
 def _load_module(path: str, head: str, dtype: torch.dtype):
-    if head == "value" and _is_classifier(path):
-        classifier = _pretrained(AutoModelForSequenceClassification, path, dtype=dtype)
-        if classifier.config.num_labels != 1:
-            raise ValueError(f"{path}: a reward model needs num_labels = 1")
-        return ValueModel(classifier, head=classifier.score)
-    module = _pretrained(AutoModelForCausalLM, path, dtype=dtype)
-    return ValueModel(module) if head == "value" else module
-
-
-def _is_classifier(path: str) -> bool:
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return False
-    architectures = json.loads(config.read_text()).get("architectures") or []
-    return any(a.endswith("ForSequenceClassification") for a in architectures)
+    if head == "value":  # every reward-model and critic format: flowrl/models/value_checkpoints.py
+        return value_checkpoints.load_value_model(path, dtype, _pretrained)
+    return _pretrained(AutoModelForCausalLM, path, dtype=dtype)
 
 
 def _pretrained(cls, path: str, **kwargs):

@@ -44,8 +44,11 @@ def tiny_model(
     head: str = "lm", seed: int = 0, vocab: int | None = None, layers: int = 2, hidden: int = 32
 ):
     """A random Llama (2 layers, hidden 32, 2 heads sharing 1 KV head, tied embeddings) over
-    `vocab` tokens (default: tiny_tokenizer's); head "value" wraps it in a ValueModel.
-    Seeded without touching the global random state."""
+    `vocab` tokens (default: tiny_tokenizer's); head "value" wraps it in a ValueModel whose
+    head is a fixed random projection (seeded), not zero: a tiny reward model then scores
+    each input differently, so a tiny run of a graph scored by it has a gradient (a real new
+    value head starts at zero: flowrl/models/value_head.py says why). Seeded without touching
+    the global random state."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -70,4 +73,5 @@ def tiny_model(
             from flowrl.models.value_head import ValueModel
 
             model = ValueModel(model)
+            torch.nn.init.normal_(model.value_head.weight, std=hidden**-0.5)
     return model

@@ -54,6 +54,8 @@ class Trainer:
         rng.seed_everything(spec.run.seed)
         policy = _rollout_model(spec)
         self.tokenizer = load_tokenizer(spec.models[policy].path)  # also fills the model cache
+        # a reward model with its own tokenizer compares vocabularies with it (reward.model)
+        self.batch_meta = {"seed": spec.run.seed, "policy_tokenizer": spec.models[policy].path}
         data = spec.data
         rows, val_rows, note = train_and_validation_rows(
             data, spec.run.val_size, spec.run.seed, spec.base_dir
@@ -199,7 +201,7 @@ class Trainer:
     def _prompts(self, step: int, round_: int = 0):
         """The next prompt batch, with the meta that seeds its sampling."""
         batch = next(self.loader)
-        batch.meta.update(step=step, seed=self.spec.run.seed)
+        batch.meta.update(self.batch_meta, step=step)
         if round_:
             batch.meta["round"] = round_
         return batch
@@ -218,7 +220,7 @@ class Trainer:
             return {}
         greedy = dict.fromkeys(validation.greedy, GREEDY)
         batch = self.val_batch.index(slice(0, len(self.val_batch)))
-        batch.meta.update(step=0, seed=self.spec.run.seed)
+        batch.meta.update(self.batch_meta, step=0)
         record = self._record(step, step, validation=True)
         out = self.executor.run_step(
             batch, only=set(validation.nodes), param_changes=greedy, record=record

@@ -4,7 +4,9 @@ Reads the run's resolved graph (RUN_DIR/graph.toml) for the model's path, head a
 the model as the run did (an alias loads its cached HF config and tokenizer), loads the weights
 of checkpoint step N (a sharded checkpoint, whatever the ranks that wrote it, or a ddp one) in
 this process alone, and writes `save_pretrained` output plus the tokenizer, so that
-`AutoModelForCausalLM.from_pretrained(DIR)` loads it with no flowrl installed.
+`AutoModelForCausalLM.from_pretrained(DIR)` loads it with no flowrl installed; a reward model
+(`head = "value"`) becomes a directory `AutoModelForSequenceClassification.from_pretrained`
+loads (a critic, whose head has a bias, the LM plus `value_head.safetensors`).
 """
 
 import json
@@ -27,8 +29,6 @@ def export(run_dir, out, step: int | None = None, model: str | None = None) -> P
     run_dir, out = Path(run_dir), Path(out)
     raw = toml.loads(_read(run_dir / "graph.toml"))
     name, config = _model(raw, model)
-    if config.head != "lm":
-        raise SystemExit(f"flowrl export: model {name} has a value head; export writes causal LMs")
     directory = _checkpoint(run_dir, step)
     seed = raw.get("run", {}).get("seed", 0)
     path = _model_path(run_dir, config.path)
@@ -49,7 +49,12 @@ def export(run_dir, out, step: int | None = None, model: str | None = None) -> P
     else:
         raise SystemExit(f"flowrl export: {directory} holds no state of pool {pool}")
     out.mkdir(parents=True, exist_ok=True)
-    module.save_pretrained(out)
+    if config.head == "value":  # a reward model or critic: flowrl/models/value_checkpoints.py
+        from flowrl.models.value_checkpoints import save_value_model
+
+        save_value_model(module, out, tokenizer.pad_token_id)
+    else:
+        module.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from flowrl.engines.sequence_scores import read_positions
 from flowrl.math import ops
 from flowrl.math.estimators import (
     discounted_returns,
@@ -15,7 +16,6 @@ from flowrl.math.estimators import (
 from flowrl.nodes.filter.dynamic_sampling import varied_groups
 from flowrl.nodes.reward.kl_penalty import Params as KLParams
 from flowrl.nodes.reward.kl_penalty import kl_token_rewards, next_kl_coef
-from flowrl.nodes.reward.model import last_token_scores
 
 
 def ragged(seed, b=6, t=5):
@@ -163,13 +163,15 @@ def test_kl_penalty_puts_the_score_on_the_last_trained_token():
     torch.testing.assert_close(kl, torch.tensor([2.0]))  # 4 x 0.5
 
 
-def test_last_one_and_reward_model_score_at_the_last_real_token():
+def test_last_one_and_where_a_reward_model_reads():
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0]])
     assert ops.last_one(mask).tolist() == [5, 0, 0]  # an empty row gives 0
     assert ops.last_one(torch.zeros(2, 0)).tolist() == [0, 0]
-    values = torch.arange(21.0).reshape(3, 7)
-    # row 0: value at index 5 = 5; row 1: empty -> 0; row 2: index 0 = 14
-    assert last_token_scores(values, mask).tolist() == [5.0, 0.0, 14.0]
+    ids = torch.tensor([[7, 8, 0, 0, 9, 2, 0], [0] * 7, [2, 0, 0, 0, 0, 0, 0]])
+    # no pad id: the last attended token; pad id 2 (= eos): row 0's trailing 2 is skipped, as
+    # transformers does, and row 2, all pad, reads its last attended token
+    assert read_positions(ids, mask, None).tolist() == [5, 0, 0]
+    assert read_positions(ids, mask, 2).tolist() == [4, 0, 0]
 
 
 def test_adaptive_kl_controller():

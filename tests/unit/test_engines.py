@@ -157,7 +157,9 @@ def test_grad_forward_is_differentiable_and_no_grad_output_usable_in_a_graph():
 
 
 def test_value_forward_at_response_positions_and_zero_start():
-    model = tiny_model(head="value", seed=0)
+    from flowrl.models.value_head import ValueModel
+
+    model = ValueModel(tiny_model(seed=0))  # a new head on a checkpoint starts at zero
     engine = TrainEngine(model, tiny_tokenizer(), lr=1e-3)
     batch = ragged_rows()
     assert torch.equal(engine.forward(batch, grad=False)["values"], torch.zeros(4, 5))
@@ -227,13 +229,18 @@ def test_generate_writes_response_attention_and_model_nodes_read_it():
 
 def test_reward_model_scores_the_last_real_token():
     # row 0's last real token (index 4) is tool output: the reward model reads the whole
-    # conversation, so it scores there, not at the last sampled token (index 3)
-    critic = TrainEngine(tiny_model(head="value", seed=1), tiny_tokenizer(), trainable=False)
-    torch.nn.init.normal_(critic.module.value_head.weight)
-    split, plain = split_rows()
-    out, _ = reward_model.RewardModelWorker(critic, reward_model.Params())(split)
-    values = critic.forward(plain, grad=False)["values"]
-    torch.testing.assert_close(out["scores"], values[torch.arange(3), torch.tensor([4, 3, 2])])
+    # conversation, so it scores there, not at the last sampled token (index 3); the head
+    # reads that token's own hidden state (a critic's value at token k is from token k - 1)
+    model = tiny_model(head="value", seed=1)
+    critic = TrainEngine(model, tiny_tokenizer(), trainable=False)
+    split, _ = split_rows()
+    params = reward_model.Params(tokenizer="policy")
+    out, _ = reward_model.RewardModelWorker(critic, params)(split)
+    for row, last in enumerate([4, 3, 2]):
+        prompt = split["prompts"][row][split["prompt_mask"][row].bool()]
+        ids = torch.cat([prompt, split["responses"][row, : last + 1]])[None]
+        with torch.no_grad():
+            torch.testing.assert_close(out["scores"][row], model(ids)[0, -1])
 
 
 def test_empty_batch_gives_empty_outputs():
@@ -599,7 +606,11 @@ def test_workers_on_rows_and_on_an_empty_batch():
     workers = [
         (logprob.LogprobWorker(lm, logprob.Params()), "logprobs", (3, 5)),
         (values.ValuesWorker(critic, values.Params()), "values", (3, 5)),
-        (reward_model.RewardModelWorker(critic, reward_model.Params()), "scores", (3,)),
+        (
+            reward_model.RewardModelWorker(critic, reward_model.Params(tokenizer="policy")),
+            "scores",
+            (3,),
+        ),
     ]
     for worker, key, shape in workers:
         full, empty_out = worker(batch), worker(empty)
