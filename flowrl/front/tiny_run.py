@@ -3,7 +3,8 @@
 
 Every model's path becomes "tiny" (flowrl/models/tiny.py: a character-level tokenizer and a
 2-layer Llama, built in milliseconds, no download); a step has 2 prompts and responses of at
-most 6 tokens; 2 steps; validation on 4 prompts, at the start and the end; reward nodes score
+most 6 tokens; 2 steps; validation on 4 prompts, at the start and the end; data.max_prompt_len
+four times the graph's (the tiny tokenizer spends a token per character); reward nodes score
 by length (flowrl/rewards/varied.py), so the updates see nonzero advantages; a node's
 mini-batch size shrinks with the prompt batch, so an update keeps its number of optimizer
 steps (at least the rows allow); an agent node's first turn calls each of its tools (so the
@@ -31,6 +32,11 @@ TINY_RUN = {
     "data.train_size": 64,
 }
 MAX_NEW_TOKENS = 6  # on every rollout node (RolloutParams.max_new_tokens)
+# The tiny tokenizer spends one token per character where a real one spends about one per
+# four, so a prompt that fits the graph's data.max_prompt_len in its own model's tokens (a chat
+# template's tool block included) is four times as long on the tiny model: without room for
+# it every row is dropped. The tiny Llama's RoPE has no position table to outgrow.
+CHARS_PER_TOKEN = 4
 
 
 def tiny_overrides(graph, out_dir=None, scorer: str | None = VARIED_SCORER, **extra) -> list[str]:
@@ -48,6 +54,7 @@ def tiny_overrides(graph, out_dir=None, scorer: str | None = VARIED_SCORER, **ex
     out = [f'models.{name}.path="tiny"' for name in spec.models]
     out += [f"models.{name}.lr=0.01" for name, m in spec.models.items() if m.trainable]
     out += [f"{key}={value}" for key, value in TINY_RUN.items()]
+    out.append(f"data.max_prompt_len={CHARS_PER_TOKEN * spec.data.max_prompt_len}")
     minis = tiny_mini_batches(spec)
     for node_id, decl in spec.nodes.items():
         if isinstance(decl.params, RolloutParams):

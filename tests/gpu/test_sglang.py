@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowrl.smoke import chosen_logprobs, forced, prompts  # the smoke command's own helpers
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [
     pytest.mark.gpu,
@@ -36,36 +38,6 @@ def qwen_dir() -> Path:
     from colocation import model_dir
 
     return model_dir("qwen2-0.5b")
-
-
-def prompts(tokenizer, count: int):
-    from flowrl.data.arithmetic import arithmetic_rows
-
-    texts = [
-        tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
-        for row in arithmetic_rows("validation", count)
-    ]
-    tokenizer.padding_side = "left"
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    return batch["input_ids"], batch["attention_mask"]
-
-
-def forced(module, ids, mask, out) -> torch.Tensor:
-    """(b, t, v) float32 logits `module` gives at each response position of `out`, the
-    prompts (b, p) and responses run through it together (teacher forcing)."""
-    sequence = torch.cat([ids, out["responses"]], 1).to("cuda:0")
-    attention = torch.cat([mask, out["response_mask"]], 1).to("cuda:0")
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = module(sequence, attention_mask=attention, position_ids=positions).logits
-    start, t = ids.shape[1] - 1, out["responses"].shape[1]
-    return logits[:, start : start + t].float().cpu()
-
-
-def chosen_logprobs(logits, out) -> torch.Tensor:
-    """(b, t) log-probs of the response tokens under logits (b, t, v), 0 past each response."""
-    picked = logits.log_softmax(-1).gather(-1, out["responses"][..., None]).squeeze(-1)
-    return picked * out["response_mask"]
 
 
 def test_greedy_sglang_picks_flowrls_argmax_at_every_token(qwen_dir):

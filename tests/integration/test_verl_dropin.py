@@ -61,8 +61,11 @@ class HermesPolicy:
 
 
 def test_verls_gsm8k_recipe_runs_as_it_is(tmp_path, monkeypatch):
-    example = tmp_path / "verl_gsm8k"
+    example = tmp_path / "examples" / "verl_gsm8k"  # its chat_template: ../../graphs/...
     shutil.copytree(EXAMPLE, example, ignore=shutil.ignore_patterns("*.parquet"))
+    shutil.copytree(
+        EXAMPLE.parents[1] / "graphs" / "chat_templates", tmp_path / "graphs" / "chat_templates"
+    )
     monkeypatch.syspath_prepend(str(example))
     import build_data
 
@@ -73,12 +76,10 @@ def test_verls_gsm8k_recipe_runs_as_it_is(tmp_path, monkeypatch):
     overrides = [
         f'run.out_dir="{tmp_path / "runs"}"',
         f'nodes.reward.scorer="{tmp_path / "scorer.py"}:compute_score"',
-        'nodes.generate.chat_template=""',  # the tiny model's positions: no tool block
         "nodes.generate.max_new_tokens=400",
         "nodes.generate.max_turn_tokens=0",  # the tiny run's script is replaced by ours
         "nodes.generate.script_first_turn=false",
         "nodes.generate.max_assistant_turns=3",
-        "data.max_prompt_len=1024",
     ]
     graph = str(example / "graph.toml")
     assert main(["run", graph, "--tiny", "--backend", "local", *overrides]) in (0, None)

@@ -43,6 +43,21 @@ def test_the_controller_example_adds_its_bonus(tmp_path):
     torch.testing.assert_close(out["bonus_scores"], torch.tensor([2.0, 0.5]))
 
 
+def recording_engine(model):
+    """(a TrainEngine on a copy of `model`, the gradients of each of its optimizer steps as
+    {parameter name: grad}), so a test can compare them with a loss's formula."""
+    grads = []
+    engine = TrainEngine(copy.deepcopy(model), tiny_tokenizer(), lr=1e-2, micro_tokens=9)
+    step = engine.step
+
+    def record():
+        grads.append({n: p.grad.clone() for n, p in engine.module.named_parameters()})
+        return step()
+
+    engine.step = record
+    return engine, grads
+
+
 def test_the_custom_loss_example_compiles_and_takes_the_formulas_gradient(tmp_path):
     spec = write_node(tmp_path, "# my_nodes/reinforce_update.py", "reinforce_update.py")
     graph = (ROOT / "graphs/grpo.toml").read_text()
@@ -55,15 +70,7 @@ def test_the_custom_loss_example_compiles_and_takes_the_formulas_gradient(tmp_pa
     assert "ref_logprob" not in plan.spec.nodes  # nothing reads the reference any more
 
     model, rows = tiny_model(seed=0), update_rows()
-    grads = []
-    engine = TrainEngine(copy.deepcopy(model), tiny_tokenizer(), lr=1e-2, micro_tokens=9)
-    step = engine.step
-
-    def record():
-        grads.append({n: p.grad.clone() for n, p in engine.module.named_parameters()})
-        return step()
-
-    engine.step = record
+    engine, grads = recording_engine(model)
     _, metrics = spec.worker(engine, spec.params())(rows)
     reference = TrainEngine(copy.deepcopy(model), tiny_tokenizer())
     logprobs = reference.forward(rows, grad=True)["logprobs"]
@@ -189,15 +196,7 @@ def test_the_policy_loss_example_is_one_function_and_one_table_line(tmp_path, mo
     refused = policy.check(attrs.evolve(params, tau_pos=2.0), context(rows))
     assert [f.message.split(" = ")[0] for f in refused] == ["tau_pos"]
 
-    grads = []
-    engine = TrainEngine(copy.deepcopy(model), tiny_tokenizer(), lr=1e-2, micro_tokens=9)
-    step = engine.step
-
-    def record():
-        grads.append({n: p.grad.clone() for n, p in engine.module.named_parameters()})
-        return step()
-
-    engine.step = record
+    engine, grads = recording_engine(model)
     _, metrics = policy.PolicyUpdateWorker(engine, params)(rows)
     reference = TrainEngine(copy.deepcopy(model), tiny_tokenizer())
     logprobs = reference.forward(rows, grad=True)["logprobs"]

@@ -1,6 +1,7 @@
 """`flowrl run --tiny` and flowrl.testing.tiny_overrides: any graph on the tiny random model."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -206,3 +207,30 @@ def test_no_script_for_a_parser_of_ones_own_or_a_tool_that_does_not_load(tmp_pat
         graph = tmp_path / "g.toml"
         graph.write_text(text.replace('parser = "hermes"', f"parser = {parser}"))
         assert not [o for o in tiny_overrides(graph) if "script_first_turn" in o]
+
+
+def test_the_verl_example_keeps_its_prompts_under_tiny(tmp_path, monkeypatch):
+    """examples/verl_gsm8k templates its prompts with Qwen2.5's tool block: 1024 tokens of a
+    real tokenizer, ~1360 characters, which the tiny tokenizer spends as ~1360 tokens. The
+    tiny run leaves room for them: no row is dropped, the tool block is in every prompt."""
+    from flowrl.agent.prompt import agent_prompt
+    from flowrl.data.loader import PromptDataset
+    from flowrl.data.split import train_and_validation_rows
+    from flowrl.models.tiny import tiny_tokenizer
+
+    example = tmp_path / "examples" / "verl_gsm8k"
+    shutil.copytree(ROOT / "examples" / "verl_gsm8k", example)
+    shutil.copytree(ROOT / "graphs" / "chat_templates", tmp_path / "graphs" / "chat_templates")
+    monkeypatch.syspath_prepend(str(example))
+    import build_data
+
+    monkeypatch.setattr("sys.argv", ["build_data.py", "--out", str(example)])
+    build_data.main()
+    graph = example / "graph.toml"
+    spec = compiler.compile_file(graph, tiny_overrides(graph, tmp_path)).spec
+    tokenizer = tiny_tokenizer()
+    rows, _, _ = train_and_validation_rows(spec.data, spec.run.val_size, 0, spec.base_dir)
+    render = agent_prompt(spec, tokenizer)
+    dataset = PromptDataset(rows, tokenizer, spec.data.max_prompt_len, render)
+    assert dataset.filtered == 0 and len(dataset) == len(rows)
+    assert "# Tools" in render(rows[0]) and len(render(rows[0])) > 1024
