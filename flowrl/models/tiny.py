@@ -6,7 +6,9 @@ import string
 from functools import cache
 
 SPECIAL = ["<pad>", "<|im_start|>", "<|im_end|>"]
-CONTEXT = 1024  # max_position_embeddings
+# max_position_embeddings: room for a --tiny run's prompts at one token a character (a tool
+# block's template is thousands of characters); RoPE has no position table to grow
+CONTEXT = 8192
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -64,7 +64,12 @@ def _make_parents(out_dir: Path) -> list[Path]:
     made = []
     try:
         for folder in reversed(missing):
-            folder.mkdir()
+            try:
+                folder.mkdir()
+            except FileExistsError:  # a run started at the same time made it: not ours
+                if not folder.is_dir():
+                    raise
+                continue
             made.insert(0, folder)
     except OSError as e:
         remove(None, made)

@@ -4,12 +4,13 @@ signals. One case per way a class of input can be wrong; each must be refused (o
 counted) with a message naming what and where."""
 
 import bz2
+import concurrent.futures
 import gzip
 import json
-import multiprocessing
 import os
 import signal
 import struct
+import threading
 from pathlib import Path
 
 import pyarrow as pa
@@ -367,14 +368,6 @@ class FrozenClock:
         return datetime.datetime(2025, 1, 2, 3, 4, 5)
 
 
-def _create_after(barrier, out_dir, queue):
-    import flowrl.runtime.run_dir as run_dirs
-
-    run_dirs.datetime = FrozenClock
-    barrier.wait()  # every process calls create at once
-    queue.put(str(run_dirs.create(out_dir, "grpo")[0]))
-
-
 def test_same_second_starts_get_directories_of_their_own(tmp_path, monkeypatch):
     import flowrl.runtime.run_dir as run_dirs
 
@@ -383,19 +376,18 @@ def test_same_second_starts_get_directories_of_their_own(tmp_path, monkeypatch):
     second, _ = run_dirs.create(tmp_path / "runs" / "deep", "grpo")
     assert (first.name, second.name) == ("grpo-20250102-030405", "grpo-20250102-030405-1")
     assert made == [tmp_path / "runs" / "deep", tmp_path / "runs"]
-    # and four processes racing for one name (forked: nothing to import again, so the race
-    # starts at the barrier, however loaded the machine)
-    context = multiprocessing.get_context("fork")
-    barrier, queue = context.Barrier(4), context.Queue()
-    racers = [
-        context.Process(target=_create_after, args=(barrier, tmp_path / "race", queue))
-        for _ in range(4)
-    ]
-    for p in racers:
-        p.start()
-    names = sorted(queue.get(timeout=600) for _ in racers)
-    for p in racers:
-        p.join()
+    # and four starts racing for one name, released together by a barrier. Threads, not
+    # forked processes: a fork of this torch-loaded process can deadlock in the child; the
+    # exclusive mkdir they race on is the same system call either way, and
+    # tests/integration/test_run_dirs.py races two real `flowrl run` processes.
+    barrier = threading.Barrier(4)
+
+    def create_after():
+        barrier.wait()
+        return str(run_dirs.create(tmp_path / "race", "grpo")[0])
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        names = [f.result(timeout=60) for f in [pool.submit(create_after) for _ in range(4)]]
     assert len(set(names)) == 4 and all(os.path.isdir(n) for n in names)
 
 
