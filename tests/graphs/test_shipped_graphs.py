@@ -330,25 +330,20 @@ def test_dispatch_items_hold_the_node_mode_and_the_pool_ranks(path):
         assert item.describe() == f"{item.node}: {shown} [{', '.join(item.keys)}]"
 
 
-def test_check_of_every_graph_is_under_a_second_each_without_torch_or_transformers():
+def test_check_of_every_graph_runs_without_torch_ray_or_transformers():
     """`flowrl check graphs/*.toml` with torch and ray unimportable, multi-turn graphs
     included: tool schemas from type hints and the chat-template check through tokenizers +
-    jinja2, so transformers is never imported. The bound is the promise (a second per graph);
-    on the 2-core machine the whole command took 0.43 s for 13 graphs."""
-    import time
-
+    jinja2, so transformers is never imported. Its speed (a second per graph promised; 0.43 s
+    for 13 graphs on the 2-core machine) is measured by bench/check_speed.py, not here."""
     code = BLOCK.replace(
         "sys.exit(code)",
         "assert 'transformers' not in sys.modules, 'check imported transformers'\nsys.exit(code)",
     )
-    start = time.perf_counter()
     result = subprocess.run(
         [sys.executable, "-c", code, "check", *map(str, GRAPHS)],
         capture_output=True,
         text=True,
         cwd=ROOT,
     )
-    seconds = time.perf_counter() - start
     assert result.returncode == 0, result.stderr
     assert "grpo_tools.toml: ok" in result.stdout
-    assert seconds < len(GRAPHS), f"{seconds:.1f} s for {len(GRAPHS)} graphs"
