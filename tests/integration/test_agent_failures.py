@@ -113,7 +113,8 @@ def test_hung_and_blocking_tools_time_out_and_the_process_exits_after_its_last_s
     assert done.returncode == 0, done.stderr[-2000:]
     # the last step's metrics were written; the process was gone within seconds after
     assert exited - (run_dir / "metrics.jsonl").stat().st_mtime < 15
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "event" not in r]  # event rows (a zero-gradient warning) aside
     assert [s["step"] for s in steps] == [1, 2, 3]
     # 4 requests x 2 calls a turn time out; each tool stops being started at MAX_STUCK hung
     # calls (the rest are answered at once), so the live threads stay bounded across steps

@@ -91,7 +91,7 @@ def test_disaggregated_rollout_resumes_with_the_checkpointed_weights(tiny_plan, 
         first.close()
     resumed = Trainer(plan, tmp_path / "run", "local")
     try:
-        resumed._resume()
+        resumed._resume(None)
         served = parameters(resumed.executor.workers["gen"][0], "policy")
         for key, value in trained.items():
             assert torch.equal(value, served[key]), key

@@ -1,5 +1,6 @@
 """The CLI's error handling and choices: one error base, constants from one place."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -117,14 +118,20 @@ def test_a_tool_file_imports_its_sibling_from_any_working_directory(tmp_path):
     assert result.returncode == 0, result.stderr
 
 
+def without_make_flags() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+
+
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 def test_make_run_uses_the_chosen_pythons_flowrl():
     """`make run PYTHON=venv/bin/python` runs that Python's flowrl, not a `flowrl` on PATH."""
     result = subprocess.run(
-        ["make", "-n", "run", "PYTHON=/opt/venv/bin/python", "GRAPH=graphs/grpo.toml"],
+        ["make", "-n", "--no-print-directory", "run"]
+        + ["PYTHON=/opt/venv/bin/python", "GRAPH=graphs/grpo.toml"],
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env=without_make_flags(),  # under `make test` an outer make's flags would be inherited
     )
     assert result.returncode == 0, result.stderr
     assert (
