@@ -6,6 +6,7 @@ reads, writes: those of update.policy; params: those of update.policy, and `stat
 """
 
 import attrs
+
 from flowrl.nodes.update import policy
 
 
