@@ -314,7 +314,8 @@ def scripted_request(
             `max_user_turns`, `tool_timeout_s`, ...).
     """
     from flowrl.agent.chat import ChatTokens
-    from flowrl.agent.driver import run_sync, run_waves
+    from flowrl.agent.driver import run_requests
+    from flowrl.engines.rollout import run_sync
     from flowrl.agent.episode import Episode, Limits
     from flowrl.agent.interactions import FunctionInteraction
     from flowrl.agent.objects import load_object
@@ -340,7 +341,7 @@ def scripted_request(
         interaction=FunctionInteraction(interaction) if interaction else None,
         interaction_kwargs=interaction_kwargs,
     )
-    run_sync(run_waves([episode], ScriptedTurns({0: script})))
+    run_sync(run_requests([episode], ScriptedTurns({0: script})))
     return episode
 
 
@@ -356,22 +357,31 @@ def loss_params(**fields):
 
 
 class ScriptedTurns:
-    """A turn backend (flowrl.agent.driver.TurnBackend) that samples nothing: request i's
-    k-th turn is `script[i][k]` (a list of ids), cut to the turn's limit. It records what the
-    driver appended before each turn (`appended[i]`) and the limits it asked for."""
+    """A rollout backend (flowrl.engines.rollout.RolloutBackend's generate and release) that
+    samples nothing: request i's k-th turn is `script[i][k]` (a list of ids), cut to the
+    turn's limit, where i is the request's seed (run_requests gives request i the seed i by
+    default). It records what was appended to each conversation before each turn
+    (`appended[i]`), the limits asked for and the request ids released."""
 
     def __init__(self, script: dict, logprob: float = -0.5):
         self.script, self.logprob = script, logprob
         self.count = {i: 0 for i in script}
         self.appended = {i: [] for i in script}
         self.limits = {i: [] for i in script}
+        self.seen = {i: 0 for i in script}  # conversation length after the last turn
+        self.released: list[str] = []
 
-    def turn(self, rows, append, limits):
-        out = []
-        for i, extra, limit in zip(rows, append, limits, strict=True):
-            self.appended[i].append(list(extra))
-            self.limits[i].append(limit)
-            ids = list(self.script[i][self.count[i]])[:limit]
-            self.count[i] += 1
-            out.append((ids, [self.logprob] * len(ids)))
-        return out
+    async def generate(self, request):
+        from flowrl.engines.rollout import Result
+
+        i, limit = request.seed, request.max_new_tokens
+        self.appended[i].append(list(request.ids[self.seen[i] :]) if self.count[i] else [])
+        self.limits[i].append(limit)
+        turn = list(self.script[i][self.count[i]])
+        ids = turn[:limit]
+        self.count[i] += 1
+        self.seen[i] = len(request.ids) + len(ids)
+        return Result(ids, [self.logprob] * len(ids), "stop" if len(turn) <= limit else "length")
+
+    def release(self, request_id: str) -> None:
+        self.released.append(request_id)

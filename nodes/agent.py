@@ -5,9 +5,10 @@ response_attention, response_text, rollout_logprobs, rollout_info
 
 Each (prompt, sample) is a request (flowrl/agent/episode.py): the policy samples a turn; calls
 in it are parsed, run (concurrently, each under a timeout) and their output appended as tokens
-the policy did not sample; until a turn makes no call or a limit ends it. All requests advance
-turn by turn on the engine's KV cache (flowrl/engines/wave_rollout.py). `response_mask` is 1
-on sampled tokens only; `response_attention` on tool output too. `rollout_info` carries each
+the policy did not sample; until a turn makes no call or a limit ends it. Every request is its
+own asyncio task over the rollout contract (flowrl/agent/driver.py): no waves, so a request
+decodes while others run their tools, and the engine keeps each request's KV between turns.
+`response_mask` is 1 on sampled tokens only; `response_attention` on tool output too. `rollout_info` carries each
 request's turns, calls, tool rewards and why it ended (verl's names and counts), for
 reward.rule with `rollout_info = true`. Tools are functions, classes, or verl's tool YAML
 (`tool_config`); interactions a function, a verl class or verl's YAML; the prompt carries the
@@ -93,28 +94,25 @@ class AgentWorker:
         self.engine, self.params = engine, params
 
     def __call__(self, batch):
-        from flowrl.agent.driver import run_sync, run_waves
+        from flowrl.agent.driver import run_requests
         from flowrl.agent.rows import agent_metrics, agent_setup, assemble, episodes_for
-        from flowrl.engines.wave_rollout import WaveRollout
-        from flowrl.nodes.generate import generation_metrics, step_generator
+        from flowrl.engines.rollout import Sampling, request_seed, run_sync
+        from flowrl.nodes.generate import generation_metrics, step_seed
 
         p, start = self.params, time.perf_counter()
         setup = agent_setup(p, batch.meta.get("base_dir", "."), self.engine.tokenizer)
-        wave = WaveRollout(
-            self.engine,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            do_sample=p.do_sample,
-            generator=step_generator(batch.meta, self.engine.device),
-            first_turn=scripted_turn(setup, p) if p.script_first_turn else (),
+        episodes = episodes_for(batch, setup, limits(p), p.n)
+        base = step_seed(batch.meta)
+        stats = run_sync(
+            run_requests(
+                episodes,
+                self.engine,
+                Sampling(p.temperature, p.top_p, p.top_k, p.do_sample),
+                seeds=[request_seed(base, k) for k in range(len(episodes))],
+                first_turn=scripted_turn(setup, p) if p.script_first_turn else (),
+                lockstep=getattr(self.engine, "lockstep", False),
+            )
         )
-        try:
-            episodes = episodes_for(batch, setup, limits(p), p.n)
-            wave.start(batch["prompts"], batch["prompt_mask"], p.n, p.max_new_tokens)
-            stats = run_sync(run_waves(episodes, wave))
-        finally:
-            wave.close()
         out = assemble(episodes, self.engine.pad, p.solution)
         metrics = generation_metrics(out["response_mask"], time.perf_counter() - start)
         # decode and tool phases go to the run's trace, on this rank's track

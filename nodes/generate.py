@@ -5,7 +5,8 @@ reads: prompts, prompt_mask -> writes: responses, response_mask, response_attent
 it was drawn from, for update.policy's truncated importance sampling, tis_cap)
 Every response token is sampled, so response_attention (the tokens a forward attends to) equals
 response_mask (the tokens trained on); a multi-turn rollout makes them differ.
-Rows come back interleaved (all samples of prompt 0, then prompt 1, ...); the runtime repeats
+Every row is one request of the rollout contract (flowrl/engines/rollout.py, batch.py), from
+its own random stream. Rows come back interleaved (all samples of prompt 0, then prompt 1, ...); the runtime repeats
 the batch's other columns to match, so `uid` groups the samples of a prompt.
 """
 
@@ -26,12 +27,13 @@ class Params(RolloutParams):
     return_logprobs: bool = False  # also write rollout_logprobs (the sampler's log-probs)
 
 
-def step_generator(meta: dict, device="cpu") -> torch.Generator:
-    """A generator seeded by (seed, step, round, rank): a resumed run samples what the first
-    did."""
+def step_seed(meta: dict) -> int:
+    """The seed of a step's rollout, from (seed, step, round, rank); row r of the batch samples
+    from the stream of (this, r) (flowrl.engines.rollout.request_seed), so a resumed run
+    samples what the first did."""
     seed = int(meta.get("seed", 0)) * 1_000_003 + int(meta.get("step", 0)) * 9_973
     seed += int(meta.get("round", 0)) * 7_919  # a refilling step's further prompt batches
-    return torch.Generator(device=device).manual_seed(seed + int(meta.get("rank", 0)))
+    return seed + int(meta.get("rank", 0))
 
 
 def generation_metrics(response_mask, seconds: float) -> dict:
@@ -49,8 +51,11 @@ class GenerateWorker:
         self.engine, self.params = engine, params
 
     def __call__(self, batch):
+        from flowrl.engines.batch import generate_batch
+
         p, start = self.params, time.perf_counter()
-        out = self.engine.generate(
+        out = generate_batch(
+            self.engine,
             batch["prompts"],
             batch["prompt_mask"],
             n=p.n,
@@ -59,7 +64,7 @@ class GenerateWorker:
             top_p=p.top_p,
             top_k=p.top_k,
             do_sample=p.do_sample,
-            generator=step_generator(batch.meta, self.engine.device),
+            seed=step_seed(batch.meta),
             logprobs=p.return_logprobs,
         )
         if p.return_logprobs:

@@ -1,105 +1,137 @@
-"""The wave driver: every request of a batch advances one assistant turn at a time, in lockstep.
+"""The request driver: every request of a rollout is its own asyncio task over the rollout
+contract (flowrl/engines/rollout.py), with no barrier between requests.
 
-    start every request's tools
-    while requests are active:
-        one turn for all of them on the engine (it appends each row's observation first)
-        each request parses its turn; those that called run their tools, all concurrently
-        requests that ended leave; the rest go on with their observation ids
+    per request, concurrently with all the others:
+        start its tools
+        while it has not ended:
+            one turn: await backend.generate(its whole conversation, kept by its id)
+            parse the turn; run its calls (or the interaction)
+        release what the backend holds for it; finish its tools
 
-Lockstep keeps a batched engine busy (a decode step costs about the same for 8 rows as for 32)
-and makes the rollout a function of the seed and the tools' answers, so `--resume` samples
-the same trajectories when the tools are deterministic. Decode and tools alternate, so on a
-small CPU machine they never compete for cores.
+A request whose tools answer early goes on decoding while others wait for theirs; a batching
+backend puts every request that is decoding into the same model call, so the engine stays
+busy while tools run. The state machine (episode.py) is unchanged: the driver feeds it the
+sampled ids and appends what it returns.
 
-The engine is anything with `turn(rows, append, limits) -> [(ids, logprobs)]` (a
-`TurnBackend`): flowrl/engines/wave_rollout.py, or a script of ids in tests. No torch here.
+Reproducibility: each request samples from its own stream, seeded by (seed, turn), so its
+tokens do not depend on which requests share a batch beyond floating-point noise. For bit-exact
+runs, a backend in lockstep (flowrl's `hf`, `lockstep = True`) batches as a function of the
+requests alone; the driver then starts every request's tools before the first turn, so the
+first turns arrive together.
+
+The backend is anything with `async generate(Request) -> Result` and `release(id)`. No torch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from typing import Protocol
 
 import attrs
 
-
-class TurnBackend(Protocol):
-    def turn(
-        self, rows: list[int], append: list[list[int]], limits: list[int]
-    ) -> list[tuple[list[int], list[float]]]:
-        """Sample one assistant turn for each of `rows` (request indices, ascending; a
-        request absent from `rows` has ended for good), after appending `append[k]` to row
-        k's sequence, at most `limits[k]` tokens each, stopping at eos: (ids, log-probs)."""
-        ...
+from flowrl.engines.rollout import Request, Sampling
 
 
 @attrs.define
-class WaveStats:
-    waves: int = 0
-    decode_s: float = 0.0  # wall time inside the engine
-    tools_s: float = 0.0  # wall time running tools and interactions
-    phases: list = attrs.Factory(list)  # ("decode" | "tools", start, end) in epoch seconds
+class RolloutStats:
+    """Wall-clock spans of a rollout: per request ("decode" | "tools", start, end), in epoch
+    seconds; `phases` merges them per kind into the spans where any request was there."""
+
+    turns: int = 0  # generate calls
+    spans: list = attrs.Factory(list)
 
     def add(self, kind: str, start: float) -> None:
-        """Record a phase that began at `start` (time.time()) and ends now."""
-        end = time.time()
-        self.phases.append((kind, start, end))
-        if kind == "decode":
-            self.decode_s += end - start
-        else:
-            self.tools_s += end - start
+        self.spans.append((kind, start, time.time()))
+
+    @property
+    def phases(self) -> list[tuple[str, float, float]]:
+        """The union of each kind's spans: ("decode" | "tools", start, end), by start."""
+        out = []
+        for kind in ("decode", "tools"):
+            out += [(kind, a, b) for a, b in _union([s[1:] for s in self.spans if s[0] == kind])]
+        return sorted(out, key=lambda p: (p[1], p[0]))
+
+    def seconds(self, kind: str) -> float:
+        return sum(b - a for k, a, b in self.phases if k == kind)
+
+    @property
+    def overlap_s(self) -> float:
+        """Seconds in which some request decoded while another ran tools."""
+        decode = [(a, b) for k, a, b in self.phases if k == "decode"]
+        tools = [(a, b) for k, a, b in self.phases if k == "tools"]
+        return sum(max(0.0, min(b, d) - max(a, c)) for a, b in decode for c, d in tools)
 
 
-async def run_waves(episodes: list, backend: TurnBackend) -> WaveStats:
-    """Run `episodes` (episode.Episode) to the end on `backend`; nothing a request does
-    raises here, only the engine's own errors do."""
-    stats = WaveStats()
-    start = time.time()
-    await asyncio.gather(*(episode.start() for episode in episodes))
-    stats.add("tools", start)
-    active = [i for i, episode in enumerate(episodes) if not episode.done]
-    append = {i: [] for i in active}
-    while active:
-        stats.waves += 1
+async def run_requests(
+    episodes: list,
+    backend,
+    sampling: Sampling = Sampling(),
+    seeds: list[int] | None = None,
+    first_turn: list[int] = (),
+    lockstep: bool = False,
+) -> RolloutStats:
+    """Run `episodes` (episode.Episode) to the end on `backend`, each its own task. `seeds`:
+    each request's seed (default: its index); `first_turn`: ids every request's first turn is
+    made of (the agent's script_first_turn). Nothing a request does raises here, only the
+    backend's own errors do."""
+    stats = RolloutStats()
+    seeds = list(range(len(episodes))) if seeds is None else seeds
+    if lockstep:  # the first turns reach the engine in one loop iteration, together
         start = time.time()
-        limits = [episodes[i].turn_limit() for i in active]
-        turns = backend.turn(active, [append[i] for i in active], limits)
-        stats.add("decode", start)
-        for i, (ids, logprobs) in zip(active, turns, strict=True):
-            episodes[i].on_turn(ids, logprobs)
-        start = time.time()
-        waiting = [i for i in active if not episodes[i].done]
-        observations = await asyncio.gather(*(episodes[i].advance() for i in waiting))
-        append = dict(zip(waiting, observations, strict=True))
-        active = [i for i in waiting if not episodes[i].done]
-        if waiting:
-            stats.add("tools", start)
-    start = time.time()
-    await asyncio.gather(*(episode.finish() for episode in episodes))
-    stats.add("tools", start)
+        await asyncio.gather(*(episode.start() for episode in episodes))
+        stats.add("tools", start)
+    tasks = [
+        _request(e, backend, sampling, seed, list(first_turn), stats, started=lockstep)
+        for e, seed in zip(episodes, seeds, strict=True)
+    ]
+    await asyncio.gather(*tasks)
     return stats
 
 
-def run_sync(coroutine):
-    """Run a coroutine to its end from synchronous code, also where an event loop already
-    runs in this thread (then in a thread of its own)."""
+async def _request(episode, backend, sampling, seed, first_turn, stats, started) -> None:
+    if not started:
+        start = time.time()
+        await episode.start()
+        stats.add("tools", start)
+    turn = 0
     try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    out = {}
+        while not episode.done:
+            request = Request(
+                episode.prompt_ids + episode.ids,
+                episode.turn_limit(),
+                sampling,
+                request_id=episode.request_id,
+                keep=True,
+                seed=seed,
+                turn=turn,
+                forced=first_turn if turn == 0 else (),
+            )
+            start = time.time()
+            result = await backend.generate(request)
+            stats.add("decode", start)
+            stats.turns += 1
+            if result.finish_reason == "abort":  # cut short: not a turn the policy ended
+                episode.fail(RuntimeError("the rollout backend aborted the request"))
+                break
+            episode.on_turn(result.ids, result.logprobs)
+            if episode.done:
+                break
+            start = time.time()
+            await episode.advance()
+            stats.add("tools", start)
+            turn += 1
+    finally:
+        backend.release(episode.request_id)
+    start = time.time()
+    await episode.finish()
+    stats.add("tools", start)
 
-    def target():
-        try:
-            out["value"] = asyncio.run(coroutine)
-        except BaseException as e:  # re-raised in the caller's thread
-            out["error"] = e
 
-    thread = threading.Thread(target=target)
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]

@@ -10,7 +10,7 @@
                                       | DONE(budget | invalid_calls | timeout)
     INTERACTING --reply(messages)--▶ user ids ─▶ GENERATING | DONE(interaction_done | budget)
 
-A driver (flowrl/agent/driver.py) feeds `on_turn` the ids an engine sampled for this request
+A driver (flowrl/agent/driver.py, one asyncio task per request) feeds `on_turn` the ids an engine sampled for this request
 and appends what `advance` returns to the engine's sequence; the episode keeps the response:
 sampled ids verbatim (mask 1), observation deltas (mask 0; chat.py), their log-probs (0.0 off
 the sampled tokens). A turn cut by `max_turn_tokens` that still made calls gets an eos the
@@ -113,6 +113,10 @@ class Episode:
         """End the request before it starts (a row whose interaction cannot be chosen); its
         tools are not created."""
         self.session.tools = []
+        self._fail(error)
+
+    def fail(self, error: Exception) -> None:
+        """End the request with reason "error" (e.g. its rollout backend aborted a turn)."""
         self._fail(error)
 
     async def start(self) -> None:
@@ -267,8 +271,8 @@ class Episode:
 
     def _time_left(self) -> float:
         """What is left of the request's time for tools. Only tool and interaction time
-        counts: in the wave driver a request waits for every other row's decoding, which
-        the token limits bound already."""
+        counts: decoding waits for the engine, shared with other requests, and the token
+        limits bound it already."""
         return self.limits.request_timeout_s - self.spent
 
     # -- the result --------------------------------------------------------------------------

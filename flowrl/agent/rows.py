@@ -140,10 +140,13 @@ def agent_metrics(episodes: list[Episode], stats) -> dict:
         "stuck_tool_threads": float(stuck_threads()),
         "tool_seconds_mean": sum(seconds) / len(seconds) if seconds else 0.0,
         "tool_seconds_max": max(seconds, default=0.0),
-        "decode_s": stats.decode_s,
-        "tools_s": stats.tools_s,
-        "waves": float(stats.waves),
-        "gen_tokens_per_s": sum(i["policy_tokens"] for i in infos) / max(stats.decode_s, 1e-9),
+        # wall time with some request decoding / in tools, and with both at once
+        "decode_s": stats.seconds("decode"),
+        "tools_s": stats.seconds("tools"),
+        "overlap_s": stats.overlap_s,
+        "turns": float(stats.turns),
+        "gen_tokens_per_s": sum(i["policy_tokens"] for i in infos)
+        / max(stats.seconds("decode"), 1e-9),
     }
     for reason in REASONS:
         out[f"termination/{reason}"] = sum(i["termination"] == reason for i in infos) / count

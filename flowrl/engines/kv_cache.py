@@ -1,103 +1,142 @@
-"""A KV cache preallocated for a whole rollout, for flowrl's own decode loop (hf_rollout.py).
+"""A KV cache of slots for the continuous-batching engine (scheduler.py): one row per request.
 
-One buffer per layer for the prompt width plus max_new_tokens, written in place, so a decode step
-copies only its new keys and values (DynamicCache concatenates the whole cache every step:
-O(length) per token). Measured on the 2-core CPU machine (SmolLM2-135M fp32, 16 left-padded
-greedy rows, prompt width 46, medians of 3): up to 32 new tokens 3.70 s against DynamicCache's
-3.71 s; up to 256 (the longest stopped at 126) 9.61 s against 9.90 s; identical tokens. A decode
-step is bound by the weight matmuls (~80% of its time, reading all 0.54 GB of weights), so the
-gap is small and grows with length.
+Each layer keeps one buffer (slots, kv heads, capacity, head dim) for keys and one for values.
+A request owns a slot; its tokens fill the slot's columns 0..len-1 in order, with no padding
+anywhere, so a token's column is its position. A model call covers a contiguous range of slots
+(`select`), and each row writes its new tokens at its own offset (`cols`): a row joining with
+new tokens and a row decoding one token can sit side by side without holes. The attention
+mask a call needs is 4D (per row and query: the columns up to the query's own), which
+transformers takes as it is (masking_utils: "already prepared, or custom").
+
+Buffers start zeroed: a masked column is multiplied by an attention weight of exactly 0, and
+0 * NaN (uninitialised memory) would still be NaN. Columns past a row's length hold stale but
+finite values (an earlier request's, or the padding of a call), never attended to.
 """
 
+from __future__ import annotations
+
 import torch
-from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 
-class PreallocatedLayer(DynamicLayer):
-    """One layer's keys and values in buffers (rows, kv heads, capacity, head dim) allocated at
-    the first update; later updates write their positions in place and `keys` / `values` are
-    views of the filled part. Rows can be repeated (n samples of a prompt) and dropped
-    (finished rows), as in DynamicLayer."""
+class SlotLayer(DynamicLayer):
+    """One layer's keys and values in slot buffers, allocated at the first update with the
+    cache's current slot and column counts."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, cache: SlotCache):
         super().__init__()
-        self.capacity, self.length = capacity, 0
+        self.owner = cache
 
     def update(self, key_states, value_states, *args, **kwargs):
-        new = key_states.shape[-2]
+        """key_states (a, h, w, d) of the selected slots -> (keys, values) (a, h, width, d)."""
+        c = self.owner
         if not self.is_initialized:
             self.dtype, self.device = key_states.dtype, key_states.device
-            # keys and values may differ in heads or head size (e.g. multi-head latent attention)
-            self.key_buffer = key_states.new_empty(
-                *key_states.shape[:2], self.capacity, key_states.shape[-1]
-            )
-            self.value_buffer = value_states.new_empty(
-                *value_states.shape[:2], self.capacity, value_states.shape[-1]
+            self.key_buffer = key_states.new_zeros(c.slots, key_states.shape[1], c.columns, key_states.shape[-1])
+            self.value_buffer = value_states.new_zeros(
+                c.slots, value_states.shape[1], c.columns, value_states.shape[-1]
             )
             self.is_initialized = True
-        if self.length + new > self.capacity:
-            raise RuntimeError(f"KV cache of {self.capacity} positions overflowed")
-        self.key_buffer[:, :, self.length : self.length + new] = key_states
-        self.value_buffer[:, :, self.length : self.length + new] = value_states
-        self.length += new
-        self._views()
+        rows = torch.arange(c.lo, c.hi, device=key_states.device)[:, None]  # (a, 1)
+        # advanced indices on dims 0 and 2 around a slice put them first: (a, w, h, d)
+        self.key_buffer[rows, :, c.cols] = key_states.transpose(1, 2)
+        self.value_buffer[rows, :, c.cols] = value_states.transpose(1, 2)
+        self.keys = self.key_buffer[c.lo : c.hi, :, : c.width]
+        self.values = self.value_buffer[c.lo : c.hi, :, : c.width]
         return self.keys, self.values
 
-    def _views(self) -> None:
-        self.keys = self.key_buffer[:, :, : self.length]
-        self.values = self.value_buffer[:, :, : self.length]
-
     def get_seq_length(self) -> int:
-        return self.length
+        return self.owner.width
 
     def get_max_length(self) -> int:
-        return self.capacity
+        return self.owner.columns
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.length:
-            self.key_buffer = self.key_buffer.repeat_interleave(repeats, dim=0)
-            self.value_buffer = self.value_buffer.repeat_interleave(repeats, dim=0)
-            self._views()
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.length:
-            self.key_buffer = self.key_buffer[indices]
-            self.value_buffer = self.value_buffer[indices]
-            self._views()
-
-    def grow(self, capacity: int) -> None:
-        """Make room for `capacity` positions, keeping the filled ones (a multi-turn rollout
-        appends tool output whose length is known only when the tools have answered)."""
-        if capacity <= self.capacity:
+    def resize(self, slots: int, columns: int) -> None:
+        """New zeroed buffers of (slots, ..., columns) holding the old contents."""
+        if not self.is_initialized:
             return
-        self.capacity = capacity
-        if self.is_initialized:
-            for name in ("key_buffer", "value_buffer"):
-                old = getattr(self, name)
-                new = old.new_empty(*old.shape[:2], capacity, old.shape[-1])
-                new[:, :, : self.length] = old[:, :, : self.length]
-                setattr(self, name, new)
-            self._views()
+        for name in ("key_buffer", "value_buffer"):
+            old = getattr(self, name)
+            new = old.new_zeros(slots, old.shape[1], columns, old.shape[-1])
+            new[: old.shape[0], :, : old.shape[2]] = old
+            setattr(self, name, new)
+
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor, columns: int) -> None:
+        """Copy rows `src` (k,) onto rows `dst` (k,), their first `columns` columns."""
+        for buffer in (self.key_buffer, self.value_buffer):
+            buffer[dst, :, :columns] = buffer[src, :, :columns]
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("the rollout engine never crops its cache")
+        raise NotImplementedError("the slot cache is rewound per row, by its offsets")
 
 
-def reserve(cache: Cache, positions: int) -> None:
-    """Grow every preallocated layer of `cache` to hold `positions` (at least doubling, so
-    appending in steps costs amortised constant copies); a DynamicCache grows by itself."""
-    for layer in getattr(cache, "layers", ()):
-        if isinstance(layer, PreallocatedLayer) and positions > layer.capacity:
-            layer.grow(max(positions, 2 * layer.capacity))
+class SlotCache(Cache):
+    """Slot buffers for every layer, and what the next model call reads and writes:
+    slots lo..hi-1, each writing its tokens at the columns `cols` (a, w), and attending to
+    the first `width` columns."""
+
+    def __init__(self, num_layers: int, slots: int, columns: int):
+        self.slots, self.columns = slots, columns
+        self.lo = self.hi = self.width = 0
+        self.cols = None
+        super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
+
+    def select(self, lo: int, hi: int, cols: torch.Tensor) -> None:
+        """The next call covers slots lo..hi-1, row k writing at columns cols[k] (a, w)."""
+        self.lo, self.hi, self.cols = lo, hi, cols
+        self.width = int(cols.max()) + 1
+
+    def reserve(self, slots: int, columns: int) -> None:
+        """Room for `slots` rows of `columns` columns, at least doubling what grows, so that
+        growing step by step costs amortised constant copies."""
+        if slots <= self.slots and columns <= self.columns:
+            return
+        if slots > self.slots:
+            self.slots = max(slots, 2 * self.slots)
+        if columns > self.columns:
+            self.columns = max(columns, 2 * self.columns)
+        for layer in self.layers:
+            layer.resize(self.slots, self.columns)
+
+    def move(self, src: list[int], dst: list[int], columns: int) -> None:
+        """Copy the first `columns` columns of slots `src` onto slots `dst` (a swap when
+        dst is src reversed: the right-hand side is read before it is written)."""
+        if not src or columns <= 0 or not self.layers[0].is_initialized:
+            return
+        device = self.layers[0].key_buffer.device
+        s, d = torch.tensor(src, device=device), torch.tensor(dst, device=device)
+        for layer in self.layers:
+            layer.move_rows(s, d, columns)
 
 
-def preallocated_cache(module, capacity: int) -> Cache:
-    """A cache of PreallocatedLayers for `module`, or a DynamicCache for models with layers
-    that are not full attention (sliding windows, linear attention): their caches differ."""
-    config = getattr(module, "config", None)
+def attention_mask(offsets: torch.Tensor, w: int, width: int, dtype, eager: bool):
+    """The 4D mask of a call: row k's query j sits at column offsets[k] + j and sees the
+    columns up to its own (earlier tokens of the row, all real). (a, 1, w, width): bool for
+    SDPA (True = attend), additive float for eager attention."""
+    query = offsets[:, None] + torch.arange(w, device=offsets.device)  # (a, w)
+    column = torch.arange(width, device=offsets.device)
+    allowed = column[None, None, :] <= query[:, :, None]  # (a, w, width)
+    if not eager:
+        return allowed[:, None]
+    zero = torch.zeros((), dtype=dtype, device=offsets.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
+
+
+def slot_cache(module, slots: int, columns: int) -> SlotCache:
+    """A slot cache for `module`, which must have full attention in every layer (a sliding
+    window or linear attention needs another cache and mask) and an attention implementation
+    that takes a 4D mask (sdpa, eager)."""
+    config = module.config
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    layers = getattr(config, "num_hidden_layers", None)
-    if kinds != {"full_attention"} or not layers:
-        return DynamicCache(config=config)
-    return Cache(layers=[PreallocatedLayer(capacity) for _ in range(layers)])
+    if kinds != {"full_attention"}:
+        raise NotImplementedError(
+            f"the hf rollout backend batches requests of full-attention models only; "
+            f"{type(module).__name__} has layers {sorted(kinds)}"
+        )
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    if implementation not in ("sdpa", "eager"):
+        raise NotImplementedError(
+            f'the hf rollout backend needs attn_implementation "sdpa" or "eager" (a 4D '
+            f'mask per request), not "{implementation}"'
+        )
+    return SlotCache(config.num_hidden_layers, slots, columns)

@@ -1,23 +1,47 @@
-"""The rollout-backend contract: what a rollout engine offers, and how a pool builds one.
+"""The rollout-backend contract: a backend serves requests, one conversation turn each.
 
-A rollout backend samples responses for the generate node and answers the pool worker's
-residency transitions. A graph picks one per model with `rollout = "<name>"` in
-`[models.<name>]`; its record (import path, device, package, multi-turn) is a line of the
-torch-free table `flowrl.backends.ROLLOUT_BACKENDS`, and the pool worker builds it with
-`make_rollout`. Adding a backend is one module with one class that has the shape of
-`RolloutBackend`, plus one line in that table (docs/extending.md).
+    result = await backend.generate(Request(ids, max_new_tokens, sampling, ...))
+
+A `Request` is token ids in: the whole conversation so far (prompt, earlier turns, tool
+output), a token limit, sampling settings, a seed and a turn number (each request samples from
+its own random stream: its tokens do not depend on which other requests share a batch), and
+optionally a request id with `keep = True`. A `Result` is the ids sampled (a matched stop token
+included), each one's log-prob under the distribution it was drawn from, and why it ended:
+"stop" (the stop token), "length" (the token limit) or "abort" (released while running).
+Single-turn generation, validation and the agent node all go through `generate`; the batch
+helper for the first two is flowrl/engines/batch.py.
+
+KV reuse and freeing. A request with `keep = True` and a request id asks the backend to keep
+its KV after the result: the next request with that id sends the whole conversation again,
+and the backend computes only the tokens past the longest prefix it holds (flowrl's own `hf`
+engine holds the request's cache rows by id; SGLang keeps every finished request's prefix in
+its radix cache and matches it by content). `release(request_id)` frees what is held for the
+id (a request still running ends with "abort"); a request with `keep = False` frees its KV the
+moment it finishes. Callers release every id they kept, in a `finally`.
+
+A graph picks a backend per model with `rollout = "<name>"` in `[models.<name>]`; its record
+(import path, device, package, multi-turn) is a line of the torch-free table
+`flowrl.backends.ROLLOUT_BACKENDS`, and the pool worker builds it with `make_rollout`. Adding
+a backend is one module with one class of the shape of `RolloutBackend`, plus one line in that
+table (docs/extending.md).
 
 Memory: the compiler tracks a rollout model's `weights` and `kv_cache` parts. When a plan moves
 parts off or back on the device, the pool worker calls `offload(parts)` or `reload(parts)` with
-the parts that move; each backend acts on those it holds (flowrl's own loop: the KV cache; a
+the parts that move; each backend acts on those it holds (flowrl's own engine: the KV cache; a
 server with its own copy of the weights: both). After an update it calls
 `sync_weights(module)`, so the next step samples from the trained weights.
+
+No torch here: the front end reads this module.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import threading
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import attrs
 
 from flowrl import refs
 from flowrl.backends import backend
@@ -25,51 +49,80 @@ from flowrl.backends import backend
 if TYPE_CHECKING:
     import torch
 
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@attrs.frozen
+class Sampling:
+    """How a request's tokens are chosen: greedy when `do_sample` is False or temperature 0,
+    else sampled after temperature, top-k (0 = off) and top-p (1.0 = off), in that order."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    do_sample: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
+
+@attrs.frozen
+class Request:
+    """One turn of one conversation.
+
+    Attributes:
+        ids: the whole conversation so far as token ids (a backend holding the request's KV
+            computes only what follows the prefix it holds).
+        max_new_tokens: the most tokens to sample; 0 gives an empty "length" result.
+        sampling: the sampling settings.
+        request_id: names the conversation across turns ("" for a one-off request).
+        keep: hold the KV after this turn for the next request of `request_id`, until
+            `release(request_id)`.
+        seed: the request's random stream; the caller derives it from (run seed, step, row).
+        turn: the turn number: the stream of turn k is seeded by (seed, k).
+        forced: ids taken as the first sampled tokens whatever the model prefers (a scripted
+            turn), each with the policy's log-prob of it at the sampling temperature.
+        logprobs: compute the sampled tokens' log-probs (else 0.0).
+    """
+
+    ids: tuple[int, ...] = attrs.field(converter=tuple)
+    max_new_tokens: int
+    sampling: Sampling = Sampling()
+    request_id: str = ""
+    keep: bool = False
+    seed: int = 0
+    turn: int = 0
+    forced: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    logprobs: bool = True
+
+
+@attrs.frozen
+class Result:
+    """What a request sampled: ids (a matched stop token included, as the last), log-probs
+    (one per id: under the distribution it was drawn from, after temperature, top-k, top-p;
+    greedy: the model's at temperature 1), and the finish reason ("stop", "length", "abort")."""
+
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
 
 @runtime_checkable
 class RolloutBackend(Protocol):
     """A rollout engine, built as `Backend(module, tokenizer, device)` with the model's
     (possibly shared) torch module, its tokenizer and a device string ("cpu", "cuda:0")."""
 
-    device: torch.device  # where its tensors live; the generate node seeds a generator there
-    tokenizer: Any  # the model's tokenizer; the generate node decodes responses with it
+    device: torch.device  # where its tensors live
+    tokenizer: Any  # the model's tokenizer; its eos is the stop token, its pad the padding
 
-    def generate(
-        self,
-        prompts: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        *,
-        n: int = 1,
-        max_new_tokens: int = 32,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        do_sample: bool = True,
-        generator: torch.Generator | None = None,
-        logprobs: bool = False,
-    ) -> dict[str, torch.Tensor]:
-        """Sample n responses per prompt.
+    async def generate(self, request: Request) -> Result:
+        """Sample one turn for `request` (see `Request`, `Result`). Requests may be issued
+        concurrently from one event loop: a backend batches what runs at the same time."""
+        ...
 
-        Args:
-            prompts: (b, p) int64 token ids, left-padded.
-            prompt_mask: (b, p) 1 for real tokens, 0 for padding.
-            n: samples per prompt; rows come back interleaved (prompt 0's n samples first).
-            max_new_tokens: the most tokens a response may have; 0 gives empty responses.
-            temperature, top_p, top_k: sampling filters, applied in `generate`'s order
-                (top_k = 0 and top_p = 1.0 are off).
-            do_sample: False (or temperature 0) picks the most likely token: greedy.
-            generator: the random source of sampling, on `device`; None = torch's global one.
-            logprobs: also return "logprobs", each sampled token's log-prob under the
-                distribution it was drawn from (after temperature, top-k, top-p; greedy: the
-                model's at temperature 1), for truncated importance sampling.
-
-        Returns:
-            {"responses": (b*n, t) int64 right-padded with the pad id, "response_mask":
-            (b*n, t) int64, 1 on each response up to and including its first EOS}, t the
-            longest response; with `logprobs`, "logprobs": (b*n, t) float32, 0 past each
-            response; CPU tensors made outside inference mode, so a train engine may use them
-            directly.
-        """
+    def release(self, request_id: str) -> None:
+        """Free what is held for `request_id` (nothing held: nothing to do)."""
         ...
 
     def offload(self, parts: tuple[str, ...]) -> None:
@@ -84,6 +137,43 @@ class RolloutBackend(Protocol):
         """Take the weights of `source` (the train engine's module, maybe the same object; for
         a model sharded by fsdp, the pool's unsharded rollout copy, refreshed just before)."""
         ...
+
+
+def request_seed(base: int, row: int) -> int:
+    """The seed of row `row` of a batch whose generator seed is `base` (splitmix64 of both)."""
+    return mix(base, row)
+
+
+def mix(a: int, b: int) -> int:
+    """Two integers into one 63-bit seed (splitmix64's finaliser over a + golden-ratio * b),
+    so that nearby pairs give unrelated streams."""
+    z = (a * 0x9E3779B97F4A7C15 + b + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 1
+
+
+def run_sync(coroutine):
+    """Run a coroutine to its end from synchronous code, also where an event loop already
+    runs in this thread (then in a thread of its own)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    out = {}
+
+    def target():
+        try:
+            out["value"] = asyncio.run(coroutine)
+        except BaseException as e:  # re-raised in the caller's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def rollout_class(name: str) -> type:

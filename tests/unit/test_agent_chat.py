@@ -7,7 +7,8 @@ import concurrent.futures
 import pytest
 
 from flowrl.agent.chat import ChatTokens, template_problems
-from flowrl.agent.driver import run_sync, run_waves
+from flowrl.agent.driver import run_requests
+from flowrl.engines.rollout import run_sync
 from flowrl.agent.episode import Episode, Limits
 from flowrl.agent.parsers import make_parser
 from flowrl.agent.tools import FunctionTool, Toolbox
@@ -101,7 +102,7 @@ def test_episode_ids_equal_the_full_template_and_masks_mark_sampled_tokens(token
         Limits(max_new_tokens=500, max_turn_tokens=100),
         messages=prompt,
     )
-    run_sync(run_waves([episode], ScriptedTurns({0: turns})))
+    run_sync(run_requests([episode], ScriptedTurns({0: turns})))
     pool.shutdown()
     assert episode.reason == "stop"
     conversation = prompt + [

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from flowrl.agent.chat import ChatTokens
-from flowrl.agent.driver import run_sync, run_waves
+from flowrl.agent.driver import run_requests
+from flowrl.engines.rollout import run_sync
 from flowrl.agent.episode import Episode, Limits
 from flowrl.agent.interactions import FunctionInteraction
 from flowrl.agent.parsers import make_parser
@@ -127,7 +128,7 @@ def run(script, pool, parser="hermes", box=None, interaction=None, clock=None, *
         )
         episodes.append(episode)
     backend = ScriptedTurns(script)
-    stats = run_sync(run_waves(episodes, backend))
+    stats = run_sync(run_requests(episodes, backend))
     return episodes, backend, stats
 
 
@@ -139,7 +140,7 @@ def test_one_call_then_an_answer(pool):
     turn1, turn2 = ids("<calc>12*34</calc>"), ids("408")
     (episode,), backend, stats = run({0: [turn1, turn2]}, pool, parser="tag")
     observation = tool_delta("408")
-    assert episode.reason == "stop" and stats.waves == 2
+    assert episode.reason == "stop" and stats.turns == 2
     assert episode.ids == turn1 + observation + turn2
     assert episode.mask == [1] * len(turn1) + [0] * len(observation) + [1] * len(turn2)
     assert episode.logprobs == [-0.5] * len(turn1) + [0.0] * len(observation) + [-0.5] * 4
@@ -265,7 +266,7 @@ def test_one_failing_request_does_not_fail_the_others(pool):
     good = Episode([1], CHAT, make_parser("tag", box.names), box.open({}), Limits())
     bad = Episode([1], CHAT, broken_parser, box.open({}), Limits())
     script = {0: [ids("<calc>2*3</calc>"), ids("6")], 1: [ids("hi")]}
-    run_sync(run_waves([good, bad], ScriptedTurns(script)))
+    run_sync(run_requests([good, bad], ScriptedTurns(script)))
     assert good.reason == "stop" and bad.reason == "error"
     assert "RuntimeError: parser bug" in bad.info()["error"]
     assert bad.trained_mask() == [0] * len(bad.ids) and sum(good.trained_mask()) > 0
@@ -382,7 +383,7 @@ def test_a_class_tool_keeps_state_per_request_and_is_rewarded_once(pool):
     ]
     turn = ids(hermes("add", n=5))
     script = {0: [turn, turn, ids("done")], 1: [turn, ids("done")]}
-    run_sync(run_waves(episodes, ScriptedTurns(script)))
+    run_sync(run_requests(episodes, ScriptedTurns(script)))
     assert [m["content"] for m in episodes[0].messages if m["role"] == "tool"] == ["15", "20"]
     assert episodes[0].info()["rollout_reward_scores"] == {"Counter": 20.0}
     assert episodes[1].info()["rollout_reward_scores"] == {"Counter": 5.0}
@@ -403,6 +404,6 @@ def test_a_tool_whose_creation_fails_ends_only_its_request(pool):
     )
     good = Episode([1], CHAT, make_parser("hermes", ["add"]), box.open({}), Limits())
     backend = ScriptedTurns({0: [], 1: [ids("hi")]})
-    run_sync(run_waves([bad, good], backend))
+    run_sync(run_requests([bad, good], backend))
     assert bad.reason == "error" and "TypeError" in bad.error and bad.ids == []
     assert good.reason == "stop" and backend.count == {0: 0, 1: 1}

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from flowrl.agent.chat import ChatTokens, template_problems
-from flowrl.agent.driver import run_sync, run_waves
+from flowrl.agent.driver import run_requests
+from flowrl.engines.rollout import run_sync
 from flowrl.agent.episode import Episode, Limits
 from flowrl.agent.parsers import make_parser
 from flowrl.agent.prompt import AgentPrompt, template_shows_tools, with_system_prompt
@@ -88,7 +89,7 @@ def test_prompt_with_tools_plus_turns_equals_the_template_of_the_conversation(to
         Limits(max_new_tokens=2000, max_turn_tokens=500),
         messages=row["prompt"],
     )
-    run_sync(run_waves([episode], ScriptedTurns({0: turns})))
+    run_sync(run_requests([episode], ScriptedTurns({0: turns})))
     assert episode.reason == "stop" and episode.info()["rollout_reward_scores"] == {
         "AnswerCheck": 1.0
     }

@@ -34,13 +34,14 @@ def test_a_rollout_and_a_shared_prompt_forward_print_no_deprecation():
 import torch
 from flowrl.engines import TrainEngine
 from flowrl.engines.hf_rollout import HFRollout
+from flowrl.engines.batch import generate_batch
 from flowrl.testing import tiny_model, tiny_tokenizer, update_batch
 
 model, tokenizer = tiny_model(), tiny_tokenizer()
 prompts = torch.randint(3, 90, (2, 5))
-HFRollout(model, tokenizer).generate(
-    prompts, torch.ones_like(prompts), n=2, max_new_tokens=4, temperature=1.0, top_p=1.0,
-    top_k=0, do_sample=True, generator=torch.Generator().manual_seed(0),
+generate_batch(
+    HFRollout(model, tokenizer), prompts, torch.ones_like(prompts), n=2, max_new_tokens=4, temperature=1.0, top_p=1.0,
+    top_k=0, do_sample=True, seed=0,
 )
 rows = update_batch(b=4)
 for key in ("prompts", "prompt_mask"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flowrl.engines import HFRollout, TrainEngine
-from flowrl.engines.kv_cache import PreallocatedLayer, preallocated_cache
+from flowrl.engines.batch import generate_batch
 from flowrl.engines.sampling import nucleus, sample_tokens
 from flowrl.models import load_model
 from flowrl.nodes import generate, logprob, values
@@ -413,17 +413,18 @@ def test_greedy_rollout_matches_hf_generate_with_left_padding():
     batch = widen(ragged_rows(2, b=4, p=7), 2, 0)  # ragged prompts plus all-padding columns
     assert len(set(batch["prompt_mask"].sum(-1).tolist())) > 1
     engine = HFRollout(model, tok)
-    out = engine.generate(batch["prompts"], batch["prompt_mask"], max_new_tokens=8, do_sample=False)
+    out = generate_batch(engine, batch["prompts"], batch["prompt_mask"], max_new_tokens=8, do_sample=False)
     ref = hf_greedy(model, tok, batch, 8)
     assert out["responses"].shape == (4, 8)
     for i in range(4):
         n = int(out["response_mask"][i].sum())
         assert out["responses"][i, :n].tolist() == ref[i, :n].tolist()
     # n samples share one prefill: greedy, each sample equals the single one, interleaved
-    three = engine.generate(
-        batch["prompts"], batch["prompt_mask"], n=3, max_new_tokens=8, do_sample=False
+    three = generate_batch(
+        engine, batch["prompts"], batch["prompt_mask"], n=3, max_new_tokens=8, do_sample=False
     )
     assert torch.equal(three["responses"], out["responses"].repeat_interleave(3, 0))
+    engine.idle()  # the last request gone, the engine frees its cache
     assert engine.cache is None
 
 
@@ -447,7 +448,7 @@ def test_shared_prompt_prefix_runs_once_and_changes_nothing():
     engine, calls = HFRollout(model, tok), []
     forward = engine._forward
     engine._forward = lambda ids, *a: calls.append(tuple(ids.shape)) or forward(ids, *a)
-    out = engine.generate(batch["prompts"], batch["prompt_mask"], max_new_tokens=6, do_sample=False)
+    out = generate_batch(engine, batch["prompts"], batch["prompt_mask"], max_new_tokens=6, do_sample=False)
     assert calls[:2] == [(1, 24), (4, width - 24)]  # the prefix once, then the rest per row
     ref = hf_greedy(model, tok, batch, 6)
     for i in range(4):
@@ -458,9 +459,14 @@ def test_shared_prompt_prefix_runs_once_and_changes_nothing():
 class EosAtStepR(torch.nn.Module):
     """A row whose prompt starts with token r emits 10 + r, and EOS (2) at decode step r."""
 
-    def forward(self, input_ids, attention_mask, **kwargs):
-        step = attention_mask.shape[1] - 3  # 3 prompt tokens; one mask column per step
-        r = input_ids[:, 0] if step == 0 else input_ids[:, -1] - 10
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(num_hidden_layers=1, _attn_implementation="sdpa")
+        self.unused = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, position_ids, **kwargs):
+        step = position_ids[:, -1] - 2  # 3 prompt tokens at positions 0..2
+        r = input_ids[:, 0] if input_ids.shape[1] > 1 else input_ids[:, -1] - 10
         token = torch.where(r == step, torch.full_like(r, 2), r + 10)
         logits = torch.nn.functional.one_hot(token, 20).float()[:, None]  # (a, 1, v)
         return SimpleNamespace(logits=logits)
@@ -470,7 +476,7 @@ def test_response_mask_includes_first_eos_and_nothing_after():
     engine = HFRollout(EosAtStepR(), SimpleNamespace(eos_token_id=2, pad_token_id=0))
     prompts = torch.tensor([[0, 1, 1], [1, 1, 1], [3, 1, 1], [2, 1, 1], [5, 1, 1]])
     mask = torch.ones(5, 3, dtype=torch.long)
-    out = engine.generate(prompts, mask, max_new_tokens=4, do_sample=False)
+    out = generate_batch(engine, prompts, mask, max_new_tokens=4, do_sample=False)
     # finished rows leave the batch (rows 0 and 1 by step 1): the others' outputs are kept
     assert out["responses"].tolist() == [
         [2, 0, 0, 0], [11, 2, 0, 0], [13, 13, 13, 2], [12, 12, 2, 0], [15, 15, 15, 15],
@@ -478,7 +484,7 @@ def test_response_mask_includes_first_eos_and_nothing_after():
     assert out["response_mask"].sum(-1).tolist() == [1, 2, 4, 3, 4]
     assert out["response_mask"].tolist()[1] == [1, 1, 0, 0]
     # t is the longest response, not max_new_tokens
-    short = engine.generate(prompts[:2], mask[:2], max_new_tokens=6, do_sample=False)
+    short = generate_batch(engine, prompts[:2], mask[:2], max_new_tokens=6, do_sample=False)
     assert short["responses"].tolist() == [[2, 0], [11, 2]]
 
 
@@ -524,60 +530,36 @@ def test_sampling_frequencies_follow_the_distribution():
 # -- model-node workers ---------------------------------------------------------------------
 
 
-def test_preallocated_cache_layer_behaves_like_the_dynamic_one():
-    from transformers.cache_utils import DynamicLayer
+def test_slot_cache_writes_each_row_at_its_own_offset_and_moves_rows():
+    from flowrl.engines.kv_cache import SlotCache, attention_mask
 
-    g = torch.Generator().manual_seed(0)
-    ours, theirs = PreallocatedLayer(capacity=9), DynamicLayer()
-
-    def both(method, *args):
-        a, b = getattr(ours, method)(*args), getattr(theirs, method)(*args)
-        for x, y in zip(a or (), b or (), strict=True):
-            assert torch.equal(x, y)
-
-    both("update", torch.randn(2, 3, 4, 5, generator=g), torch.randn(2, 3, 4, 5, generator=g))
-    both("batch_repeat_interleave", 3)  # (6, ...): n samples per prompt
-    both("update", torch.randn(6, 3, 1, 5, generator=g), torch.randn(6, 3, 1, 5, generator=g))
-    both("batch_select_indices", torch.tensor([0, 2, 5]))  # finished rows leave
-    both("update", torch.randn(3, 3, 1, 5, generator=g), torch.randn(3, 3, 1, 5, generator=g))
-    assert ours.get_seq_length() == theirs.get_seq_length() == 6
-    assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
-    with pytest.raises(RuntimeError, match="overflowed"):
-        ours.update(torch.zeros(3, 3, 4, 5), torch.zeros(3, 3, 4, 5))
-    # values may have another head size than keys (multi-head latent attention)
-    latent = PreallocatedLayer(capacity=4)
-    keys, values = latent.update(torch.ones(2, 3, 2, 8), torch.ones(2, 3, 2, 5))
-    assert keys.shape == (2, 3, 2, 8) and values.shape == (2, 3, 2, 5)
-
-
-def test_rollout_uses_a_preallocated_cache_with_the_same_tokens_as_a_dynamic_one(monkeypatch):
-    from transformers import DynamicCache
-
-    from flowrl.engines import hf_rollout as rollout
-
-    model, tok = tiny_model(seed=0), tiny_tokenizer()
-    assert all(isinstance(x, PreallocatedLayer) for x in preallocated_cache(model, 8).layers)
-    batch = ragged_rows(3, b=3)
-
-    def generate():
-        engine = HFRollout(model, tok)
-        g = torch.Generator().manual_seed(0)
-        return engine.generate(
-            batch["prompts"], batch["prompt_mask"], n=3, max_new_tokens=8, generator=g
-        )
-
-    preallocated = generate()
-    monkeypatch.setattr(rollout, "preallocated_cache", lambda m, n: DynamicCache(config=m.config))
-    dynamic = generate()
-    for key in preallocated:
-        assert torch.equal(preallocated[key], dynamic[key]), key
+    cache = SlotCache(num_layers=1, slots=3, columns=4)
+    keys = torch.arange(2 * 1 * 2 * 2, dtype=torch.float32).reshape(2, 1, 2, 2)  # (a, h, w, d)
+    cache.select(1, 3, torch.tensor([[0, 1], [2, 3]]))  # slots 1 and 2, at columns 0 and 2
+    k, v = cache.update(keys, -keys, 0)
+    assert k.shape == (2, 1, 4, 2) and cache.get_seq_length() == 4
+    layer = cache.layers[0]
+    torch.testing.assert_close(layer.key_buffer[1, :, :2], keys[0])
+    torch.testing.assert_close(layer.key_buffer[2, :, 2:4], keys[1])
+    assert (layer.key_buffer[0] == 0).all() and (layer.key_buffer[2, :, :2] == 0).all()
+    cache.reserve(slots=5, columns=6)  # grows, keeping the contents
+    assert layer.key_buffer.shape == (6, 1, 8, 2)  # doubled: amortised growth
+    torch.testing.assert_close(layer.value_buffer[2, :, 2:4], -keys[1])
+    cache.move([1, 2], [2, 1], columns=4)  # a swap
+    torch.testing.assert_close(layer.key_buffer[2, :, :2], keys[0])
+    torch.testing.assert_close(layer.key_buffer[1, :, 2:4], keys[1])
+    # each query sees its own row's columns up to its own position
+    mask = attention_mask(torch.tensor([0, 2]), 2, 4, torch.float32, eager=False)
+    assert mask[:, 0].long().tolist() == [
+        [[1, 0, 0, 0], [1, 1, 0, 0]], [[1, 1, 1, 0], [1, 1, 1, 1]],
+    ]  # fmt: skip
 
 
 def test_generated_rows_train_directly():
     model, tok = tiny_model(seed=0), tiny_tokenizer()
     batch = ragged_rows(5, b=2)
-    out = HFRollout(model, tok).generate(
-        batch["prompts"], batch["prompt_mask"], n=2, max_new_tokens=4
+    out = generate_batch(
+        HFRollout(model, tok), batch["prompts"], batch["prompt_mask"], n=2, max_new_tokens=4
     )
     assert not any(v.is_inference() for v in out.values())
     prompts = {k: batch[k].repeat_interleave(2, 0) for k in ("prompts", "prompt_mask")}
@@ -650,13 +632,13 @@ def test_cuda_offload_frees_device_memory_and_reload_restores_every_bit():
 
 @pytest.mark.gpu
 @cuda
-def test_cuda_rollout_samples_with_a_device_generator():
+def test_cuda_rollout_samples_on_the_device():
     engine = HFRollout(tiny_model().cuda(), tiny_tokenizer(), "cuda")
     batch = ragged_rows(5, b=3)
     meta = {"seed": 1, "step": 2, "rank": 0}
-    out = engine.generate(
-        batch["prompts"], batch["prompt_mask"], n=2, max_new_tokens=5,
-        generator=generate.step_generator(meta, engine.device),
+    out = generate_batch(
+        engine, batch["prompts"], batch["prompt_mask"], n=2, max_new_tokens=5,
+        seed=generate.step_seed(meta),
     )  # fmt: skip
     assert out["responses"].shape[0] == 6 and out["responses"].device.type == "cpu"
     assert out["response_mask"].sum(-1).min() >= 1

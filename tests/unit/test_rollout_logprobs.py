@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flowrl.engines import HFRollout, TrainEngine
+from flowrl.engines.batch import generate_batch
 from flowrl.engines.sampling import sample_tokens
 from flowrl.front import compiler
 from flowrl.nodes import generate
@@ -19,7 +20,8 @@ torch.set_num_threads(1)
 
 def sampled_with_logprobs(model, temperature=1.0, top_k=0, do_sample=True, n=3):
     batch = ragged_rows(7, b=3)
-    out = HFRollout(model, tiny_tokenizer()).generate(
+    out = generate_batch(
+        HFRollout(model, tiny_tokenizer()),
         batch["prompts"],
         batch["prompt_mask"],
         n=n,
@@ -27,7 +29,7 @@ def sampled_with_logprobs(model, temperature=1.0, top_k=0, do_sample=True, n=3):
         temperature=temperature,
         top_k=top_k,
         do_sample=do_sample,
-        generator=torch.Generator().manual_seed(0),
+        seed=0,
         logprobs=True,
     )
     prompts = {k: batch[k].repeat_interleave(n, 0) for k in ("prompts", "prompt_mask")}

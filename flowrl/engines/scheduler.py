@@ -1,0 +1,394 @@
+"""Continuous batching for flowrl's own engine (hf_rollout.py): requests join and leave the
+batch at every decode step.
+
+    while there is work:                                  (a thread of its own)
+        take the requests that arrived; each gets a slot of the KV cache (a returning
+            request keeps its slot and the prefix it holds)
+        prefill their new tokens in one model call (n samples of one prompt: once, then
+            copied; a prefix all new prompts share: once, then copied)
+        sample one token for every decoding request, each from its own random stream
+        requests that finished leave at once: their result goes back to the caller's event
+            loop; their slot is freed, or held for their next turn (keep)
+        one model call feeds the sampled token of every request still decoding
+
+The model calls are blocking torch, so they run in this thread while the callers' event loop
+runs tools and interactions. Decoding requests occupy slots 0..d-1, so a decode call reads a
+contiguous view of the cache; a request that joins or leaves swaps rows with the slot at the
+boundary (kv_cache.py). A request's tokens depend only on its own stream and the model: which
+other requests share a call changes its logits by floating-point noise at most.
+
+`lockstep`: the loop runs no step while a held request is away (its caller is running its
+tools), so every batch's composition is a function of the requests alone and a rollout is
+reproducible bit for bit; slower, since decoding waits for tools. Free-running is the default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from flowrl.engines.rollout import Request, Result, mix
+from flowrl.engines.sampling import sample_tokens
+
+# a prefix shared by new prompts is prefilled once when that saves this many prompt tokens:
+# below it, the extra model call (a read of all weights, ~65 ms for SmolLM2 on CPU) costs more
+MIN_SAVED_PREFIX_TOKENS = 64
+
+
+@attrs.define(eq=False)
+class Row:
+    """One request inside the engine."""
+
+    request: Request
+    deliver: Callable  # (Result | BaseException) -> None, on the caller's loop
+    slot: int = -1
+    tokens: list = attrs.Factory(list)  # ids whose keys and values fill the slot's columns
+    new: list = attrs.Factory(list)  # ids to feed before this turn's first sample
+    stream: torch.Generator | None = None  # None: greedy
+    out: list = attrs.Factory(list)
+    logprobs: list = attrs.Factory(list)
+    next: int = -1  # the token sampled last, fed at the next decode call
+    stopped: str = ""  # "abort" once released or cancelled while running
+
+
+class Scheduler:
+    """The batching loop over an engine's `_forward(ids, offsets, last, lo, hi)` (logits of
+    each row's last new token) and a slot cache from `new_cache(slots, columns)`."""
+
+    def __init__(self, engine, new_cache: Callable, eos: int, lockstep: bool = False):
+        self.engine, self.new_cache, self.eos = engine, new_cache, eos
+        self.lockstep = lockstep
+        self.cv = threading.Condition()
+        self.gathering: dict = {}  # event loop -> rows submitted in its current iteration
+        self.inbox: list[Row] = []
+        self.releases: list[str] = []
+        self.away: set[str] = set()  # held requests whose caller has not come back yet
+        self.thread: threading.Thread | None = None
+        self.dropping = False
+        # owned by the loop thread
+        self.cache = None
+        self.slots: list[Row | None] = []
+        self.decoding = 0
+        self.held: dict[str, Row] = {}
+        self.logits = None  # (decoding, v) next-token logits of slots 0..d-1
+        self.counts = {"decode_calls": 0, "prefill_calls": 0, "prefill_tokens": 0}
+
+    # -- the callers' side (any event loop) ------------------------------------------------
+    async def submit(self, request: Request) -> Result:
+        if not request.ids:
+            raise ValueError("a request needs at least one token id (the prompt)")
+        if request.max_new_tokens <= 0:
+            return Result([], [], "length")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def deliver(value):
+            try:
+                loop.call_soon_threadsafe(_settle, future, value)
+            except RuntimeError:  # the caller's loop has closed: nobody waits any more
+                pass
+
+        row = Row(request, deliver)
+        with self.cv:
+            # requests issued in one iteration of the loop (a gather) arrive together
+            if loop not in self.gathering:
+                self.gathering[loop] = []
+                loop.call_soon(self._hand_over, loop)
+            self.gathering[loop].append(row)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            row.stopped = "abort"
+            raise
+
+    def _hand_over(self, loop) -> None:
+        with self.cv:
+            rows = self.gathering.pop(loop, [])
+            self.inbox += rows
+            self.away -= {r.request.request_id for r in rows}
+            self._wake()
+
+    def release(self, request_id: str) -> None:
+        with self.cv:
+            self.away.discard(request_id)
+            self.releases.append(request_id)
+            self._wake()
+
+    def idle(self, drop: bool = False) -> None:
+        """Wait until the loop has nothing left and has exited (its cache freed); `drop`:
+        also free requests held for a next turn."""
+        with self.cv:
+            self.dropping = drop
+            self.cv.notify_all()
+            while self.thread is not None:
+                self.cv.wait()
+            self.dropping = False
+
+    def _wake(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="flowrl-rollout", daemon=True)
+            self.thread.start()
+        self.cv.notify_all()
+
+    # -- the loop thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self._ready():
+                    if not (self.held or self.away) or (self.dropping and not self.decoding):
+                        self._exit()
+                        return
+                    self.cv.wait()
+                arrivals, self.inbox = self.inbox, []
+                releases, self.releases = self.releases, []
+            try:
+                with torch.inference_mode():
+                    self._release(releases, arrivals)
+                    self._admit(arrivals)
+                    self._step()
+            except BaseException as e:  # every request in the engine gets the error
+                self._fail(e, arrivals)
+
+    def _ready(self) -> bool:
+        if self.releases:
+            return True
+        if self.lockstep and self.away and not self.dropping:  # wait for every held request
+            return False
+        return bool(self.inbox or self.decoding)
+
+    def _exit(self) -> None:
+        for row in self.inbox:
+            row.deliver(Result([], [], "abort"))
+        self.inbox = []
+        for row in self.held.values():
+            self.slots[row.slot] = None
+        self.held.clear()
+        self.away.clear()
+        self.cache, self.slots, self.logits = None, [], None
+        self.thread = None
+        self.cv.notify_all()
+
+    def _fail(self, error: BaseException, arrivals: list[Row]) -> None:
+        for row in [*self.slots[: self.decoding], *arrivals]:
+            if row is not None:
+                row.deliver(error)
+        self.held.clear()  # their caches may be half written: the next turn starts afresh
+        self.cache, self.slots, self.decoding, self.logits = None, [], 0, None
+
+    def _release(self, releases: list[str], arrivals: list[Row]) -> None:
+        for request_id in releases:
+            row = self.held.pop(request_id, None)
+            if row is not None:
+                self.slots[row.slot] = None
+            for running in [*self.slots[: self.decoding], *arrivals]:
+                if running is not None and running.request.request_id == request_id:
+                    running.stopped = "abort"
+
+    # -- joining -----------------------------------------------------------------------------
+    def _admit(self, arrivals: list[Row]) -> None:
+        rows = []
+        for row in arrivals:
+            if row.stopped:
+                row.deliver(Result([], [], "abort"))
+                continue
+            self._place(row)
+            rows.append(row)
+        if not rows:
+            return
+        fresh = [r for r in rows if not r.tokens]
+        firsts: dict = {}  # a prompt's n samples: the first is prefilled, the others copy it
+        for row in fresh:
+            firsts.setdefault(tuple(row.new), row)
+        leaders = list(firsts.values())
+        copies = [(r, firsts[tuple(r.new)]) for r in fresh if firsts[tuple(r.new)] is not r]
+        computed = [r for r in rows if r.tokens] + leaders
+        for k, row in enumerate(computed + [c for c, _ in copies]):  # into the decoding slots
+            self._swap(row.slot, self.decoding + k)
+        self._shared_prefix(leaders)
+        logits = self._prefill(computed, self.decoding)  # (m, v)
+        for row, leader in copies:
+            self.cache.move([leader.slot], [row.slot], len(leader.tokens))
+            row.tokens, row.new = list(leader.tokens), []
+        if copies:
+            index = {id(r): k for k, r in enumerate(computed)}
+            logits = torch.cat([logits, logits[[index[id(leader)] for _, leader in copies]]])
+        self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
+        self.decoding += len(rows)
+
+    def _place(self, row: Row) -> None:
+        """A slot and the ids to feed: a held request keeps its slot and the longest prefix of
+        its conversation already cached (at least one id is fed, for the next logits)."""
+        request = row.request
+        row.stream = None
+        if not request.sampling.greedy:
+            row.stream = torch.Generator().manual_seed(mix(request.seed, request.turn))
+        held = self.held.pop(request.request_id, None) if request.request_id else None
+        ids = list(request.ids)
+        if held is not None:
+            same = _common_prefix(held.tokens, ids, len(ids) - 1)
+            row.slot, row.tokens, row.new = held.slot, ids[:same], ids[same:]
+            self.slots[row.slot] = row
+            return
+        free = [s for s in range(self.decoding, len(self.slots)) if self.slots[s] is None]
+        row.slot = free[0] if free else len(self.slots)
+        if not free:
+            self.slots.append(None)
+        self.slots[row.slot] = row
+        row.tokens, row.new = [], ids
+
+    def _shared_prefix(self, leaders: list[Row]) -> None:
+        """Prefill the prefix all new prompts share once (a chat template's system prompt) and
+        copy it to the other prompts' slots, leaving each prompt one token of its own."""
+        if len(leaders) < 2:
+            return
+        shortest = min(len(r.new) for r in leaders) - 1
+        shared = _common_prefix(leaders[0].new, leaders[1].new, shortest)
+        for row in leaders[2:]:
+            shared = _common_prefix(leaders[0].new, row.new, shared)
+        if (len(leaders) - 1) * shared < MIN_SAVED_PREFIX_TOKENS:
+            return
+        first = leaders[0]
+        self._call([first.new[:shared]], [0], first.slot)
+        self.cache.move([first.slot] * (len(leaders) - 1), [r.slot for r in leaders[1:]], shared)
+        for row in leaders:
+            row.tokens, row.new = row.new[:shared], row.new[shared:]
+
+    def _prefill(self, rows: list[Row], lo: int) -> torch.Tensor:
+        """Feed each row's new ids (rows in slots lo..) in one call -> last logits (m, v)."""
+        logits = self._call([r.new for r in rows], [len(r.tokens) for r in rows], lo)
+        for row in rows:
+            row.tokens, row.new = row.tokens + row.new, []
+        return logits
+
+    # -- decoding ----------------------------------------------------------------------------
+    def _step(self) -> None:
+        if not self.decoding:
+            return
+        rows = self.slots[: self.decoding]
+        tokens, logprobs = _sample(rows, self.logits)
+        leaving = []
+        for row, token, logprob in zip(rows, tokens, logprobs, strict=True):
+            if row.stopped:
+                leaving.append(row)
+                continue
+            row.out.append(token)
+            row.logprobs.append(logprob if row.request.logprobs else 0.0)
+            if token == self.eos:
+                row.stopped = "stop"
+            elif len(row.out) >= row.request.max_new_tokens:
+                row.stopped = "length"
+            row.next = token
+            if row.stopped:
+                leaving.append(row)
+        for row in sorted(leaving, key=lambda r: -r.slot):
+            self._swap(row.slot, self.decoding - 1)
+            self.decoding -= 1
+            self._finish(row)
+        if not self.decoding:
+            self.logits = None
+            return
+        rows = self.slots[: self.decoding]
+        self.logits = self._call([[r.next] for r in rows], [len(r.tokens) for r in rows], 0)
+        for row in rows:
+            row.tokens.append(row.next)
+
+    def _finish(self, row: Row) -> None:
+        request = row.request
+        if request.keep and request.request_id and row.stopped != "abort":
+            self.held[request.request_id] = row
+            with self.cv:
+                self.away.add(request.request_id)
+        else:
+            self.slots[row.slot] = None
+        row.deliver(Result(list(row.out), list(row.logprobs), row.stopped))
+
+    # -- the cache -----------------------------------------------------------------------------
+    def _call(self, chunks: list[list[int]], offsets: list[int], lo: int) -> torch.Tensor:
+        """One model call over slots lo..lo+len(chunks)-1: row k feeds chunks[k] at columns
+        offsets[k].. (right-padded to the longest) -> the logits after each chunk (a, v)."""
+        w = max(len(c) for c in chunks)
+        if self.cache is None:
+            self.cache = self.new_cache(len(self.slots), max(offsets) + w)
+        self.cache.reserve(len(self.slots), max(offsets) + w)
+        device = self.engine.device
+        ids = torch.full((len(chunks), w), self.eos, dtype=torch.long)
+        for k, chunk in enumerate(chunks):
+            ids[k, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+        last = torch.tensor([len(c) - 1 for c in chunks], device=device)
+        offsets = torch.tensor(offsets, dtype=torch.long, device=device)
+        self.counts["decode_calls" if w == 1 else "prefill_calls"] += 1
+        if w > 1:
+            self.counts["prefill_tokens"] += sum(len(c) for c in chunks)
+        return self.engine._forward(ids.to(device), offsets, last, lo, lo + len(chunks))
+
+    def _swap(self, a: int, b: int) -> None:
+        """Exchange slots a and b: their rows and their cached columns."""
+        if a == b:
+            return
+        x, y = self.slots[a], self.slots[b]
+        columns = max(len(x.tokens) if x else 0, len(y.tokens) if y else 0)
+        if self.cache is not None:
+            self.cache.move([a, b], [b, a], columns)
+        self.slots[a], self.slots[b] = y, x
+        for row, slot in ((x, b), (y, a)):
+            if row is not None:
+                row.slot = slot
+        if self.logits is not None and a < len(self.logits) and b < len(self.logits):
+            self.logits[[a, b]] = self.logits[[b, a]]
+
+
+def _sample(rows: list[Row], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """One token per row (d,) and its log-prob: rows grouped by sampling settings, each
+    sampled row drawing one number from its own stream; forced ids taken as they are."""
+    tokens = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
+    chosen = torch.zeros(len(rows), device=logits.device)
+    groups: dict = {}
+    for k, row in enumerate(rows):
+        groups.setdefault(row.request.sampling, []).append(k)
+    for sampling, index in groups.items():
+        uniform = None
+        if not sampling.greedy:
+            draws = [torch.rand((), generator=rows[k].stream) for k in index]
+            uniform = torch.stack(draws)
+        s = sampling
+        token, logprob = sample_tokens(
+            logits[index], s.temperature, s.top_k, s.top_p, s.do_sample, None, True, uniform
+        )
+        tokens[index], chosen[index] = token, logprob
+    forced = [(k, r.request.forced[len(r.out)]) for k, r in enumerate(rows) if _forcing(r)]
+    if forced:
+        index = torch.tensor([k for k, _ in forced], device=logits.device)
+        ids = torch.tensor([t for _, t in forced], device=logits.device)
+        temperature = torch.tensor(
+            [1.0 if rows[k].request.sampling.greedy else rows[k].request.sampling.temperature
+             for k, _ in forced],
+            device=logits.device,
+        )  # fmt: skip
+        full = torch.log_softmax(logits[index] / temperature[:, None], -1)
+        tokens[index], chosen[index] = ids, full.gather(-1, ids[:, None]).squeeze(-1)
+    return tokens.tolist(), chosen.tolist()  # one host sync per step, as any stop check needs
+
+
+def _forcing(row: Row) -> bool:
+    return len(row.out) < len(row.request.forced)
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    for k in range(n):
+        if a[k] != b[k]:
+            return k
+    return max(n, 0)
+
+
+def _settle(future: asyncio.Future, value) -> None:
+    if future.done():
+        return
+    if isinstance(value, BaseException):
+        future.set_exception(value)
+    else:
+        future.set_result(value)
