@@ -31,8 +31,9 @@ class Backend:
         device: the only pool device it runs on ("cuda"), or None for any.
         package: the package it imports that flowrl does not install ("" = none).
         install: the command that installs `package`.
-        multi_turn: it offers the public prefill/extend API the agent node's turn loop
-            drives (flowrl/engines/wave_rollout.py); without it `uses = "agent"` is refused.
+        multi_turn: it serves a conversation turn by turn (requests with a request id,
+            its earlier turns' KV reused: flowrl/engines/rollout.py), as the agent node
+            needs; without it `uses = "agent"` is refused.
     """
 
     ref: str
@@ -49,14 +50,15 @@ EXECUTORS = {
 }
 
 ROLLOUT_BACKENDS = {
-    # flowrl's own KV-cache decode loop (CPU and CUDA)
+    # flowrl's own continuous-batching engine (CPU and CUDA)
     "hf": Backend("flowrl.engines.hf_rollout:HFRollout", multi_turn=True),
-    # an in-process SGLang engine (GPU)
+    # an in-process SGLang engine (GPU); earlier turns come from its radix prefix cache
     "sglang": Backend(
         "flowrl.engines.sglang_backend:SGLangRollout",
         device="cuda",
         package="sglang",
         install='pip install -e ".[sglang]" in a checkout, or pip install "flowrl[sglang]"',
+        multi_turn=True,
     ),
 }
 

@@ -448,5 +448,5 @@ def _check_model(where, spec: NodeSpec, model, models, errors: Collector, said="
             where,
             f'this node runs multi-turn rollouts, but model "{model}" has rollout = '
             f'"{config.rollout}", which generates single turns only',
-            f"set rollout = {one_of(multi_turn_names())} in [models.{model}]",
+            f"set rollout to one of {one_of(multi_turn_names())} in [models.{model}]",
         )

@@ -98,6 +98,7 @@ def toml_example(first_line: str) -> str:
 def test_the_rollout_backend_example_is_one_file_and_one_table_line(tmp_path, monkeypatch):
     from flowrl import backends
     from flowrl.engines import HFRollout, make_rollout
+    from flowrl.engines.batch import generate_batch
     from flowrl.engines.rollout import RolloutBackend
 
     path = write_example(tmp_path, "# flowrl/engines/generate_rollout.py", "generate_rollout.py")
@@ -111,7 +112,7 @@ def test_the_rollout_backend_example_is_one_file_and_one_table_line(tmp_path, mo
     model, tokenizer = tiny_model(seed=0), tiny_tokenizer()
     engine = make_rollout("generate", model, tokenizer, "cpu")
     assert isinstance(engine, RolloutBackend)
-    for name in ("generate", "offload", "reload", "sync_weights"):  # the contract's parameters
+    for name in ("generate", "release", "offload", "reload", "sync_weights"):  # the contract's
         ours = inspect.signature(getattr(type(engine), name)).parameters
         contract = inspect.signature(getattr(RolloutBackend, name)).parameters
         assert list(ours) == list(contract), name
@@ -120,8 +121,8 @@ def test_the_rollout_backend_example_is_one_file_and_one_table_line(tmp_path, mo
     mask[0, :2] = 0  # a left-padded prompt
     ids = ids * mask
     greedy = {"n": 2, "max_new_tokens": 6, "do_sample": False}
-    ours = engine.generate(ids, mask, **greedy)
-    reference = HFRollout(model, tokenizer).generate(ids, mask, **greedy)
+    ours = generate_batch(engine, ids, mask, **greedy)
+    reference = generate_batch(HFRollout(model, tokenizer), ids, mask, **greedy)
     assert ours.keys() == reference.keys()
     for key in ours:  # token for token, masks and padding included
         assert torch.equal(ours[key], reference[key]), key

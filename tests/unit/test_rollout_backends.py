@@ -12,7 +12,6 @@ import pytest
 from flowrl.backends import ROLLOUT_BACKENDS, Backend
 from flowrl.engines import HFRollout, make_rollout
 from flowrl.engines.rollout import RolloutBackend, rollout_class
-from flowrl.engines.wave_rollout import WaveRollout
 from flowrl.errors import GraphErrors
 from flowrl.front import dsl, schema
 from flowrl.runtime.pool_worker import PoolWorker
@@ -20,7 +19,7 @@ from flowrl.runtime.setup import PoolSetup
 from flowrl.testing import tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-METHODS = {"generate", "offload", "reload", "sync_weights"}
+METHODS = {"generate", "release", "offload", "reload", "sync_weights"}
 
 
 class FakeRollout:
@@ -29,8 +28,11 @@ class FakeRollout:
     def __init__(self, module, tokenizer, device):
         self.module, self.tokenizer, self.device = module, tokenizer, device
 
-    def generate(self, prompts, prompt_mask, **sampling):
+    async def generate(self, request):
         raise NotImplementedError
+
+    def release(self, request_id):
+        pass
 
     def offload(self, parts):
         pass
@@ -123,13 +125,15 @@ def test_pool_worker_builds_the_backend_its_model_names(fake_backend):
     assert fake.tokenizer is worker.tokenizers["policy"]
 
 
-def test_hf_offload_drops_the_cache_only_with_the_kv_cache_part():
+def test_hf_offload_drops_held_requests_only_with_the_kv_cache_part():
+    from flowrl.engines.rollout import Request, run_sync
+
     engine = HFRollout(tiny_model(), tiny_tokenizer())
-    engine.cache = "a leftover cache"
+    run_sync(engine.generate(Request([5, 6, 7], 3, request_id="r", keep=True)))
     engine.offload(("weights",))  # its weights are the train engine's module, moved there
-    assert engine.cache == "a leftover cache"
-    engine.offload(("weights", "kv_cache"))
-    assert engine.cache is None
+    assert engine.cache is not None and "r" in engine.scheduler.held
+    engine.offload(("weights", "kv_cache"))  # a request never released is dropped too
+    assert engine.cache is None and not engine.scheduler.held
 
 
 def test_an_agent_node_on_a_single_turn_backend_is_refused_before_any_model_loads(fake_backend):
@@ -142,19 +146,16 @@ def test_an_agent_node_on_a_single_turn_backend_is_refused_before_any_model_load
     (problem,) = info.value.problems
     assert problem.where == "[nodes.generate]"
     assert 'rollout = "fake", which generates single turns only' in problem.message
-    assert problem.fix == 'set rollout = "hf" in [models.policy]'
+    assert problem.fix == 'set rollout to one of "hf", "sglang" in [models.policy]'
     dsl.load(graph)  # the shipped backend serves it
 
 
-def test_sglang_with_an_agent_node_is_refused_by_check(capsys):
+def test_sglang_serves_the_agent_node(capsys):
+    """SGLang's record says multi_turn: `flowrl check` accepts an agent node on it."""
     from flowrl.cli import main
 
+    assert ROLLOUT_BACKENDS["sglang"].multi_turn
     graph = str(ROOT / "graphs/grpo_tools.toml")
     overrides = ["models.policy.rollout=sglang", 'pools.main.device="cuda"']
-    assert main(["check", graph, *overrides]) != 0
-    assert 'rollout = "sglang", which generates single turns only' in capsys.readouterr().err
-
-
-def test_wave_rollout_needs_the_step_by_step_cache_api():
-    with pytest.raises(TypeError, match="prefill/extend"):
-        WaveRollout(FakeRollout(None, None, "cpu"))
+    overrides.append('models.policy.dtype="bfloat16"')
+    assert main(["check", graph, *overrides]) == 0, capsys.readouterr().err
