@@ -26,6 +26,7 @@ import torch
 
 from flowrl.data.arithmetic import arithmetic_rows
 from flowrl.engines import HFRollout
+from flowrl.engines.batch import generate_batch
 from flowrl.models import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -82,9 +83,8 @@ def main() -> None:
     engine = HFRollout(model, tokenizer, args.device)
 
     def ours():
-        g = torch.Generator(device=args.device).manual_seed(0)
-        kwargs = dict(n=args.n, max_new_tokens=args.new, do_sample=sample, generator=g)
-        return engine.generate(ids, mask, **kwargs)["responses"]
+        kwargs = dict(n=args.n, max_new_tokens=args.new, do_sample=sample, seed=0)
+        return generate_batch(engine, ids, mask, **kwargs)["responses"]
 
     def theirs():
         torch.manual_seed(0)

@@ -44,6 +44,7 @@ def throughput(args) -> list[dict]:
     import torch
     from generation import new_tokens, prompts, timed
 
+    from flowrl.engines.batch import generate_batch
     from flowrl.engines.hf_rollout import HFRollout
     from flowrl.engines.sglang_backend import SGLangRollout
     from flowrl.models import load_model
@@ -59,8 +60,7 @@ def throughput(args) -> list[dict]:
     sglang = SGLangRollout(module, tokenizer, "cuda:0")
 
     def run_ours():
-        g = torch.Generator(device="cuda:0").manual_seed(0)
-        return ours.generate(ids.cuda(), mask.cuda(), generator=g, **kwargs)["responses"]
+        return generate_batch(ours, ids.cuda(), mask.cuda(), seed=0, **kwargs)["responses"]
 
     def run_generate():
         sampling = dict(top_k=0, top_p=1.0, temperature=1.0) if sample else {}
@@ -77,7 +77,7 @@ def throughput(args) -> list[dict]:
         return out[:, ids.shape[1] :].cpu()
 
     engines = {
-        "SGLang": lambda: sglang.generate(ids, mask, **kwargs)["responses"],
+        "SGLang": lambda: generate_batch(sglang, ids, mask, **kwargs)["responses"],
         "flowrl HFRollout": run_ours,
         "transformers generate": run_generate,
     }

@@ -104,12 +104,13 @@ def check_start(state) -> str:
 
 
 def check_greedy(state) -> str:
+    from flowrl.engines.batch import generate_batch
     from flowrl.engines.hf_rollout import HFRollout
 
     module, rollout, (ids, mask) = state["module"], state["rollout"], state["prompts"]
     ours = HFRollout(module, state["tokenizer"], "cuda:0")
-    expected = ours.generate(ids, mask, max_new_tokens=32, do_sample=False)
-    got = rollout.generate(ids, mask, max_new_tokens=32, do_sample=False, logprobs=True)
+    expected = generate_batch(ours, ids, mask, max_new_tokens=32, do_sample=False)
+    got = generate_batch(rollout, ids, mask, max_new_tokens=32, do_sample=False, logprobs=True)
     logits = forced(module, ids, mask, got)
     chosen = logits.gather(-1, got["responses"][..., None]).squeeze(-1)
     gap = float(((logits.max(-1).values - chosen) * got["response_mask"]).max())
@@ -131,21 +132,24 @@ def check_greedy(state) -> str:
 def check_release(state) -> str:
     import torch
 
+    from flowrl.engines.batch import generate_batch
+
     rollout, (ids, mask) = state["rollout"], state["prompts"]
-    before = rollout.generate(ids, mask, max_new_tokens=16, do_sample=False)
+    before = generate_batch(rollout, ids, mask, max_new_tokens=16, do_sample=False)
     freed = []
     for _ in range(3):
         held = torch.cuda.mem_get_info()[0]
         rollout.offload(("weights", "kv_cache"))
         freed.append((torch.cuda.mem_get_info()[0] - held) / 2**30)
         rollout.reload(("weights", "kv_cache"))  # resume, push (read back), flush, KV cache
-        after = rollout.generate(ids, mask, max_new_tokens=16, do_sample=False)
+        after = generate_batch(rollout, ids, mask, max_new_tokens=16, do_sample=False)
         assert torch.equal(after["responses"], before["responses"]), "outputs changed"
     assert min(freed) > 0.5 * state["taken"], f"released only {freed} GiB"
     return f"released {', '.join(f'{f:.1f}' for f in freed)} GiB; outputs the same each time"
 
 
 def check_push(state) -> str:
+
     import torch
 
     module, rollout = state["module"], state["rollout"]
@@ -160,9 +164,11 @@ def check_push(state) -> str:
 
 
 def check_sampled(state) -> str:
+    from flowrl.engines.batch import generate_batch
+
     module, rollout, (ids, mask) = state["module"], state["rollout"], state["prompts"]
     ids, mask = ids[:2], mask[:2]
-    got = rollout.generate(ids, mask, n=8, max_new_tokens=64, temperature=1.0, logprobs=True)
+    got = generate_batch(rollout, ids, mask, n=8, max_new_tokens=64, temperature=1.0, logprobs=True)
     assert got["responses"].shape[0] == 16, got["responses"].shape
     repeated_ids, repeated_mask = ids.repeat_interleave(8, 0), mask.repeat_interleave(8, 0)
     theirs = chosen_logprobs(forced(module, repeated_ids, repeated_mask, got), got)

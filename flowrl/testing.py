@@ -315,12 +315,12 @@ def scripted_request(
     """
     from flowrl.agent.chat import ChatTokens
     from flowrl.agent.driver import run_requests
-    from flowrl.engines.rollout import run_sync
     from flowrl.agent.episode import Episode, Limits
     from flowrl.agent.interactions import FunctionInteraction
     from flowrl.agent.objects import load_object
     from flowrl.agent.parsers import make_parser
     from flowrl.agent.tools import Toolbox
+    from flowrl.engines.rollout import run_sync
 
     tokenizer = tiny_tokenizer()
     chat, box = ChatTokens(tokenizer), Toolbox(list(tools), base_dir)

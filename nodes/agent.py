@@ -8,8 +8,9 @@ in it are parsed, run (concurrently, each under a timeout) and their output appe
 the policy did not sample; until a turn makes no call or a limit ends it. Every request is its
 own asyncio task over the rollout contract (flowrl/agent/driver.py): no waves, so a request
 decodes while others run their tools, and the engine keeps each request's KV between turns.
-`response_mask` is 1 on sampled tokens only; `response_attention` on tool output too. `rollout_info` carries each
-request's turns, calls, tool rewards and why it ended (verl's names and counts), for
+`response_mask` is 1 on sampled tokens only; `response_attention` on tool output too.
+`rollout_info` carries each request's turns, calls, tool rewards and why it ended (verl's
+names and counts), for
 reward.rule with `rollout_info = true`. Tools are functions, classes, or verl's tool YAML
 (`tool_config`); interactions a function, a verl class or verl's YAML; the prompt carries the
 tools' schemas (the data loader templates it with `tools=`). Replaces [nodes.generate] in a
@@ -96,14 +97,15 @@ class AgentWorker:
     def __call__(self, batch):
         from flowrl.agent.driver import run_requests
         from flowrl.agent.rows import agent_metrics, agent_setup, assemble, episodes_for
-        from flowrl.engines.rollout import Sampling, request_seed, run_sync
+        from flowrl.engines.rollout import Sampling, request_seed, run_on
         from flowrl.nodes.generate import generation_metrics, step_seed
 
         p, start = self.params, time.perf_counter()
         setup = agent_setup(p, batch.meta.get("base_dir", "."), self.engine.tokenizer)
         episodes = episodes_for(batch, setup, limits(p), p.n)
         base = step_seed(batch.meta)
-        stats = run_sync(
+        stats = run_on(
+            self.engine,
             run_requests(
                 episodes,
                 self.engine,
@@ -111,7 +113,7 @@ class AgentWorker:
                 seeds=[request_seed(base, k) for k in range(len(episodes))],
                 first_turn=scripted_turn(setup, p) if p.script_first_turn else (),
                 lockstep=getattr(self.engine, "lockstep", False),
-            )
+            ),
         )
         out = assemble(episodes, self.engine.pad, p.solution)
         metrics = generation_metrics(out["response_mask"], time.perf_counter() - start)

@@ -6,8 +6,9 @@ it was drawn from, for update.policy's truncated importance sampling, tis_cap)
 Every response token is sampled, so response_attention (the tokens a forward attends to) equals
 response_mask (the tokens trained on); a multi-turn rollout makes them differ.
 Every row is one request of the rollout contract (flowrl/engines/rollout.py, batch.py), from
-its own random stream. Rows come back interleaved (all samples of prompt 0, then prompt 1, ...); the runtime repeats
-the batch's other columns to match, so `uid` groups the samples of a prompt.
+its own random stream. Rows come back interleaved (all samples of prompt 0, then prompt 1,
+...); the runtime repeats the batch's other columns to match, so `uid` groups the samples of a
+prompt.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 
 import attrs
 
-from flowrl.lazy import np, torch
+from flowrl.lazy import np
 from flowrl.nodespec import NodeSpec, RolloutParams
 
 

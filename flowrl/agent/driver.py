@@ -31,6 +31,8 @@ import attrs
 
 from flowrl.engines.rollout import Request, Sampling
 
+DEFAULT_SAMPLING = Sampling()
+
 
 @attrs.define
 class RolloutStats:
@@ -65,7 +67,7 @@ class RolloutStats:
 async def run_requests(
     episodes: list,
     backend,
-    sampling: Sampling = Sampling(),
+    sampling: Sampling = DEFAULT_SAMPLING,
     seeds: list[int] | None = None,
     first_turn: list[int] = (),
     lockstep: bool = False,

@@ -10,8 +10,9 @@
                                       | DONE(budget | invalid_calls | timeout)
     INTERACTING --reply(messages)--▶ user ids ─▶ GENERATING | DONE(interaction_done | budget)
 
-A driver (flowrl/agent/driver.py, one asyncio task per request) feeds `on_turn` the ids an engine sampled for this request
-and appends what `advance` returns to the engine's sequence; the episode keeps the response:
+A driver (flowrl/agent/driver.py, one asyncio task per request) feeds `on_turn` the ids an
+engine sampled for this request and appends what `advance` returns to the conversation it
+sends next; the episode keeps the response:
 sampled ids verbatim (mask 1), observation deltas (mask 0; chat.py), their log-probs (0.0 off
 the sampled tokens). A turn cut by `max_turn_tokens` that still made calls gets an eos the
 policy did not sample (mask 0), so the ids stay the chat template's.

@@ -9,7 +9,7 @@ import asyncio
 
 import torch
 
-from flowrl.engines.rollout import Request, Sampling, request_seed, run_sync
+from flowrl.engines.rollout import Request, Sampling, request_seed, run_on
 
 
 def generate_batch(
@@ -48,12 +48,13 @@ def generate_batch(
             were complete).
     """
     sampling = Sampling(temperature, top_p, top_k, do_sample)
-    rows = [row[mask.bool()].tolist() for row, mask in zip(prompts.cpu(), prompt_mask.cpu())]
+    pairs = zip(prompts.cpu(), prompt_mask.cpu(), strict=True)
+    rows = [row[mask.bool()].tolist() for row, mask in pairs]  # each prompt's real ids
     requests = [
         Request(ids, max_new_tokens, sampling, seed=request_seed(seed, k), logprobs=logprobs)
         for k, ids in enumerate(ids for ids in rows for _ in range(n))
     ]
-    results = run_sync(_all(backend, requests)) if max_new_tokens > 0 else []
+    results = run_on(backend, _all(backend, requests)) if requests else []
     for k, result in enumerate(results):
         if result.finish_reason == "abort":
             raise RuntimeError(

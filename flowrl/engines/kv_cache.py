@@ -32,7 +32,9 @@ class SlotLayer(DynamicLayer):
         c = self.owner
         if not self.is_initialized:
             self.dtype, self.device = key_states.dtype, key_states.device
-            self.key_buffer = key_states.new_zeros(c.slots, key_states.shape[1], c.columns, key_states.shape[-1])
+            self.key_buffer = key_states.new_zeros(
+                c.slots, key_states.shape[1], c.columns, key_states.shape[-1]
+            )
             self.value_buffer = value_states.new_zeros(
                 c.slots, value_states.shape[1], c.columns, value_states.shape[-1]
             )

@@ -153,6 +153,14 @@ def mix(a: int, b: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+def run_on(backend, coroutine):
+    """Run `coroutine` (requests to `backend`) to its end from synchronous code: on the
+    backend's own loop when it has one (`backend.run`: SGLang answers on the loop its
+    tokenizer manager runs on), else on a fresh loop (`run_sync`)."""
+    run = getattr(backend, "run", None)
+    return run(coroutine) if run is not None else run_sync(coroutine)
+
+
 def run_sync(coroutine):
     """Run a coroutine to its end from synchronous code, also where an event loop already
     runs in this thread (then in a thread of its own)."""

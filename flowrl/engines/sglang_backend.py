@@ -33,10 +33,12 @@ When what happens (the order tests/unit/test_sglang_backend.py checks around a p
   engine's module, and SGLang's copy stays off the device until the next generate needs it;
 - sync_weights(module): push and flush now if the weights are held, else at the next resume.
 
-Differences from `hf` (docs/scaling.md): sampling is SGLang's, so `generator` is not used and
-a run is not reproducible sample for sample; log-probs are SGLang's (after temperature, before
-top-k / top-p; greedy: the model's at temperature 1), which differ slightly from the trainer's:
-truncated importance sampling (update.policy's tis_cap) corrects for that.
+Differences from `hf` (docs/scaling.md): sampling is SGLang's, so a request's seed is not used
+and a run is not reproducible sample for sample (SGLang's per-request `sampling_seed` needs
+`--enable-deterministic-inference` and is refused by its flashinfer sampler); log-probs are
+SGLang's (after temperature, before top-k / top-p; greedy: the model's at temperature 1),
+which differ slightly from the trainer's: truncated importance sampling (update.policy's
+tis_cap) corrects for that.
 
 SGLang API relied on, read in the sglang 0.5.21 wheel (python/sglang/srt/entrypoints/engine.py,
 managers/tokenizer_control_mixin.py, managers/scheduler_components/weight_updater.py,
@@ -46,10 +48,14 @@ SGLang: this task had no GPU machine (`make gpu-smoke` is the check).
   enable_memory_saver, load_format ("dummy": random weights, replaced by the first push),
   dtype, mem_fraction_static, tp_size, base_gpu_id, random_seed, port, log_level,
   custom_sigquit_handler (unknown names raise TypeError: ServerArgs is a msgspec Struct).
-- `Engine.generate(input_ids=list[list[int]], sampling_params=dict, return_logprob=bool)` ->
-  one dict per request: "output_ids" (list[int], a matched stop token included) and
-  "meta_info": {"output_token_logprobs": [(logprob, token_id, text|None)], "finish_reason":
-  {"type": "stop" | "length" | "abort", ...}}; an abort's "message" says why.
+- `await Engine.async_generate(input_ids=list[int], sampling_params=dict,
+  return_logprob=bool)` (engine.py:523; stream False: the first item of
+  `tokenizer_manager.generate_request`, awaited on the engine's `loop`, where the tokenizer
+  manager's handle loop runs) -> one dict: "output_ids" (list[int], a matched stop token
+  included) and "meta_info": {"output_token_logprobs": [(logprob, token_id, text|None)],
+  "finish_reason": {"type": "stop" | "length" | "abort", ...}}; an abort's "message" says
+  why. Many such calls awaited together are batched by SGLang's scheduler (continuous
+  batching), and its radix cache reuses any cached prefix of `input_ids` (earlier turns).
 - `begin_weight_update(selector="all")`, `end_weight_update()`,
   `update_weights_from_tensor(named_tensors, load_format=None, flush_cache=True)`: each
   returns `(success: bool, message: str)`; `flush_cache()` returns an object with `success`
@@ -77,11 +83,10 @@ from pathlib import Path
 import torch
 
 from flowrl.backends import ROLLOUT_BACKENDS
+from flowrl.engines.rollout import Request, Result
 from flowrl.engines.sglang_io import (
-    empty_responses,
     free_port,
-    prompt_ids,
-    response_tensors,
+    request_result,
     rollout_weights,
     sampling_params,
     verify_names,
@@ -170,37 +175,48 @@ class SGLangRollout:
             self.shutdown()
             raise
 
-    def generate(
-        self,
-        prompts: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        *,
-        n: int = 1,
-        max_new_tokens: int = 32,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        do_sample: bool = True,
-        generator: torch.Generator | None = None,
-        logprobs: bool = False,
-    ) -> dict:
-        """Sample n responses per prompt (see `RolloutBackend.generate`): each prompt's real
-        tokens (its left padding stripped) are sent n times, so its samples come back next to
-        each other and SGLang's prefix cache prefills the prompt once. `generator` is not used
-        (SGLang samples on its own). With `logprobs`, also "logprobs": (b*n, t) float32, the
-        sampled tokens' log-probs as SGLang reports them, 0 past each response. A request
-        SGLang aborted raises (its response would be silently short)."""
-        rows = prompts.shape[0] * n
-        if rows == 0 or max_new_tokens <= 0:
-            return empty_responses(rows, logprobs)
+    @property
+    def loop(self):
+        """The engine's event loop: SGLang's tokenizer manager answers requests on it, so the
+        rollout's requests run there (`run`), as verl's rollout does."""
+        return self.engine.loop
+
+    def run(self, coroutine):
+        """Run a coroutine of requests to this engine on its loop, to its end (the batch
+        helper and the agent node call this through flowrl.engines.rollout.run_on)."""
         self._ready()
-        requests = [ids for ids in prompt_ids(prompts, prompt_mask) for _ in range(n)]
-        params = sampling_params(max_new_tokens, temperature, top_p, top_k, do_sample, self.eos)
         with self._calling():
-            outputs = self.engine.generate(
-                input_ids=requests, sampling_params=params, return_logprob=logprobs
+            return self.loop.run_until_complete(coroutine)
+
+    async def generate(self, request: Request) -> Result:
+        """One turn (see `RolloutBackend.generate`): `async_generate` with the whole
+        conversation's ids; SGLang's radix cache finds the prefix an earlier turn (or another
+        sample of the prompt) computed, so only the new tokens are prefilled. SGLang samples
+        with its own random state: the request's seed and turn are not used, and a run is not
+        reproducible sample for sample. Log-probs are SGLang's (after temperature, before
+        top-k / top-p; greedy: the model's at temperature 1). An aborted request comes back
+        with finish reason "abort"."""
+        if request.max_new_tokens <= 0:
+            return Result([], [], "length")
+        if request.forced:
+            raise ValueError(
+                f"{self.where}: forced first-turn ids (the agent node's script_first_turn) "
+                'need rollout = "hf"; SGLang samples every token itself'
             )
-        return response_tensors(outputs, self.eos, self.pad, logprobs, self.where)
+        if self.guard.find_dead():
+            raise self.guard.error()
+        s = request.sampling
+        params = sampling_params(
+            request.max_new_tokens, s.temperature, s.top_p, s.top_k, s.do_sample, self.eos
+        )
+        out = await self.engine.async_generate(
+            input_ids=list(request.ids), sampling_params=params, return_logprob=request.logprobs
+        )
+        return request_result(out, self.eos, request.logprobs, self.where)
+
+    def release(self, request_id: str) -> None:
+        """Nothing is held by id: SGLang's radix cache keeps finished prefixes by content and
+        evicts them (least recently used) when it needs the room."""
 
     def offload(self, parts: tuple[str, ...]) -> None:
         """Release the memory of `parts` ("weights", "kv_cache") still held on the GPU."""

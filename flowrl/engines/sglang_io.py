@@ -1,6 +1,6 @@
 """What crosses between flowrl and an SGLang engine (flowrl/engines/sglang_backend.py): the
-weights pushed (LoRA folded in, in buckets; the few read back in verify mode), the requests
-(prompt ids, sampling parameters) and the responses SGLang returns, as flowrl's tensors."""
+weights pushed (LoRA folded in, in buckets; the few read back in verify mode), a request's
+sampling parameters, and SGLang's answer to one request as a `Result`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+
+from flowrl.engines.rollout import Result
 
 
 def verify_names(module: torch.nn.Module) -> tuple[str, ...]:
@@ -62,12 +64,6 @@ def weight_buckets(
         yield bucket
 
 
-def prompt_ids(prompts: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
-    """(b, p) ids and mask -> each row's real tokens as a list (its padding removed)."""
-    rows = zip(prompts.cpu(), prompt_mask.cpu(), strict=True)
-    return [row[mask.bool()].tolist() for row, mask in rows]
-
-
 def sampling_params(max_new_tokens, temperature, top_p, top_k, do_sample, eos) -> dict:
     """flowrl's sampling settings in SGLang's terms: greedy is temperature 0; top_k 0 (off) is
     -1; EOS is a stop token whatever the model config says, as in the `hf` backend."""
@@ -81,50 +77,26 @@ def sampling_params(max_new_tokens, temperature, top_p, top_k, do_sample, eos) -
     }
 
 
-def response_tensors(
-    outputs: list[dict], eos: int, pad: int, logprobs: bool, where: str = "this engine"
-) -> dict:
-    """SGLang's per-request outputs -> {"responses": (r, t) int64 right-padded with `pad`,
-    "response_mask": (r, t) int64, 1 up to and including the first EOS} (+ "logprobs" (r, t)
-    float32, 0 past each response), t the longest response. An aborted request raises: SGLang
-    returns what it had generated so far, which would pass for a complete response."""
-    ids, values = [], []
-    for i, out in enumerate(outputs):
-        finish = out.get("meta_info", {}).get("finish_reason") or {}
-        if finish.get("type") == "abort":
+def request_result(out: dict, eos: int, logprobs: bool, where: str = "this engine") -> Result:
+    """One SGLang output dict -> a `Result`: the ids up to and including the first EOS, their
+    log-probs (0.0 without `logprobs`), the finish reason ("stop", "length", "abort"). A
+    log-prob list of another length than the ids raises: the rows would be misaligned."""
+    finish = (out.get("meta_info", {}).get("finish_reason") or {}).get("type") or "length"
+    tokens = [int(x) for x in out["output_ids"]]
+    values = [0.0] * len(tokens)
+    if logprobs:
+        reported = out["meta_info"]["output_token_logprobs"]
+        if len(reported) != len(tokens):
             raise RuntimeError(
-                f"SGLang aborted request {i} of {len(outputs)} on {where}: "
-                f"{finish.get('message', 'Aborted')} (after {len(out['output_ids'])} tokens); "
-                "its short response is not used as if it were complete"
+                f"SGLang on {where} returned {len(tokens)} ids but {len(reported)} log-probs"
             )
-        tokens = [int(x) for x in out["output_ids"]]
-        if logprobs:
-            reported = out["meta_info"]["output_token_logprobs"]  # [(logprob, id, text)]
-            if len(reported) != len(tokens):
-                raise RuntimeError(
-                    f"SGLang returned {len(tokens)} tokens but {len(reported)} log-probs"
-                )
-            values.append([float(entry[0]) for entry in reported])
-        if eos in tokens:  # nothing after the first EOS is part of the response
-            tokens = tokens[: tokens.index(eos) + 1]
-        ids.append(tokens)
-    t = max((len(x) for x in ids), default=0)
-    responses = torch.full((len(ids), t), pad, dtype=torch.long)
-    mask = torch.zeros(len(ids), t, dtype=torch.long)
-    chosen = torch.zeros(len(ids), t, dtype=torch.float32)
-    for row, tokens in enumerate(ids):
-        responses[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        mask[row, : len(tokens)] = 1
-        if logprobs:
-            chosen[row, : len(tokens)] = torch.tensor(values[row][: len(tokens)])
-    out = {"responses": responses, "response_mask": mask}
-    return {**out, "logprobs": chosen} if logprobs else out
-
-
-def empty_responses(rows: int, logprobs: bool) -> dict:
-    empty = torch.zeros(rows, 0, dtype=torch.long)
-    out = {"responses": empty, "response_mask": empty.clone()}
-    return {**out, "logprobs": torch.zeros(rows, 0)} if logprobs else out
+        values = [float(entry[0]) for entry in reported]
+    if eos in tokens:  # nothing after the first EOS is part of the response
+        tokens = tokens[: tokens.index(eos) + 1]
+        values = values[: len(tokens)]
+    if finish not in ("stop", "length", "abort"):
+        finish = "stop" if tokens and tokens[-1] == eos else "length"
+    return Result(tokens, values, finish)
 
 
 def write_model_dir(module: torch.nn.Module, tokenizer, path: Path) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowrl.engines.batch import generate_batch
 from flowrl.smoke import chosen_logprobs, forced, prompts  # the smoke command's own helpers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,8 +53,8 @@ def test_greedy_sglang_picks_flowrls_argmax_at_every_token(qwen_dir):
     theirs = SGLangRollout(module, tokenizer, "cuda:0")
     try:
         kwargs = dict(max_new_tokens=32, do_sample=False)
-        expected = ours.generate(ids, mask, **kwargs)
-        got = theirs.generate(ids, mask, logprobs=True, **kwargs)
+        expected = generate_batch(ours, ids, mask, **kwargs)
+        got = generate_batch(theirs, ids, mask, logprobs=True, **kwargs)
     finally:
         theirs.shutdown()
     # every token SGLang chose is flowrl's argmax there, up to a near-tie, and the log-probs
@@ -107,7 +108,7 @@ def test_two_grpo_steps_leave_sglang_with_the_trainers_weights(qwen_dir, tmp_pat
         trainer.fit()
         worker.transition("reload", "policy", ("weights", "kv_cache"))  # as before a generate
         ids, mask = prompts(worker.tokenizers["policy"], 4)
-        got = rollout.generate(ids, mask, max_new_tokens=16, do_sample=False, logprobs=True)
+        got = generate_batch(rollout, ids, mask, max_new_tokens=16, do_sample=False, logprobs=True)
         now = (chosen_logprobs(forced(module, ids, mask, got), got) - got["logprobs"]).abs()
         old = chosen_logprobs(forced(initial.to("cuda:0"), ids, mask, got), got) - got["logprobs"]
         # SGLang's log-probs are the trained module's, not the initial one's

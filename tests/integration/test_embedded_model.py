@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flowrl.engines import HFRollout
+from flowrl.engines.batch import generate_batch
 from flowrl.models import embedded, load_model
 
 pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
@@ -60,7 +61,7 @@ def test_cached_load_is_fast_and_complete(smol):
 def test_greedy_answer_contains_five(smol):
     model, tokenizer, _ = smol
     ids, mask = chat_batch(tokenizer, QUESTIONS[:1])
-    out = HFRollout(model, tokenizer).generate(ids, mask, max_new_tokens=12, do_sample=False)
+    out = generate_batch(HFRollout(model, tokenizer), ids, mask, max_new_tokens=12, do_sample=False)
     assert "5" in tokenizer.decode(out["responses"][0], skip_special_tokens=True)
 
 
@@ -68,7 +69,7 @@ def test_decode_loop_matches_generate_on_left_padded_prompts(smol):
     model, tokenizer, _ = smol
     ids, mask = chat_batch(tokenizer, QUESTIONS)
     assert len(set(mask.sum(-1).tolist())) > 1  # ragged prompts: real left padding
-    out = HFRollout(model, tokenizer).generate(ids, mask, max_new_tokens=16, do_sample=False)
+    out = generate_batch(HFRollout(model, tokenizer), ids, mask, max_new_tokens=16, do_sample=False)
     with torch.inference_mode():
         ref = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False

@@ -10,6 +10,7 @@ import torch
 from conftest import fixed_batch
 
 from flowrl.engines import HFRollout
+from flowrl.engines.batch import generate_batch
 from flowrl.runtime import checkpoint
 from flowrl.runtime.controller import Trainer
 from flowrl.runtime.export import export
@@ -126,8 +127,8 @@ def test_two_fsdp_ranks_update_like_one_and_resume_on_one(tiny_plan, tmp_path):
     tokenizer.padding_side = "left"
     prompts = tokenizer(["1+2=", "33+4="], padding=True, return_tensors="pt")
     ids, mask = prompts["input_ids"], prompts["attention_mask"]
-    ours = HFRollout(reference, tiny_tokenizer()).generate(
-        ids, mask, max_new_tokens=8, do_sample=False
+    ours = generate_batch(
+        HFRollout(reference, tiny_tokenizer()), ids, mask, max_new_tokens=8, do_sample=False
     )
     theirs = model.generate(
         input_ids=ids,

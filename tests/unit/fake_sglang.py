@@ -10,7 +10,9 @@ backend can go wrong, read in the 0.5.21 wheel:
   object with `success`; a released "weights" region comes back with other values;
   resuming a tag that is not released is a KeyError in the scheduler;
 - generate: `finish_reason` per request ("stop", "length", or "abort" for requests listed in
-  `abort`, cut short as SGLang returns them);
+  `abort`, cut short as SGLang returns them); `async_generate` (0.5.21's signature): one
+  request per call, answered only on the loop the tokenizer manager's handle loop runs on
+  (the engine's `loop`); the k-th request (from 0) is aborted when k is in `abort`;
 - processes: it starts a child (its "scheduler") and, in the main thread, installs a SIGQUIT
   handler that kills the whole process tree (or `custom_sigquit_handler`, engine.py:1863-1881);
   its first request adds asyncio SIGTERM / SIGQUIT handlers (tokenizer_manager.py:2316-2324);
@@ -67,16 +69,18 @@ class FlushOutput:
 
 
 class TokenizerManager:
-    """The parts of SGLang's TokenizerManager the backend touches."""
+    """The parts of SGLang's TokenizerManager the backend touches. Its handle loop runs on
+    the loop current where it is first needed (`get_or_create_event_loop`): the engine's."""
 
-    def __init__(self):
+    def __init__(self, loop):
         self.event_loop, self.gracefully_exit = None, False
         self._subprocess_watchdog = Watchdog()
+        self._loop = loop
 
     def auto_create_handle_loop(self):
         if self.event_loop is not None:
             return
-        loop = asyncio.new_event_loop()
+        loop = self._loop
         if threading.current_thread() is threading.main_thread():
             loop.add_signal_handler(signal.SIGTERM, self._sigterm)
             loop.add_signal_handler(signal.SIGQUIT, lambda: kill_process_tree(os.getpid()))
@@ -101,11 +105,14 @@ class FakeEngine:
             raise TypeError(f"Unexpected keyword argument '{unknown[0]}'")
         self.server_args, self.calls, self.queued, self.pushed = server_args, [], [], []
         self.abort, self.skipped, self.refuse, self.failing = set(), [], "", False
+        self.async_requests, self.batches, self._waiting, self.arrivals = [], [], 0, 0
         self.session, self.released = False, set()
         self.dtype = getattr(torch, server_args.get("dtype", "bfloat16"))
         shapes = _shapes(server_args["model_path"])
         self.weights = {name: torch.randn(shape).to(self.dtype) for name, shape in shapes.items()}
-        self.tokenizer_manager = TokenizerManager()
+        # Engine._ensure_event_loop (engine.py:1326): the thread's loop, or a new one
+        self.loop = asyncio.new_event_loop()
+        self.tokenizer_manager = TokenizerManager(self.loop)
         if threading.current_thread() is threading.main_thread():
             handler = server_args.get("custom_sigquit_handler")
             signal.signal(signal.SIGQUIT, handler or (lambda s, f: kill_process_tree(os.getpid())))
@@ -136,6 +143,80 @@ class FakeEngine:
             ][:1]
             outputs[i]["meta_info"]["finish_reason"] = {"type": "abort", "message": "Aborted"}
         return outputs
+
+    async def async_generate(
+        self,
+        prompt=None,
+        sampling_params=None,
+        input_ids=None,
+        image_data=None,
+        audio_data=None,
+        video_data=None,
+        mm_hashes=None,
+        mm_content_hashes=None,
+        return_logprob=False,
+        logprob_start_len=None,
+        top_logprobs_num=None,
+        token_ids_logprob=None,
+        lora_path=None,
+        custom_logit_processor=None,
+        require_reasoning=False,
+        return_hidden_states=False,
+        return_routed_experts=False,
+        routed_experts_start_len=0,
+        stream=False,
+        bootstrap_host=None,
+        bootstrap_port=None,
+        bootstrap_room=None,
+        routed_dp_rank=None,
+        disagg_prefill_dp_rank=None,
+        kv_hints=None,
+        data_parallel_rank=None,
+        external_trace_header=None,
+        rid=None,
+        session_params=None,
+        priority=None,
+        session_id=None,
+        *,
+        cache_salt=None,
+    ):
+        """0.5.21's signature (entrypoints/engine.py:523). One request (input_ids a list of
+        ints) -> one output dict; a batch (a list of lists) -> a list of them. The answer comes
+        from the tokenizer manager's handle loop: awaited on another event loop, a real engine
+        never answers (here: an AssertionError). Requests awaited together are batched:
+        `batches` records the size of each group that was waiting together."""
+        assert not stream, "flowrl reads whole answers"
+        self.calls.append(("async_generate", len(input_ids)))
+        self.tokenizer_manager.auto_create_handle_loop()
+        if asyncio.get_running_loop() is not self.tokenizer_manager.event_loop:
+            raise AssertionError("awaited on a loop other than the tokenizer manager's: hangs")
+        if self.scheduler.poll() is not None or self.failing:
+            os.kill(os.getpid(), signal.SIGQUIT)
+            await asyncio.sleep(2)
+            raise AssertionError("a real engine would wait forever for its dead scheduler")
+        assert not self.released, f"generate with {sorted(self.released)} released"
+        single = not input_ids or not isinstance(input_ids[0], list)
+        batch = [input_ids] if single else input_ids
+        self.async_requests.append((batch, sampling_params, return_logprob))
+        self._waiting += 1
+        await asyncio.sleep(0)  # the scheduler takes every request waiting at its step
+        if self._waiting:
+            self.batches.append(self._waiting)
+            self._waiting = 0
+        outputs = _made_up(batch, sampling_params)
+        if self.queued:  # scripted answers, one per request in the order they came
+            outputs = [self.queued[0].pop(0) for _ in batch]
+            self.queued = [q for q in self.queued if q]
+        for out in outputs:
+            self.arrivals += 1
+            if self.arrivals - 1 in self.abort:
+                out["output_ids"] = out["output_ids"][:1]
+                meta = out["meta_info"]
+                meta["output_token_logprobs"] = meta["output_token_logprobs"][:1]
+                meta["finish_reason"] = {"type": "abort", "message": "Aborted"}
+            if not return_logprob:
+                del out["meta_info"]["output_token_logprobs"]
+        return outputs[0] if single else outputs
 
     def begin_weight_update(self, selector="all"):
         self._request("begin", None)

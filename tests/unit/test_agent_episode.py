@@ -10,11 +10,11 @@ import pytest
 
 from flowrl.agent.chat import ChatTokens
 from flowrl.agent.driver import run_requests
-from flowrl.engines.rollout import run_sync
 from flowrl.agent.episode import Episode, Limits
 from flowrl.agent.interactions import FunctionInteraction
 from flowrl.agent.parsers import make_parser
 from flowrl.agent.tools import FunctionTool, Toolbox
+from flowrl.engines.rollout import run_sync
 from flowrl.testing import ScriptedTurns, tiny_tokenizer
 
 TOKENIZER = tiny_tokenizer()

@@ -40,8 +40,8 @@ from flowrl.testing import tiny_model, tiny_tokenizer, update_batch
 model, tokenizer = tiny_model(), tiny_tokenizer()
 prompts = torch.randint(3, 90, (2, 5))
 generate_batch(
-    HFRollout(model, tokenizer), prompts, torch.ones_like(prompts), n=2, max_new_tokens=4, temperature=1.0, top_p=1.0,
-    top_k=0, do_sample=True, seed=0,
+    HFRollout(model, tokenizer), prompts, torch.ones_like(prompts), n=2, max_new_tokens=4,
+    temperature=1.0, top_p=1.0, top_k=0, do_sample=True, seed=0,
 )
 rows = update_batch(b=4)
 for key in ("prompts", "prompt_mask"):

@@ -413,7 +413,9 @@ def test_greedy_rollout_matches_hf_generate_with_left_padding():
     batch = widen(ragged_rows(2, b=4, p=7), 2, 0)  # ragged prompts plus all-padding columns
     assert len(set(batch["prompt_mask"].sum(-1).tolist())) > 1
     engine = HFRollout(model, tok)
-    out = generate_batch(engine, batch["prompts"], batch["prompt_mask"], max_new_tokens=8, do_sample=False)
+    out = generate_batch(
+        engine, batch["prompts"], batch["prompt_mask"], max_new_tokens=8, do_sample=False
+    )
     ref = hf_greedy(model, tok, batch, 8)
     assert out["responses"].shape == (4, 8)
     for i in range(4):
@@ -448,7 +450,9 @@ def test_shared_prompt_prefix_runs_once_and_changes_nothing():
     engine, calls = HFRollout(model, tok), []
     forward = engine._forward
     engine._forward = lambda ids, *a: calls.append(tuple(ids.shape)) or forward(ids, *a)
-    out = generate_batch(engine, batch["prompts"], batch["prompt_mask"], max_new_tokens=6, do_sample=False)
+    out = generate_batch(
+        engine, batch["prompts"], batch["prompt_mask"], max_new_tokens=6, do_sample=False
+    )
     assert calls[:2] == [(1, 24), (4, width - 24)]  # the prefix once, then the rest per row
     ref = hf_greedy(model, tok, batch, 6)
     for i in range(4):

@@ -16,9 +16,10 @@ import torch
 from fake_sglang import FakeEngine
 
 from flowrl.engines import sglang_backend, sglang_process
-from flowrl.engines.rollout import RolloutBackend, make_rollout, rollout_class
+from flowrl.engines.batch import generate_batch
+from flowrl.engines.rollout import Result, RolloutBackend, make_rollout, rollout_class
 from flowrl.engines.sglang_backend import PushRefused, SGLangRollout
-from flowrl.engines.sglang_io import response_tensors, weight_buckets
+from flowrl.engines.sglang_io import request_result, weight_buckets
 from flowrl.testing import tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,12 +30,10 @@ def bf16_model():
     return tiny_model().to(torch.bfloat16)
 
 
-def reply(tokens, logprob) -> dict:
+def reply(tokens, logprob, finish="length") -> dict:
     """One request's output as SGLang gives it, every token with log-prob `logprob`."""
-    return {
-        "output_ids": tokens,
-        "meta_info": {"output_token_logprobs": [(logprob, t, None) for t in tokens]},
-    }
+    meta = {"output_token_logprobs": [(logprob, t, None) for t in tokens]}
+    return {"output_ids": tokens, "meta_info": {**meta, "finish_reason": {"type": finish}}}
 
 
 PUSH = ["begin", "update", "end", "flush"]  # a weight-update session, then a flush
@@ -46,7 +45,9 @@ def kinds(calls) -> list:
     verify mode's reads (they change nothing)."""
     out = []
     for kind, details in calls:
-        if kind == "get_weights" or (kind == "update" and out and out[-1] == "update"):
+        kind = "generate" if kind == "async_generate" else kind  # a rollout's requests
+        folded = kind in ("update", "generate") and out and out[-1] == kind
+        if kind == "get_weights" or folded:
             continue
         plain = kind in ("update", "flush", "generate", "begin", "end")
         out.append(kind if plain else (kind, details))
@@ -93,7 +94,7 @@ def test_its_methods_take_the_contracts_parameters_first_with_the_same_defaults(
     def params(fn):
         return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
 
-    for name in ("generate", "offload", "reload", "sync_weights"):
+    for name in ("generate", "release", "offload", "reload", "sync_weights"):
         contract = params(getattr(RolloutBackend, name))
         ours = params(getattr(SGLangRollout, name))
         assert ours[: len(contract)] == contract, name
@@ -129,57 +130,103 @@ def test_push_sends_every_parameter_in_buckets_then_flushes_once():
     engine.shutdown()
 
 
-def test_generate_strips_left_padding_repeats_each_prompt_n_times_and_maps_sampling(backend):
+def test_generate_sends_each_row_and_sample_as_a_request_and_maps_sampling(backend):
     prompts = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 4]])
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
-    backend.generate(prompts, mask, n=2, max_new_tokens=5, temperature=0.7, top_k=0, top_p=0.9)
-    assert backend.engine.requests == [[5, 6], [5, 6], [7, 8, 9, 4], [7, 8, 9, 4]]
+    generate_batch(
+        backend, prompts, mask, n=2, max_new_tokens=5, temperature=0.7, top_k=0, top_p=0.9
+    )
+    sent = backend.engine.async_requests
+    assert [ids for batch, _, _ in sent for ids in batch] == [[5, 6], [5, 6], [7, 8, 9, 4]] + [
+        [7, 8, 9, 4]
+    ]
+    assert backend.engine.batches == [4]  # issued together: one batch for SGLang's scheduler
     eos = tiny_tokenizer().eos_token_id
-    assert backend.engine.sampling == {
+    assert sent[-1][1] == {
         "max_new_tokens": 5,
         "temperature": 0.7,
         "top_p": 0.9,
         "top_k": -1,  # flowrl's 0 (off) is SGLang's -1
         "stop_token_ids": [eos],
     }
-    backend.generate(prompts, mask, max_new_tokens=5, do_sample=False, top_k=4, top_p=0.5)
-    greedy = backend.engine.sampling
+    generate_batch(backend, prompts, mask, max_new_tokens=5, do_sample=False, top_k=4, top_p=0.5)
+    greedy = backend.engine.async_requests[-1][1]
     assert (greedy["temperature"], greedy["top_k"], greedy["top_p"]) == (0.0, -1, 1.0)
-    backend.generate(prompts, mask, max_new_tokens=5, temperature=1.0, top_k=4)
-    assert backend.engine.sampling["top_k"] == 4
+    generate_batch(backend, prompts, mask, max_new_tokens=5, temperature=1.0, top_k=4)
+    assert backend.engine.async_requests[-1][1]["top_k"] == 4
 
 
-def test_responses_are_right_padded_with_the_mask_through_the_first_eos(backend):
-    eos, pad = 2, 0
-    outputs = [reply([5, 6, eos], -1.0), reply([7], -0.5), reply([8, eos, 9], -0.25)]
-    out = response_tensors(outputs, eos, pad, logprobs=True)
-    # row 0 stopped at EOS (kept, masked 1), row 1 hit the length, row 2's token after EOS goes
-    assert out["responses"].tolist() == [[5, 6, eos], [7, pad, pad], [8, eos, pad]]
-    assert out["response_mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
-    assert out["logprobs"].tolist() == [[-1.0, -1.0, -1.0], [-0.5, 0, 0], [-0.25, -0.25, 0]]
-    assert out["responses"].dtype == torch.long and out["logprobs"].dtype == torch.float32
-    assert response_tensors(outputs, eos, pad, logprobs=False).keys() == {
-        "responses",
-        "response_mask",
-    }
+def test_an_answer_is_cut_after_the_first_eos_with_its_log_probs_and_finish_reason():
+    eos = 2
+    assert request_result(reply([5, 6, eos], -1.0), eos, True) == Result(
+        [5, 6, eos], [-1.0] * 3, "length"
+    )
+    cut = request_result(reply([8, eos, 9], -0.25, "stop"), eos, True)
+    assert cut == Result([8, eos], [-0.25, -0.25], "stop")  # the token after EOS goes
+    assert request_result(reply([7], -0.5), eos, False).logprobs == [0.0]
 
 
 def test_generate_returns_the_engines_tokens_and_log_probs(backend):
     eos, pad = backend.eos, backend.pad
     backend.engine.queued.append([reply([11, eos], -1.5), reply([12, 13, 14], -2.0)])
     prompts, mask = torch.tensor([[4, 5]]), torch.ones(1, 2, dtype=torch.long)
-    out = backend.generate(prompts, mask, n=2, max_new_tokens=3, logprobs=True)
+    out = generate_batch(backend, prompts, mask, n=2, max_new_tokens=3, logprobs=True)
     assert out["responses"].tolist() == [[11, eos, pad], [12, 13, 14]]
     assert out["response_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
     assert out["logprobs"].tolist() == [[-1.5, -1.5, 0.0], [-2.0, -2.0, -2.0]]
-    empty = backend.generate(prompts, mask, n=2, max_new_tokens=0, logprobs=True)
+    empty = generate_batch(backend, prompts, mask, n=2, max_new_tokens=0, logprobs=True)
     assert [tuple(v.shape) for v in empty.values()] == [(2, 0)] * 3
 
 
 def test_mismatched_log_probs_are_an_error_not_a_silent_shift():
-    outputs = [{"output_ids": [5, 6], "meta_info": {"output_token_logprobs": [(-1.0, 5, None)]}}]
-    with pytest.raises(RuntimeError, match="2 tokens but 1 log-probs"):
-        response_tensors(outputs, eos=2, pad=0, logprobs=True)
+    output = {"output_ids": [5, 6], "meta_info": {"output_token_logprobs": [(-1.0, 5, None)]}}
+    with pytest.raises(RuntimeError, match="2 ids but 1 log-probs"):
+        request_result(output, eos=2, logprobs=True)
+
+
+def test_a_multi_turn_rollout_sends_each_turn_with_the_whole_conversation(backend):
+    """The agent driver on SGLang: every request is a task on the engine's loop; each turn
+    is one async_generate with the conversation so far (prompt, earlier turns, tool output),
+    which SGLang's radix cache extends."""
+    from flowrl.agent.chat import ChatTokens
+    from flowrl.agent.driver import run_requests
+    from flowrl.agent.episode import Episode, Limits
+    from flowrl.agent.parsers import user_parser
+    from flowrl.agent.tools import FunctionTool, Toolbox
+    from flowrl.engines.rollout import run_on
+
+    def echo(text: str) -> str:
+        """Echo.
+
+        Args:
+            text: anything.
+        """
+        return f"echo:{text}"
+
+    chat = ChatTokens(tiny_tokenizer())
+    box = Toolbox([])
+    box.tools, box.names = [FunctionTool(echo)], ["echo"]
+    calls = user_parser(lambda text: [("echo", {"text": text[:3]})])
+    prompts = [chat.encode([{"role": "user", "content": q}], True) for q in ("hi", "yo", "ok")]
+    limits = Limits(max_new_tokens=200, max_turn_tokens=5, max_assistant_turns=3)
+    episodes = [Episode(ids, chat, calls, box.open({}), limits) for ids in prompts]
+    stats = run_on(backend, run_requests(episodes, backend))
+    assert [e.reason for e in episodes] == ["max_turns"] * 3 and stats.turns == 9
+    sent = [batch[0] for batch, _, _ in backend.engine.async_requests]
+    for episode in episodes:
+        turns = [ids for ids in sent if ids[: len(episode.prompt_ids)] == episode.prompt_ids]
+        assert len(turns) == 3 and turns[0] == episode.prompt_ids
+        for earlier, later in zip(turns, turns[1:], strict=False):
+            assert later[: len(earlier)] == earlier  # a turn extends the conversation
+        assert episode.prompt_ids + episode.ids[: len(turns[2]) - len(turns[0])] == turns[2]
+        assert episode.mask.count(0) > 0  # tool output inside the response
+
+
+def test_forced_first_turns_are_refused_with_the_backend_to_use(backend):
+    from flowrl.engines.rollout import Request, run_on
+
+    with pytest.raises(ValueError, match='need rollout = "hf"'):
+        run_on(backend, backend.generate(Request([4, 5], 3, forced=[6])))
 
 
 def test_offload_releases_and_reload_resumes_weights_pushes_then_the_kv_cache(backend):
@@ -203,7 +250,8 @@ def test_offload_releases_and_reload_resumes_weights_pushes_then_the_kv_cache(ba
 def test_generate_never_runs_on_released_memory(backend):
     backend.offload(("weights", "kv_cache"))
     backend.engine.calls.clear()
-    backend.generate(torch.tensor([[4, 5]]), torch.ones(1, 2, dtype=torch.long), max_new_tokens=2)
+    ids, mask = torch.tensor([[4, 5]]), torch.ones(1, 2, dtype=torch.long)
+    generate_batch(backend, ids, mask, max_new_tokens=2)
     assert kinds(backend.engine.calls) == [*RESUME_ALL, "generate"]
 
 
@@ -515,8 +563,8 @@ def test_a_32_bit_model_is_refused_by_check_and_by_the_backend():
 def test_an_aborted_request_raises_instead_of_passing_for_a_short_response(backend):
     backend.engine.abort = {1}
     prompts, mask = torch.tensor([[4, 5]]), torch.ones(1, 2, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="SGLang aborted request 1 of 2 on device cuda:3"):
-        backend.generate(prompts, mask, n=2, max_new_tokens=4, logprobs=True)
+    with pytest.raises(RuntimeError, match="request 1 of 2 was aborted after 1 tokens"):
+        generate_batch(backend, prompts, mask, n=2, max_new_tokens=4, logprobs=True)
 
 
 def test_sglangs_signal_handlers_are_replaced_by_flowrls():
@@ -526,7 +574,7 @@ def test_sglangs_signal_handlers_are_replaced_by_flowrls():
     previous = signal.signal(signal.SIGTERM, own_term)
     try:
         engine = build()
-        engine.generate(torch.tensor([[4, 5]]), torch.ones(1, 2, dtype=torch.long))
+        generate_batch(engine, torch.tensor([[4, 5]]), torch.ones(1, 2, dtype=torch.long))
         # SGLang's asyncio handlers (drain on SIGTERM, kill the tree on SIGQUIT) are gone
         assert signal.getsignal(signal.SIGTERM) is own_term
         assert signal.getsignal(signal.SIGQUIT) is sglang_process.on_sigquit
@@ -546,12 +594,12 @@ from flowrl.runtime import controller, guards, pool_worker
 
 class Dying(FakeEngine):  # its scheduler dies while serving the second generate (an OOM)
     generates = 0
-    def generate(self, *args, **kwargs):
+    async def async_generate(self, *args, **kwargs):
         Dying.generates += 1
-        if Dying.generates == 2:
+        if Dying.generates == 5:  # the second step's first request (4 requests a step)
             self.scheduler.kill()
             self.scheduler.wait()
-        return super().generate(*args, **kwargs)
+        return await super().async_generate(*args, **kwargs)
 
 sglang_backend.sglang_engine = Dying
 __import__("os").environ["FLOWRL_SGLANG_VERIFY"] = "1"
@@ -697,7 +745,7 @@ def test_a_scheduler_exception_reported_by_sigquit_raises_in_the_waiting_call():
     engine.engine.failing = True
     prompts, mask = torch.tensor([[4, 5]]), torch.ones(1, 2, dtype=torch.long)
     with pytest.raises(sglang_process.EngineDied, match="an SGLang child reported a failure"):
-        engine.generate(prompts, mask, max_new_tokens=2)
+        generate_batch(engine, prompts, mask, max_new_tokens=2)
     assert engine.engine.scheduler.poll() is None  # it had not exited
     with pytest.raises(sglang_process.EngineDied):  # and the engine stays refused
         engine.offload(("kv_cache",))
