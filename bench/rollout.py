@@ -1,0 +1,249 @@
+"""Rollout engines side by side, in one process on SmolLM2-135M: the lockstep path before the
+request contract (bench/legacy_rollout.py: waves, a batch decode loop) against the
+continuous-batching engine (flowrl/engines/scheduler.py), repetitions alternated.
+
+    python bench/rollout.py multi_turn [--rows 16] [--repeats 3]
+    python bench/rollout.py single_turn [--prompts 16] [--n 2] [--repeats 3]
+    python bench/rollout.py cache [--rows 16] [--repeats 3]
+
+multi_turn: the calculator prompts; request i's tool answers after a latency fixed per row,
+i / (rows - 1) seconds (0 to 1 s), and request i makes 1 + i % 4 calls (the parser calls the
+tool on each of its first turns, whatever the text: the number of calls is the workload's, not
+the model's choice); greedy, at most 24 tokens a turn. Both paths run the same episodes (the
+state machine of flowrl/agent/episode.py); wall time per rollout.
+single_turn: sampled responses (temperature 1, up to --new tokens) of uneven lengths; tokens
+per second of the old batch decode loop and of `generate_batch` on the new engine.
+cache: the multi_turn workload without tool latency on the new engine, each request's KV kept
+between turns (its slot, by request id) against re-prefilling the whole conversation each
+turn (keep = False); prompt tokens prefilled and wall time.
+
+Prints and writes bench/results/rollout_<mode>.json (every repetition and the medians).
+"""
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from legacy_rollout import LegacyRollout, WaveRollout, run_waves  # noqa: E402
+
+from flowrl.agent.chat import ChatTokens  # noqa: E402
+from flowrl.agent.driver import run_requests  # noqa: E402
+from flowrl.agent.episode import Episode, Limits  # noqa: E402
+from flowrl.agent.parsers import user_parser  # noqa: E402
+from flowrl.agent.tools import FunctionTool, Toolbox  # noqa: E402
+from flowrl.data.calculator import calculator_rows  # noqa: E402
+from flowrl.engines import HFRollout  # noqa: E402
+from flowrl.engines.batch import generate_batch  # noqa: E402
+from flowrl.engines.rollout import Sampling, run_on  # noqa: E402
+from flowrl.models import load_model  # noqa: E402
+
+LIMITS = Limits(
+    max_new_tokens=256,
+    max_turn_tokens=24,
+    max_assistant_turns=5,
+    max_obs_tokens=16,
+    tool_timeout_s=10.0,
+)
+GREEDY = Sampling(do_sample=False)
+
+
+async def wait(seconds: float) -> str:
+    """Answer after `seconds` (a tool whose latency is the row's).
+
+    Args:
+        seconds: how long the tool takes.
+    """
+    await asyncio.sleep(seconds)
+    return "42"
+
+
+def calls_first(turns: int, seconds: float):
+    """A parser that calls the tool on each of the first `turns` turns, then on none."""
+    made = [0]
+
+    def parse(text: str):
+        if made[0] >= turns:
+            return []
+        made[0] += 1
+        return [("wait", {"seconds": seconds})]
+
+    return user_parser(parse)
+
+
+def prompts_of(tokenizer, rows: int) -> list[list[int]]:
+    chat = ChatTokens(tokenizer)
+    return [chat.encode(r["prompt"], True) for r in calculator_rows("validation", rows)]
+
+
+def episodes_of(tokenizer, ids: list[list[int]], latency: bool) -> list[Episode]:
+    chat, box = ChatTokens(tokenizer), Toolbox([])
+    box.tools, box.names = [FunctionTool(wait)], ["wait"]
+    out = []
+    for i, prompt in enumerate(ids):
+        seconds = i / max(len(ids) - 1, 1) if latency else 0.0
+        parser = calls_first(1 + i % 4, seconds)
+        out.append(Episode(prompt, chat, parser, box.open({}), LIMITS))
+    return out
+
+
+def left_padded(ids: list[list[int]], pad: int):
+    width = max(len(x) for x in ids)
+    out, mask = torch.full((len(ids), width), pad), torch.zeros(len(ids), width, dtype=torch.long)
+    for k, x in enumerate(ids):
+        out[k, width - len(x) :], mask[k, width - len(x) :] = torch.tensor(x), 1
+    return out, mask
+
+
+def waves(model, tokenizer, ids, latency=True) -> tuple[float, list]:
+    episodes = episodes_of(tokenizer, ids, latency)
+    start = time.perf_counter()
+    engine = LegacyRollout(model, tokenizer)
+    wave = WaveRollout(engine, do_sample=False)
+    prompts, mask = left_padded(ids, engine.pad)
+    wave.start(prompts, mask, 1, LIMITS.max_new_tokens)
+    asyncio.run(run_waves(episodes, wave))
+    wave.close()
+    return time.perf_counter() - start, episodes
+
+
+class Forgetful:
+    """The new engine with every turn re-prefilled: no request keeps its KV."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def generate(self, request):
+        return await self.engine.generate(attrs.evolve(request, keep=False))
+
+    def release(self, request_id):
+        self.engine.release(request_id)
+
+
+def requests(model, tokenizer, ids, latency=True, keep=True) -> tuple[float, list]:
+    episodes = episodes_of(tokenizer, ids, latency)
+    start = time.perf_counter()
+    engine = HFRollout(model, tokenizer)
+    backend = engine if keep else Forgetful(engine)
+    run_on(engine, run_requests(episodes, backend, GREEDY))
+    seconds = time.perf_counter() - start
+    engine.idle()
+    return seconds, episodes, dict(engine.scheduler.counts)
+
+
+def describe(episodes) -> dict:
+    return {
+        "policy_tokens": sum(sum(e.mask) for e in episodes),
+        "tool_calls": sum(len(e.calls) for e in episodes),
+        "turns_per_request": round(sum(len(e.turn_texts) for e in episodes) / len(episodes), 2),
+        "reasons": sorted({e.reason for e in episodes}),
+    }
+
+
+def multi_turn(model, tokenizer, args) -> dict:
+    ids = prompts_of(tokenizer, args.rows)
+    old, new, last = [], [], {}
+    for _ in range(args.repeats):
+        seconds, episodes = waves(model, tokenizer, ids)
+        old.append(seconds)
+        last["waves"] = episodes
+        seconds, episodes, _ = requests(model, tokenizer, ids)
+        new.append(seconds)
+        last["requests"] = episodes
+    same = sum(a.ids == b.ids for a, b in zip(last["waves"], last["requests"], strict=True))
+    return {
+        "waves_s": old,
+        "requests_s": new,
+        "waves_median_s": statistics.median(old),
+        "requests_median_s": statistics.median(new),
+        "speedup": round(statistics.median(old) / statistics.median(new), 2),
+        "identical_rows": f"{same}/{len(ids)}",
+        "waves": describe(last["waves"]),
+        "requests": describe(last["requests"]),
+    }
+
+
+def single_turn(model, tokenizer, args) -> dict:
+    ids = prompts_of(tokenizer, args.prompts)
+    prompts, mask = left_padded(ids, tokenizer.pad_token_id or tokenizer.eos_token_id)
+    kwargs = dict(n=args.n, max_new_tokens=args.new, temperature=1.0)
+    old, new, lengths = [], [], {}
+    for rep in range(args.repeats):
+        engine = LegacyRollout(model, tokenizer)
+        start = time.perf_counter()
+        out = engine.generate(
+            prompts, mask, generator=torch.Generator().manual_seed(rep), **kwargs
+        )
+        old.append((time.perf_counter() - start, int(out["response_mask"].sum())))
+        lengths["loop"] = out["response_mask"].sum(-1).tolist()
+        engine = HFRollout(model, tokenizer)
+        start = time.perf_counter()
+        out = generate_batch(engine, prompts, mask, seed=rep, **kwargs)
+        new.append((time.perf_counter() - start, int(out["response_mask"].sum())))
+        lengths["requests"] = out["response_mask"].sum(-1).tolist()
+    rate = [[round(t / s, 1) for s, t in runs] for runs in (old, new)]
+    return {
+        "loop_s_tokens": old,
+        "requests_s_tokens": new,
+        "loop_tokens_per_s": rate[0],
+        "requests_tokens_per_s": rate[1],
+        "loop_median_tokens_per_s": statistics.median(rate[0]),
+        "requests_median_tokens_per_s": statistics.median(rate[1]),
+        "ratio": round(statistics.median(rate[1]) / statistics.median(rate[0]), 2),
+        "last_lengths": lengths,
+    }
+
+
+def cache(model, tokenizer, args) -> dict:
+    ids = prompts_of(tokenizer, args.rows)
+    kept, again = [], []
+    for _ in range(args.repeats):
+        seconds, episodes, counts = requests(model, tokenizer, ids, latency=False)
+        kept.append((seconds, counts["prefill_tokens"]))
+        seconds, _, counts = requests(model, tokenizer, ids, latency=False, keep=False)
+        again.append((seconds, counts["prefill_tokens"]))
+    median = [statistics.median(s for s, _ in runs) for runs in (kept, again)]
+    return {
+        "kept_s_prefilled": kept,
+        "reprefill_s_prefilled": again,
+        "kept_median_s": median[0],
+        "reprefill_median_s": median[1],
+        "speedup": round(median[1] / median[0], 2),
+        "prefilled_tokens": {"kept": kept[-1][1], "reprefill": again[-1][1]},
+        "workload": describe(episodes),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["multi_turn", "single_turn", "cache"])
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=2)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help='"tiny": a smoke test')
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    model.eval()
+    run = {"multi_turn": multi_turn, "single_turn": single_turn, "cache": cache}[args.mode]
+    result = {"mode": args.mode, "args": vars(args), "limits": str(LIMITS)}
+    result.update(run(model, tokenizer, args))
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.model != "tiny":
+        Path(args.out, f"rollout_{args.mode}.json").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
