@@ -7,10 +7,12 @@ continuous-batching engine (flowrl/engines/scheduler.py), repetitions alternated
     python bench/rollout.py cache [--rows 16] [--repeats 3]
 
 multi_turn: the calculator prompts; request i's tool answers after a latency fixed per row,
-i / (rows - 1) seconds (0 to 1 s), and request i makes 1 + i % 4 calls (the parser calls the
-tool on each of its first turns, whatever the text: the number of calls is the workload's, not
-the model's choice); greedy, at most 24 tokens a turn. Both paths run the same episodes (the
-state machine of flowrl/agent/episode.py); wall time per rollout.
+uniform in 0 to 1 s, and request i makes 1 to 4 calls (uniform), both drawn independently
+from a seeded generator (`--assign ordered`: latency i / (rows - 1) and 1 + i % 4 calls, so
+the slowest tool is also among the most called); the parser calls the tool on each of the
+request's first turns, whatever the text (the number of calls is the workload's, not the
+model's choice); greedy (`--sample`: temperature 1), at most 24 tokens a turn. Both paths run
+the same episodes (the state machine of flowrl/agent/episode.py); wall time per rollout.
 single_turn: sampled responses (temperature 1, up to --new tokens) of uneven lengths; tokens
 per second of the old batch decode loop and of `generate_batch` on the new engine.
 cache: the multi_turn workload without tool latency on the new engine, each request's KV kept
@@ -23,6 +25,7 @@ Prints and writes bench/results/rollout_<mode>.json (every repetition and the me
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import sys
 import time
@@ -52,7 +55,7 @@ LIMITS = Limits(
     max_obs_tokens=16,
     tool_timeout_s=10.0,
 )
-GREEDY = Sampling(do_sample=False)
+SAMPLING = {"value": Sampling(do_sample=False)}
 
 
 async def wait(seconds: float) -> str:
@@ -83,13 +86,23 @@ def prompts_of(tokenizer, rows: int) -> list[list[int]]:
     return [chat.encode(r["prompt"], True) for r in calculator_rows("validation", rows)]
 
 
+def workload(rows: int, assign: str) -> list[tuple[int, float]]:
+    """(calls, tool latency in s) per request."""
+    if assign == "ordered":
+        return [(1 + i % 4, i / max(rows - 1, 1)) for i in range(rows)]
+    draw = random.Random(0)
+    return [(draw.randint(1, 4), round(draw.random(), 3)) for _ in range(rows)]
+
+
+ASSIGN = {"value": "random"}
+
+
 def episodes_of(tokenizer, ids: list[list[int]], latency: bool) -> list[Episode]:
     chat, box = ChatTokens(tokenizer), Toolbox([])
     box.tools, box.names = [FunctionTool(wait)], ["wait"]
     out = []
-    for i, prompt in enumerate(ids):
-        seconds = i / max(len(ids) - 1, 1) if latency else 0.0
-        parser = calls_first(1 + i % 4, seconds)
+    for prompt, (calls, seconds) in zip(ids, workload(len(ids), ASSIGN["value"]), strict=True):
+        parser = calls_first(calls, seconds if latency else 0.0)
         out.append(Episode(prompt, chat, parser, box.open({}), LIMITS))
     return out
 
@@ -102,11 +115,15 @@ def left_padded(ids: list[list[int]], pad: int):
     return out, mask
 
 
-def waves(model, tokenizer, ids, latency=True) -> tuple[float, list]:
+def waves(model, tokenizer, ids, latency=True, seed=0) -> tuple[float, list]:
     episodes = episodes_of(tokenizer, ids, latency)
     start = time.perf_counter()
     engine = LegacyRollout(model, tokenizer)
-    wave = WaveRollout(engine, do_sample=False)
+    s = SAMPLING["value"]
+    generator = torch.Generator().manual_seed(seed)
+    wave = WaveRollout(
+        engine, do_sample=s.do_sample, temperature=s.temperature, generator=generator
+    )
     prompts, mask = left_padded(ids, engine.pad)
     wave.start(prompts, mask, 1, LIMITS.max_new_tokens)
     asyncio.run(run_waves(episodes, wave))
@@ -127,12 +144,13 @@ class Forgetful:
         self.engine.release(request_id)
 
 
-def requests(model, tokenizer, ids, latency=True, keep=True) -> tuple[float, list]:
+def requests(model, tokenizer, ids, latency=True, keep=True, seed=0) -> tuple[float, list]:
     episodes = episodes_of(tokenizer, ids, latency)
     start = time.perf_counter()
     engine = HFRollout(model, tokenizer)
     backend = engine if keep else Forgetful(engine)
-    run_on(engine, run_requests(episodes, backend, GREEDY))
+    seeds = [seed * 1000 + k for k in range(len(episodes))]
+    run_on(engine, run_requests(episodes, backend, SAMPLING["value"], seeds))
     seconds = time.perf_counter() - start
     engine.idle()
     return seconds, episodes, dict(engine.scheduler.counts)
@@ -149,14 +167,16 @@ def describe(episodes) -> dict:
 
 def multi_turn(model, tokenizer, args) -> dict:
     ids = prompts_of(tokenizer, args.rows)
-    old, new, last = [], [], {}
-    for _ in range(args.repeats):
-        seconds, episodes = waves(model, tokenizer, ids)
+    old, new, last, tokens = [], [], {}, {"waves": [], "requests": []}
+    for rep in range(args.repeats):
+        seconds, episodes = waves(model, tokenizer, ids, seed=rep)
         old.append(seconds)
         last["waves"] = episodes
-        seconds, episodes, _ = requests(model, tokenizer, ids)
+        tokens["waves"].append(sum(sum(e.mask) for e in episodes))
+        seconds, episodes, _ = requests(model, tokenizer, ids, seed=rep)
         new.append(seconds)
         last["requests"] = episodes
+        tokens["requests"].append(sum(sum(e.mask) for e in episodes))
     same = sum(a.ids == b.ids for a, b in zip(last["waves"], last["requests"], strict=True))
     return {
         "waves_s": old,
@@ -165,6 +185,8 @@ def multi_turn(model, tokenizer, args) -> dict:
         "requests_median_s": statistics.median(new),
         "speedup": round(statistics.median(old) / statistics.median(new), 2),
         "identical_rows": f"{same}/{len(ids)}",
+        "policy_tokens_per_repeat": tokens,
+        "workload_calls_latency": workload(len(ids), ASSIGN["value"]),
         "waves": describe(last["waves"]),
         "requests": describe(last["requests"]),
     }
@@ -178,9 +200,7 @@ def single_turn(model, tokenizer, args) -> dict:
     for rep in range(args.repeats):
         engine = LegacyRollout(model, tokenizer)
         start = time.perf_counter()
-        out = engine.generate(
-            prompts, mask, generator=torch.Generator().manual_seed(rep), **kwargs
-        )
+        out = engine.generate(prompts, mask, generator=torch.Generator().manual_seed(rep), **kwargs)
         old.append((time.perf_counter() - start, int(out["response_mask"].sum())))
         lengths["loop"] = out["response_mask"].sum(-1).tolist()
         engine = HFRollout(model, tokenizer)
@@ -230,10 +250,15 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--assign", choices=["random", "ordered"], default="random")
+    parser.add_argument("--sample", action="store_true", help="temperature 1, not greedy")
     parser.add_argument("--model", default="smollm2-135m-instruct", help='"tiny": a smoke test')
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    ASSIGN["value"] = args.assign
+    if args.sample:
+        SAMPLING["value"] = Sampling(temperature=1.0)
     model, tokenizer = load_model(args.model)
     model.eval()
     run = {"multi_turn": multi_turn, "single_turn": single_turn, "cache": cache}[args.mode]
@@ -242,7 +267,10 @@ def main() -> None:
     text = json.dumps(result, indent=1)
     print(text)
     if args.model != "tiny":
-        Path(args.out, f"rollout_{args.mode}.json").write_text(text + "\n")
+        suffix = ("_" + args.assign if args.mode == "multi_turn" else "") + (
+            "_sampled" if args.sample else ""
+        )
+        Path(args.out, f"rollout_{args.mode}{suffix}.json").write_text(text + "\n")
 
 
 if __name__ == "__main__":
