@@ -184,8 +184,8 @@ def test_cispo_matches_loop(seed):
     total, count, weights = 0.0, int(mask.sum()), torch.zeros(mask.shape)
     for i, tokens in enumerate(rows(mask)):
         for k in tokens:
-            w = min(max(math.exp(float(logp[i, k] - old[i, k])), 0.9), 1.2)
-            total += -w * float(adv[i, k]) * float(logp[i, k])
+            w = min(max(math.exp(float(logp[i, k].detach() - old[i, k])), 0.9), 1.2)
+            total += -w * float(adv[i, k]) * float(logp[i, k].detach())
             weights[i, k] = w
     loss, _ = cispo_loss(logp, old, adv, mask, P(clip_low=0.1, clip_high=0.2), Chunk())
     assert float(loss.detach()) == pytest.approx(total / count, rel=1e-5)
@@ -210,7 +210,7 @@ def test_gpg_matches_loop(seed):
     logp, _, adv, mask = random_inputs(seed)
     per_row = []
     for i, tokens in enumerate(rows(mask)):
-        per_row.append(sum(-float(adv[i, k]) * float(logp[i, k]) for k in tokens))
+        per_row.append(sum(-float(adv[i, k]) * float(logp[i, k].detach()) for k in tokens))
     params = P(agg="seq-mean-token-sum-norm")
     loss, _ = gpg_loss(logp, None, adv, mask, params, Chunk(norm_length=10))
     assert float(loss.detach()) == pytest.approx(sum(per_row) / 10 / len(per_row), rel=1e-5)
@@ -243,13 +243,15 @@ def test_gmpo_matches_loop(seed):
         a = float(adv[i, tokens[0]])  # constant over the row
         kept = []
         for k in tokens:
-            raw = float(logp[i, k] - old[i, k])
+            raw = float(logp[i, k].detach() - old[i, k])
             clipped = min(max(raw, -0.3), 0.25)
             kept.append(min(raw, clipped) if a > 0 else max(raw, clipped))
         ratio = math.exp(sum(kept) / len(tokens))
         total += -a * ratio
         for k, value in zip(tokens, kept, strict=True):
-            if value == float(logp[i, k] - old[i, k]):  # unclipped: d/dlogp = -A ratio / |y|
+            if value == float(
+                logp[i, k].detach() - old[i, k]
+            ):  # unclipped: d/dlogp = -A ratio / |y|
                 expected_grad[i, k] = -a * ratio / len(tokens) / mask.shape[0]
     loss, _ = gmpo_loss(logp, old, adv, mask, P(clip_low=0.3, clip_high=0.25), Chunk())
     assert float(loss.detach()) == pytest.approx(total / mask.shape[0], rel=1e-5)
@@ -278,7 +280,7 @@ def test_sapo_matches_loop(seed):
     total, expected_grad = 0.0, torch.zeros(mask.shape)
     for i, tokens in enumerate(rows(mask)):
         for k in tokens:
-            a, r = float(adv[i, k]), math.exp(float(logp[i, k] - old[i, k]))
+            a, r = float(adv[i, k]), math.exp(float(logp[i, k].detach() - old[i, k]))
             tau = 0.5 if a > 0 else 2.0
             s = 1 / (1 + math.exp(-tau * (r - 1)))
             total += -(4 / tau) * s * a / len(tokens)
@@ -342,14 +344,14 @@ def test_clip_cov_matches_loop(seed):
     logp, old, adv, mask = random_inputs(seed)
     adv = adv * 6  # spread covariances over the (1, 5) band
     cells = [(i, k) for i, tokens in enumerate(rows(mask)) for k in tokens]
-    mean_logp = sum(float(logp[c]) for c in cells) / len(cells)
+    mean_logp = sum(float(logp[c].detach()) for c in cells) / len(cells)
     mean_adv = sum(float(adv[c]) for c in cells) / len(cells)
     total, expected_grad, picked = 0.0, torch.zeros(mask.shape), 0
     for c in cells:
-        a, r = float(adv[c]), math.exp(float(logp[c] - old[c]))
+        a, r = float(adv[c]), math.exp(float(logp[c].detach() - old[c]))
         unclipped, clipped = -a * r, -a * min(max(r, 0.8), 1.2)
         total += max(unclipped, clipped)
-        cov = (float(logp[c]) - mean_logp) * (a - mean_adv)
+        cov = (float(logp[c].detach()) - mean_logp) * (a - mean_adv)
         if clipped > unclipped:
             continue
         if 1.0 < cov < 5.0:
@@ -380,13 +382,15 @@ def test_kl_cov_hand_example():
 def test_kl_cov_matches_loop(seed):
     logp, old, adv, mask = random_inputs(seed)
     cells = [(i, k) for i, tokens in enumerate(rows(mask)) for k in tokens]
-    mean_logp = sum(float(logp[c]) for c in cells) / len(cells)
+    mean_logp = sum(float(logp[c].detach()) for c in cells) / len(cells)
     mean_adv = sum(float(adv[c]) for c in cells) / len(cells)
-    by_cov = sorted(cells, key=lambda c: -(float(logp[c]) - mean_logp) * (float(adv[c]) - mean_adv))
+    by_cov = sorted(
+        cells, key=lambda c: -(float(logp[c].detach()) - mean_logp) * (float(adv[c]) - mean_adv)
+    )
     top = set(by_cov[: int(0.2 * len(cells))])
     total = 0.0
     for c in cells:
-        log_ratio = float(logp[c] - old[c])
+        log_ratio = float(logp[c].detach() - old[c])
         total += -float(adv[c]) * math.exp(log_ratio) + (0.5 * abs(log_ratio) if c in top else 0)
     loss, _ = kl_cov_loss(logp, old, adv, mask, P(cov_ratio=0.2, cov_kl_coef=0.5), Chunk())
     assert float(loss.detach()) == pytest.approx(total / len(cells), rel=1e-5)
@@ -433,7 +437,7 @@ LOSSES = {
 def test_extreme_log_ratios_give_finite_loss_and_gradients(name):
     logp, old, adv, mask = extreme_inputs()
     loss = LOSSES[name](logp, old, adv, mask)
-    assert torch.isfinite(loss), f"{name}: loss {float(loss)}"
+    assert torch.isfinite(loss), f"{name}: loss {float(loss.detach())}"
     grad = grad_of(loss, logp)
     assert torch.isfinite(grad).all(), f"{name}: gradient {grad}"
 
