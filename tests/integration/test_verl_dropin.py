@@ -30,33 +30,43 @@ QUESTION = re.compile(r"sells (\d+) boxes of (\d+) pencils and (\d+) loose")
 
 
 class HermesPolicy:
-    """Stands in for the wave engine: request i reads its question from the prompt; turn 1
-    calls calc_gsm8k_reward, later turns write "#### answer". Even requests answer right,
-    odd ones one too many (validation samples once: request i is row i, all right)."""
+    """Stands in for the rollout engine (the request contract): a request reads its question
+    from its conversation; turn 0 calls calc_gsm8k_reward, later turns write "#### answer".
+    Greedy requests (validation) and requests of even seed answer right, the others one too
+    many; `wrong` records the request ids that answered wrong."""
 
-    def __init__(self, engine, **kwargs):
-        self.tokenizer = engine.tokenizer
+    wrong: set = set()
 
-    def start(self, prompts, prompt_mask, n, reserve_tokens):
-        self.answers, self.turns = [], {}
-        for row in range(len(prompts)):
-            text = self.tokenizer.decode(prompts[row][prompt_mask[row].bool()])
-            a, b, c = map(int, QUESTION.findall(text)[-1])
-            self.answers += [a * b + c + (k % 2) for k in range(n)]
+    def __init__(self, module, tokenizer, device="cpu"):
+        self.tokenizer, self.device = tokenizer, device
+        self.pad = tokenizer.pad_token_id
 
-    def turn(self, rows, append, limits):
-        out = []
-        for i, limit in zip(rows, limits, strict=True):
-            k, answer = self.turns.get(i, 0), self.answers[i]
-            self.turns[i] = k + 1
-            call = {"name": "calc_gsm8k_reward", "arguments": {"answer": str(answer)}}
-            text = f"<tool_call>{json.dumps(call)}</tool_call>" if k == 0 else f"#### {answer}"
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            ids = (ids + [self.tokenizer.eos_token_id])[:limit]
-            out.append((ids, [-1.0] * len(ids)))
-        return out
+    async def generate(self, request):
+        from flowrl.engines.rollout import Result
 
-    def close(self):
+        text = self.tokenizer.decode(list(request.ids))
+        a, b, c = map(int, QUESTION.findall(text)[-1])
+        off = 0 if request.sampling.greedy or request.seed % 2 == 0 else 1
+        if off:
+            HermesPolicy.wrong.add(request.request_id)
+        answer = a * b + c + off
+        call = {"name": "calc_gsm8k_reward", "arguments": {"answer": str(answer)}}
+        reply = f"<tool_call>{json.dumps(call)}</tool_call>" if request.turn == 0 else ""
+        reply = reply or f"#### {answer}"
+        ids = self.tokenizer(reply, add_special_tokens=False)["input_ids"]
+        ids = (ids + [self.tokenizer.eos_token_id])[: request.max_new_tokens]
+        return Result(ids, [-1.0] * len(ids), "stop")
+
+    def release(self, request_id):
+        pass
+
+    def offload(self, parts):
+        pass
+
+    def reload(self, parts):
+        pass
+
+    def sync_weights(self, source):
         pass
 
 
@@ -72,7 +82,8 @@ def test_verls_gsm8k_recipe_runs_as_it_is(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["build_data.py", "--out", str(example)])
     build_data.main()
     (tmp_path / "scorer.py").write_text(SCORER)
-    monkeypatch.setattr("flowrl.engines.wave_rollout.WaveRollout", HermesPolicy)
+    monkeypatch.setattr("flowrl.engines.hf_rollout.HFRollout", HermesPolicy)
+    HermesPolicy.wrong.clear()
     overrides = [
         f'run.out_dir="{tmp_path / "runs"}"',
         f'nodes.reward.scorer="{tmp_path / "scorer.py"}:compute_score"',
@@ -88,8 +99,14 @@ def test_verls_gsm8k_recipe_runs_as_it_is(tmp_path, monkeypatch):
     infos = [s["extra_info"] for s in seen]
     right = [i for i in infos if i["rollout_reward_scores"]["calc_gsm8k_reward"] == 1.0]
     wrong = [i for i in infos if i not in right]
-    # 2 training steps x 8 requests, half right; validation (4 rows, 1 sample: all right) x 2
-    assert (len(right), len(wrong)) == (8 + 8, 8)
+    # 2 training steps x 8 requests, the policy's wrong ones wrong; validation (4 rows, 1
+    # sample, greedy: all right) x 2
+    trained = 2 * 8
+    assert 0 < len(HermesPolicy.wrong) < trained
+    assert (len(right), len(wrong)) == (
+        trained - len(HermesPolicy.wrong) + 8,
+        len(HermesPolicy.wrong),
+    )
     # right: call, tool round, "#### x", the interaction says correct and ends the request:
     # verl's num_turns = 2 assistant + 2 user (the tool round and the reply) + 1
     for info in right:
@@ -106,14 +123,17 @@ def test_verls_gsm8k_recipe_runs_as_it_is(tmp_path, monkeypatch):
     run_dir = next((tmp_path / "runs").iterdir())
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [s for s in steps if "score/mean" in s]
-    assert [s["score/mean"] for s in train] == [0.5, 0.5]  # the right half score 1
-    assert all(s["generate/termination/interaction_done"] == 0.5 for s in train)
-    assert all(s["generate/termination/max_turns"] == 0.5 for s in train)
+    # the right ones score 1, end with the interaction's done; the wrong ones hit max_turns
+    assert sum(s["score/mean"] for s in train) * 8 == trained - len(HermesPolicy.wrong)
+    for s in train:
+        assert s["generate/termination/interaction_done"] == s["score/mean"]
+        assert s["generate/termination/max_turns"] == 1 - s["score/mean"]
     assert all(s["generate/requests_trained"] == 1.0 for s in train)
     assert [s["val/score"] for s in steps if "val/score" in s] == [1.0, 1.0]
-    sample = json.loads((run_dir / "samples.jsonl").read_text().splitlines()[0])
-    assert "Current parsed answer=" in sample["conversation"][1]["content"]
-    assert sample["conversation"][-1] == {"role": "user", "content": "Your response is correct!"}
+    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert all("Current parsed answer=" in s["conversation"][1]["content"] for s in samples)
+    ends = {s["termination"]: s["conversation"][-1] for s in samples}
+    assert ends["interaction_done"] == {"role": "user", "content": "Your response is correct!"}
     # every tool instance and every interaction instance was released
     (setup,) = [s for s in agent_rows._SETUPS.values() if s.interactions.get("gsm8k")]
     assert setup.toolbox.tools[0].tool._instance_dict == {}
