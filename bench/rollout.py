@@ -13,8 +13,9 @@ the slowest tool is also among the most called); the parser calls the tool on ea
 request's first turns, whatever the text (the number of calls is the workload's, not the
 model's choice); greedy (`--sample`: temperature 1), at most 24 tokens a turn. Both paths run
 the same episodes (the state machine of flowrl/agent/episode.py); wall time per rollout.
-single_turn: sampled responses (temperature 1, up to --new tokens) of uneven lengths; tokens
-per second of the old batch decode loop and of `generate_batch` on the new engine.
+single_turn: sampled responses (temperature 1, up to --new tokens; `--greedy`: greedy, the
+same tokens on both paths) of uneven lengths; tokens per second of the old batch decode loop
+and of `generate_batch` on the new engine.
 cache: the multi_turn workload without tool latency on the new engine, each request's KV kept
 between turns (its slot, by request id) against re-prefilling the whole conversation each
 turn (keep = False); prompt tokens prefilled and wall time.
@@ -195,7 +196,9 @@ def multi_turn(model, tokenizer, args) -> dict:
 def single_turn(model, tokenizer, args) -> dict:
     ids = prompts_of(tokenizer, args.prompts)
     prompts, mask = left_padded(ids, tokenizer.pad_token_id or tokenizer.eos_token_id)
-    kwargs = dict(n=args.n, max_new_tokens=args.new, temperature=1.0)
+    # --greedy: the same tokens on both paths (identical work); else temperature 1, where the
+    # two paths draw from different random streams, so their lengths differ per repetition
+    kwargs = dict(n=args.n, max_new_tokens=args.new, temperature=1.0, do_sample=not args.greedy)
     old, new, lengths = [], [], {}
     for rep in range(args.repeats):
         engine = LegacyRollout(model, tokenizer)
@@ -208,6 +211,9 @@ def single_turn(model, tokenizer, args) -> dict:
         out = generate_batch(engine, prompts, mask, seed=rep, **kwargs)
         new.append((time.perf_counter() - start, int(out["response_mask"].sum())))
         lengths["requests"] = out["response_mask"].sum(-1).tolist()
+        if args.greedy:
+            same = lengths["loop"] == lengths["requests"]
+            lengths["same_lengths"] = same
     rate = [[round(t / s, 1) for s, t in runs] for runs in (old, new)]
     return {
         "loop_s_tokens": old,
@@ -251,7 +257,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--assign", choices=["random", "ordered"], default="random")
-    parser.add_argument("--sample", action="store_true", help="temperature 1, not greedy")
+    parser.add_argument("--sample", action="store_true", help="multi_turn: temperature 1")
+    parser.add_argument("--greedy", action="store_true", help="single_turn: greedy")
     parser.add_argument("--model", default="smollm2-135m-instruct", help='"tiny": a smoke test')
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
@@ -270,6 +277,7 @@ def main() -> None:
         suffix = ("_" + args.assign if args.mode == "multi_turn" else "") + (
             "_sampled" if args.sample else ""
         )
+        suffix += "_greedy" if args.greedy else ""
         Path(args.out, f"rollout_{args.mode}{suffix}.json").write_text(text + "\n")
 
 
