@@ -298,3 +298,21 @@ def test_lockstep_runs_no_step_while_a_held_request_is_away():
     # prefill both; A samples its one token and leaves, B's token is fed; then nothing runs
     # until A is back: its prefill (13 and 40) comes before B's next decode call
     assert model.calls[:4] == [(2, 3, [0, 0]), (1, 1, [3]), (1, 2, [3]), (1, 1, [4])]
+
+
+def test_releasing_a_running_request_ends_it_with_abort_and_frees_its_slot():
+    model = CountingLM()
+    engine = HFRollout(model, FakeTokenizer())
+    model.before_call = lambda k: engine.release("a") if k == 3 else None
+
+    async def run():
+        return await asyncio.gather(
+            engine.generate(greedy([10, 11], 20, "a")), engine.generate(greedy([30], 5, "b"))
+        )
+
+    a, b = run_sync(run())
+    assert a.finish_reason == "abort" and a.ids == [12, 13, 14]  # sampled before the release
+    assert b.finish_reason == "length" and b.ids == [31, 32, 33, 34, 35]
+    engine.release("b")
+    engine.idle()
+    assert engine.cache is None and not engine.scheduler.held
