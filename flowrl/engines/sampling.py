@@ -77,3 +77,43 @@ def draw(probs: torch.Tensor, generator, uniform=None) -> torch.Tensor:
         u = torch.rand(len(probs), 1, generator=generator, device=probs.device, dtype=cdf.dtype)
     index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # first entry with cdf > u
     return index.clamp(max=probs.shape[-1] - 1).squeeze(-1)
+
+
+def sample_rows(rows: list, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """The continuous-batching engine's step: logits (d, v) of d requests (scheduler.Row:
+    `.request` with its Sampling and forced ids, `.stream` its generator, `.out` its ids so
+    far) -> one token per row and its log-prob. Rows are grouped by sampling settings; each
+    sampled row draws one number from its own stream, so its token does not depend on the
+    other rows; forced ids are taken as they are, with the log-prob of the temperature-scaled
+    distribution."""
+    tokens = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
+    chosen = torch.zeros(len(rows), device=logits.device)
+    groups: dict = {}
+    for k, row in enumerate(rows):
+        groups.setdefault(row.request.sampling, []).append(k)
+    for sampling, index in groups.items():
+        uniform = None
+        if not sampling.greedy:
+            draws = [torch.rand((), generator=rows[k].stream) for k in index]
+            uniform = torch.stack(draws)
+        s = sampling
+        token, logprob = sample_tokens(
+            logits[index], s.temperature, s.top_k, s.top_p, s.do_sample, None, True, uniform
+        )
+        tokens[index], chosen[index] = token, logprob
+    forced = [
+        (k, r.request.forced[len(r.out)])
+        for k, r in enumerate(rows)
+        if len(r.out) < len(r.request.forced)
+    ]
+    if forced:
+        index = torch.tensor([k for k, _ in forced], device=logits.device)
+        ids = torch.tensor([t for _, t in forced], device=logits.device)
+        temperature = torch.tensor(
+            [1.0 if rows[k].request.sampling.greedy else rows[k].request.sampling.temperature
+             for k, _ in forced],
+            device=logits.device,
+        )  # fmt: skip
+        full = torch.log_softmax(logits[index] / temperature[:, None], -1)
+        tokens[index], chosen[index] = ids, full.gather(-1, ids[:, None]).squeeze(-1)
+    return tokens.tolist(), chosen.tolist()  # one host sync per step, as any stop check needs

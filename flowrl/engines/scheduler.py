@@ -32,7 +32,7 @@ import attrs
 import torch
 
 from flowrl.engines.rollout import Request, Result, mix
-from flowrl.engines.sampling import sample_tokens
+from flowrl.engines.sampling import sample_rows
 
 # a prefix shared by new prompts is prefilled once when that saves this many prompt tokens:
 # below it, the extra model call (a read of all weights, ~65 ms for SmolLM2 on CPU) costs more
@@ -269,7 +269,7 @@ class Scheduler:
         if not self.decoding:
             return
         rows = self.slots[: self.decoding]
-        tokens, logprobs = _sample(rows, self.logits)
+        tokens, logprobs = sample_rows(rows, self.logits)
         leaving = []
         for row, token, logprob in zip(rows, tokens, logprobs, strict=True):
             if row.stopped:
@@ -339,42 +339,6 @@ class Scheduler:
                 row.slot = slot
         if self.logits is not None and a < len(self.logits) and b < len(self.logits):
             self.logits[[a, b]] = self.logits[[b, a]]
-
-
-def _sample(rows: list[Row], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-    """One token per row (d,) and its log-prob: rows grouped by sampling settings, each
-    sampled row drawing one number from its own stream; forced ids taken as they are."""
-    tokens = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
-    chosen = torch.zeros(len(rows), device=logits.device)
-    groups: dict = {}
-    for k, row in enumerate(rows):
-        groups.setdefault(row.request.sampling, []).append(k)
-    for sampling, index in groups.items():
-        uniform = None
-        if not sampling.greedy:
-            draws = [torch.rand((), generator=rows[k].stream) for k in index]
-            uniform = torch.stack(draws)
-        s = sampling
-        token, logprob = sample_tokens(
-            logits[index], s.temperature, s.top_k, s.top_p, s.do_sample, None, True, uniform
-        )
-        tokens[index], chosen[index] = token, logprob
-    forced = [(k, r.request.forced[len(r.out)]) for k, r in enumerate(rows) if _forcing(r)]
-    if forced:
-        index = torch.tensor([k for k, _ in forced], device=logits.device)
-        ids = torch.tensor([t for _, t in forced], device=logits.device)
-        temperature = torch.tensor(
-            [1.0 if rows[k].request.sampling.greedy else rows[k].request.sampling.temperature
-             for k, _ in forced],
-            device=logits.device,
-        )  # fmt: skip
-        full = torch.log_softmax(logits[index] / temperature[:, None], -1)
-        tokens[index], chosen[index] = ids, full.gather(-1, ids[:, None]).squeeze(-1)
-    return tokens.tolist(), chosen.tolist()  # one host sync per step, as any stop check needs
-
-
-def _forcing(row: Row) -> bool:
-    return len(row.out) < len(row.request.forced)
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
