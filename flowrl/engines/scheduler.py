@@ -19,7 +19,9 @@ other requests share a call changes its logits by floating-point noise at most.
 
 `lockstep`: the loop runs no step while a held request is away (its caller is running its
 tools), so every batch's composition is a function of the requests alone and a rollout is
-reproducible bit for bit; slower, since decoding waits for tools. Free-running is the default.
+reproducible bit for bit; slower, since decoding waits for tools. A caller must then come back
+or release every request it kept, or the engine waits for it (the agent driver releases in a
+`finally`). Free-running is the default.
 """
 
 from __future__ import annotations
