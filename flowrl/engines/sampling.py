@@ -97,9 +97,13 @@ def sample_rows(rows: list, logits: torch.Tensor) -> tuple[list[int], list[float
             draws = [torch.rand((), generator=rows[k].stream) for k in index]
             uniform = torch.stack(draws)
         s = sampling
-        token, logprob = sample_tokens(
-            logits[index], s.temperature, s.top_k, s.top_p, s.do_sample, None, True, uniform
+        # log-probs only where a request asked (a log-softmax over the vocabulary per row)
+        wanted = any(rows[k].request.logprobs for k in index)
+        part = logits if len(index) == len(rows) else logits[index]  # (g, v)
+        out = sample_tokens(
+            part, s.temperature, s.top_k, s.top_p, s.do_sample, None, wanted, uniform
         )
+        token, logprob = out if wanted else (out, torch.zeros(len(index), device=logits.device))
         tokens[index], chosen[index] = token, logprob
     forced = [
         (k, r.request.forced[len(r.out)])
