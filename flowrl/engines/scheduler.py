@@ -78,6 +78,7 @@ class Scheduler:
         self.held: dict[str, Row] = {}
         self.logits = None  # (decoding, v) next-token logits of slots 0..d-1
         self.counts = {"decode_calls": 0, "prefill_calls": 0, "prefill_tokens": 0}
+        self.turn_columns = 0  # the columns the admitted requests' turns need
 
     # -- the callers' side (any event loop) ------------------------------------------------
     async def submit(self, request: Request) -> Result:
@@ -170,7 +171,7 @@ class Scheduler:
             self.slots[row.slot] = None
         self.held.clear()
         self.away.clear()
-        self.cache, self.slots, self.logits = None, [], None
+        self.cache, self.slots, self.logits, self.turn_columns = None, [], None, 0
         self.thread = None
         self.cv.notify_all()
 
@@ -210,6 +211,11 @@ class Scheduler:
         computed = [r for r in rows if r.tokens] + leaders
         for k, row in enumerate(computed + [c for c, _ in copies]):  # into the decoding slots
             self._swap(row.slot, self.decoding + k)
+        # room for every admitted request's whole turn now, not by doublings as it decodes
+        turn = max(len(r.request.ids) + r.request.max_new_tokens for r in rows)
+        if self.cache is not None:
+            self.cache.reserve(len(self.slots), turn)
+        self.turn_columns = max(self.turn_columns, turn)
         self._shared_prefix(leaders)
         logits = self._prefill(computed, self.decoding)  # (m, v)
         for row, leader in copies:
@@ -287,7 +293,11 @@ class Scheduler:
             if row.stopped:
                 leaving.append(row)
         for row in sorted(leaving, key=lambda r: -r.slot):
-            self._swap(row.slot, self.decoding - 1)
+            last = self.decoding - 1
+            if self._keeps(row):  # its cache goes on living past the decoding slots
+                self._swap(row.slot, last)
+            else:  # nothing of it is kept: the last decoding row moves into its slot
+                self._vacate(row.slot, last)
             self.decoding -= 1
             self._finish(row)
         if not self.decoding:
@@ -298,13 +308,26 @@ class Scheduler:
         for row in rows:
             row.tokens.append(row.next)
 
+    def _keeps(self, row: Row) -> bool:
+        request = row.request
+        return bool(request.keep and request.request_id and row.stopped != "abort")
+
+    def _vacate(self, slot: int, last: int) -> None:
+        """Free `slot` (its row is done) by moving the row at `last` into it: one row's
+        columns copied, where a swap copies two."""
+        moved = self.slots[last]
+        if slot != last:
+            self.cache.move([last], [slot], len(moved.tokens))
+            self.slots[slot], moved.slot = moved, slot
+        self.slots[last] = None
+
     def _finish(self, row: Row) -> None:
         request = row.request
-        if request.keep and request.request_id and row.stopped != "abort":
+        if self._keeps(row):
             self.held[request.request_id] = row
             with self.cv:
                 self.away.add(request.request_id)
-        else:
+        elif self.slots[row.slot] is row:
             self.slots[row.slot] = None
         row.deliver(Result(list(row.out), list(row.logprobs), row.stopped))
 
@@ -314,7 +337,8 @@ class Scheduler:
         offsets[k].. (right-padded to the longest) -> the logits after each chunk (a, v)."""
         w = max(len(c) for c in chunks)
         if self.cache is None:
-            self.cache = self.new_cache(len(self.slots), max(offsets) + w)
+            columns = max(max(offsets) + w, self.turn_columns)
+            self.cache = self.new_cache(len(self.slots), columns)
         self.cache.reserve(len(self.slots), max(offsets) + w)
         device = self.engine.device
         ids = torch.full((len(chunks), w), self.eos, dtype=torch.long)
