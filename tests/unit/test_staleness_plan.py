@@ -131,3 +131,15 @@ def test_refuses_critic_warmup():
     text = problems(graph, "run.staleness=1", "run.critic_warmup=1")
     assert "staleness = 1 cannot be combined with critic_warmup = 1" in text
     assert "fix: set run.critic_warmup = 0 or run.staleness = 0" in text
+
+
+@pytest.mark.parametrize("graph", sorted(p.name for p in GRAPHS.glob("*.toml")))
+def test_every_shipped_graph_compiles_or_is_refused_by_name(graph):
+    """run.staleness = 1 on every shipped graph: a pipeline where the rollout has a pool of its
+    own, else a GraphErrors that says why (never another exception)."""
+    try:
+        plan = plan_of(str(GRAPHS / graph), "run.staleness=1")
+    except GraphErrors as e:
+        assert all("staleness = 1" in p.message for p in e.problems), str(e)
+        return
+    assert plan.pipeline.rollout_pool not in plan.pipeline.train_pools
