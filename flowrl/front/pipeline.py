@@ -66,60 +66,25 @@ def split(graph, pools: dict, items: list, rows: int, refill, errors: Collector,
     spec, k = graph.spec, graph.spec.run.staleness
     if not k:
         return None
-    where = "[run]"
     rollout = [n for n in graph.order if spec.nodes[n].mode == "rollout"]
     if not rollout:
-        errors.add(where, f"staleness = {k}, but no node generates", "set run.staleness = 0")
+        errors.add("[run]", f"staleness = {k}, but no node generates", "set run.staleness = 0")
         return None
-    model = spec.nodes[rollout[0]].model
-    gen = spec.pool_of(rollout[0])
-    trained = [n for n in graph.order if spec.nodes[n].mode == "train"]
-    shared = [n for n in trained if spec.pool_of(n) == gen]
-    if gen == spec.models[model].pool or shared:
-        errors.add(
-            where,
-            f"staleness = {k} runs generation and training at once, but [nodes.{rollout[0]}] "
-            f"generates on pool {gen}, where {', '.join(shared) or model} trains (a colocated "
-            "hybrid engine cannot do both at once)",
-            FIX_POOLS.format(model=model),
-        )
-    if refill is not None and refill.groups:
-        errors.add(
-            where,
-            f"staleness = {k} cannot be combined with the refilling filter "
-            f"[nodes.{refill.node}]: a refill generates again within the step until enough "
-            "groups are kept, which the rollout stage running ahead cannot do",
-            f"set run.staleness = 0, or groups = 0 on [nodes.{refill.node}]",
-        )
-    if spec.run.critic_warmup:
-        errors.add(
-            where,
-            f"staleness = {k} cannot be combined with critic_warmup = {spec.run.critic_warmup}: "
-            "during the warm-up the step runs a partial walk (the critic alone trains), which "
-            "the pipelined train stage does not",
-            "set run.critic_warmup = 0 or run.staleness = 0",
-        )
+    model, gen = spec.nodes[rollout[0]].model, spec.pool_of(rollout[0])
     stage = _stages(graph, gen)
-    late = [
-        n
-        for n in stage["rollout"]
-        if spec.pool_of(n) == gen and _inputs_from_train(graph, n, stage)
-    ]
-    for node in late:
+    sync = [i.id for i in items if i.kind == "sync" and i.model == model and i.to_pool]
+    _refusals(graph, rollout[0], stage, refill, errors)
+    if not sync and not errors.problems:
         errors.add(
-            f"[nodes.{node}]",
-            f"runs on the rollout pool {gen} but reads what the train stage writes, so "
-            f"run.staleness = {k} cannot run it ahead",
+            "[run]",
+            f"staleness = {k}, but {model}, which [nodes.{rollout[0]}] generates with, is "
+            "not trained: its samples can never be stale",
             "set run.staleness = 0",
         )
     if errors.problems:
         return None
     by_node = {n: s for s, nodes in stage.items() for n in nodes}
-    sync = next(i.id for i in items if i.kind == "sync" and i.model == model and i.to_pool)
-    rollout_items = tuple(i.id for i in items if _stage_of(i, by_node, gen) == "rollout")
-    train_items = tuple(
-        i.id for i in items if i.id != sync and _stage_of(i, by_node, gen) == "train"
-    )
+    in_stage = {s: tuple(i.id for i in items if _stage_of(i, by_node, gen) == s) for s in stage}
     correction = _correction(graph, model, stage["train"])
     if not correction:
         warnings.append(_no_correction(graph, model, k))
@@ -130,12 +95,54 @@ def split(graph, pools: dict, items: list, rows: int, refill, errors: Collector,
         train_pools=tuple(sorted({p for n in stage["train"] if (p := spec.pool_of(n))})),
         rollout_nodes=tuple(stage["rollout"]),
         train_nodes=tuple(stage["train"]),
-        rollout_items=rollout_items,
-        train_items=train_items,
-        sync_item=sync,
+        rollout_items=in_stage["rollout"],
+        train_items=tuple(i for i in in_stage["train"] if i != sync[0]),
+        sync_item=sync[0],
         rows=rows,
         correction=correction,
     )
+
+
+def _refusals(graph, first_rollout: str, stage: dict, refill, errors: Collector) -> None:
+    """What the pipeline cannot honour, each with its reason and fix."""
+    spec, k = graph.spec, graph.spec.run.staleness
+    model, gen = spec.nodes[first_rollout].model, spec.pool_of(first_rollout)
+    trained = [n for n in graph.order if spec.nodes[n].mode == "train"]
+    shared = [n for n in trained if spec.pool_of(n) == gen]
+    if gen == spec.models[model].pool or shared:
+        errors.add(
+            "[run]",
+            f"staleness = {k} runs generation and training at once, but "
+            f"[nodes.{first_rollout}] generates on pool {gen}, where "
+            f"{', '.join(shared) or model} trains (a colocated hybrid engine cannot do both "
+            "at once)",
+            FIX_POOLS.format(model=model),
+        )
+    if refill is not None and refill.groups:
+        param = spec.nodes[refill.node].spec.refill.groups
+        errors.add(
+            "[run]",
+            f"staleness = {k} cannot be combined with the refilling filter "
+            f"[nodes.{refill.node}]: a refill generates again within the step until enough "
+            "groups are kept, which the rollout stage running ahead cannot do",
+            f"set run.staleness = 0, or {param} = 0 on [nodes.{refill.node}]",
+        )
+    if spec.run.critic_warmup:
+        errors.add(
+            "[run]",
+            f"staleness = {k} cannot be combined with critic_warmup = {spec.run.critic_warmup}: "
+            "during the warm-up the step runs a partial walk (the critic alone trains), which "
+            "the pipelined train stage does not",
+            "set run.critic_warmup = 0 or run.staleness = 0",
+        )
+    for node in stage["rollout"]:
+        if any(p in stage["train"] for p in graph.dag.predecessors(node)):
+            errors.add(
+                f"[nodes.{node}]",
+                f"runs on the rollout pool {gen} but reads what the train stage writes, so "
+                f"run.staleness = {k} cannot run it ahead",
+                "set run.staleness = 0",
+            )
 
 
 def _stages(graph, gen: str) -> dict[str, list[str]]:
@@ -148,10 +155,6 @@ def _stages(graph, gen: str) -> dict[str, list[str]]:
         ahead = pool == gen or (pool is None and preds and all(p in out["rollout"] for p in preds))
         out["rollout" if ahead else "train"].append(node)
     return out
-
-
-def _inputs_from_train(graph, node: str, stage: dict) -> bool:
-    return any(p in stage["train"] for p in graph.dag.predecessors(node))
 
 
 def _stage_of(item, by_node: dict, gen: str) -> str:
