@@ -69,7 +69,7 @@ def test_ppo_clip_frac_lower_counts_dual_clip_tokens():
     logp = torch.tensor([[math.log(5.0), 0.0]])
     old, adv, mask = torch.zeros(1, 2), -torch.ones(1, 2), torch.ones(1, 2, dtype=torch.long)
     loss, metrics = ppo_loss(logp, old, adv, mask, P(dual_clip=3.0), Chunk())
-    assert float(loss) == pytest.approx((3.0 + 1.0) / 2)
+    assert float(loss.detach()) == pytest.approx((3.0 + 1.0) / 2)
     assert metrics["clip_frac_lower"] == 0.5
     assert ppo_loss(logp, old, adv, mask, NO_DUAL, Chunk())[1]["clip_frac_lower"] == 0.0
 
@@ -84,7 +84,7 @@ def test_ppo_token_weights_scale_each_token():
         NO_DUAL,
         Chunk(token_weights=torch.tensor([[2.0, 0.5]])),
     )
-    assert float(loss) == pytest.approx(-1.5)
+    assert float(loss.detach()) == pytest.approx(-1.5)
 
 
 # -- truncated importance sampling -------------------------------------------------------------
@@ -108,13 +108,13 @@ def test_gspo_hand_example():
     old, mask = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.long)
     # A = +1, clip 0.2: max(-1.41421, -1.2) = -1.2 on each token; clipped -> no gradient
     loss, metrics = gspo_loss(logp, old, torch.ones(1, 2), mask, P(agg=SEQ), Chunk())
-    assert float(loss) == pytest.approx(-1.2)
+    assert float(loss.detach()) == pytest.approx(-1.2)
     assert metrics["clip_frac"] == 1.0
     assert torch.equal(grad_of(loss, logp), torch.zeros(1, 2))
     # A = -1: max(1.41421, 1.2) = 1.41421. The sequence form -A s_i has d/dlogp_t = s_i / |y_i|
     # = 0.70711 on each token; the token form with stop-gradients must give the same.
     loss, _ = gspo_loss(logp, old, -torch.ones(1, 2), mask, P(agg=SEQ), Chunk())
-    assert float(loss) == pytest.approx(math.sqrt(2))
+    assert float(loss.detach()) == pytest.approx(math.sqrt(2))
     torch.testing.assert_close(grad_of(loss, logp), torch.full((1, 2), math.sqrt(2) / 2))
 
 
@@ -124,7 +124,7 @@ def test_gspo_matches_loop(seed):
     total, expected_grad = 0.0, torch.zeros(mask.shape)
     for i, tokens in enumerate(rows(mask)):
         n = len(tokens)
-        s = math.exp(sum(float(logp[i, k] - old[i, k]) for k in tokens) / n)
+        s = math.exp(sum(float(logp[i, k].detach() - old[i, k]) for k in tokens) / n)
         for k in tokens:
             a = float(adv[i, k])
             unclipped, clipped = -a * s, -a * min(max(s, 0.8), 1.3)
@@ -132,7 +132,7 @@ def test_gspo_matches_loop(seed):
             if unclipped >= clipped:  # the unclipped branch carries the gradient s grad logp
                 expected_grad[i, k] = -a * s / n / mask.shape[0]
     loss, _ = gspo_loss(logp, old, adv, mask, P(clip_high=0.3, agg=SEQ), Chunk())
-    assert float(loss) == pytest.approx(total / mask.shape[0], rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(total / mask.shape[0], rel=1e-5)
     torch.testing.assert_close(grad_of(loss, logp), expected_grad)
 
 
@@ -146,7 +146,7 @@ def test_gspo_ratio_is_bounded_at_e10_with_no_gradient_past_it(log_ratio):
     old, mask = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.long)
     loss, _ = gspo_loss(logp, old, -torch.ones(1, 2), mask, GSPO, Chunk())
     bounded = min(log_ratio, 10.0)
-    assert float(loss) == pytest.approx(math.exp(bounded), rel=1e-6)
+    assert float(loss.detach()) == pytest.approx(math.exp(bounded), rel=1e-6)
     expected = math.exp(log_ratio) / 2 if log_ratio < 10 else 0.0
     torch.testing.assert_close(grad_of(loss, logp), torch.full((1, 2), expected))
 
@@ -161,7 +161,7 @@ def test_cispo_hand_example():
     loss, _ = cispo_loss(
         logp, torch.tensor([[math.log(0.5)]]), torch.ones(1, 1), ONE, CISPO, Chunk()
     )
-    assert float(loss) == pytest.approx(0.65762, abs=1e-5)
+    assert float(loss.detach()) == pytest.approx(0.65762, abs=1e-5)
     torch.testing.assert_close(grad_of(loss, logp), torch.tensor([[-1.1]]))
     # r = 2 is capped at 1 + 0.28 = 1.28, and still has a gradient: -1.28
     logp = torch.tensor([[math.log(0.5)]], requires_grad=True)
@@ -184,11 +184,11 @@ def test_cispo_matches_loop(seed):
     total, count, weights = 0.0, int(mask.sum()), torch.zeros(mask.shape)
     for i, tokens in enumerate(rows(mask)):
         for k in tokens:
-            w = min(max(math.exp(float(logp[i, k] - old[i, k])), 0.9), 1.2)
-            total += -w * float(adv[i, k]) * float(logp[i, k])
+            w = min(max(math.exp(float(logp[i, k].detach() - old[i, k])), 0.9), 1.2)
+            total += -w * float(adv[i, k]) * float(logp[i, k].detach())
             weights[i, k] = w
     loss, _ = cispo_loss(logp, old, adv, mask, P(clip_low=0.1, clip_high=0.2), Chunk())
-    assert float(loss) == pytest.approx(total / count, rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(total / count, rel=1e-5)
     torch.testing.assert_close(grad_of(loss, logp), -weights * adv * mask / count)
 
 
@@ -201,7 +201,7 @@ def test_gpg_hand_example():
     adv = torch.tensor([[1.0, 1.0], [-0.5, 7.0]])
     mask = torch.tensor([[1, 1], [1, 0]])
     loss, _ = gpg_loss(logp, None, adv, mask, P(), Chunk())
-    assert float(loss) == pytest.approx(0.5)
+    assert float(loss.detach()) == pytest.approx(0.5)
     torch.testing.assert_close(grad_of(loss, logp), torch.tensor([[-1.0, -1.0], [0.5, 0.0]]) / 3)
 
 
@@ -210,10 +210,10 @@ def test_gpg_matches_loop(seed):
     logp, _, adv, mask = random_inputs(seed)
     per_row = []
     for i, tokens in enumerate(rows(mask)):
-        per_row.append(sum(-float(adv[i, k]) * float(logp[i, k]) for k in tokens))
+        per_row.append(sum(-float(adv[i, k]) * float(logp[i, k].detach()) for k in tokens))
     params = P(agg="seq-mean-token-sum-norm")
     loss, _ = gpg_loss(logp, None, adv, mask, params, Chunk(norm_length=10))
-    assert float(loss) == pytest.approx(sum(per_row) / 10 / len(per_row), rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(sum(per_row) / 10 / len(per_row), rel=1e-5)
 
 
 # -- GMPO --------------------------------------------------------------------------------------
@@ -226,12 +226,12 @@ def test_gmpo_hand_example():
     # A = +1 keeps min(l, clip(l)): [0.4, -0.2], mean 0.1 -> loss -exp(0.1) = -1.10517;
     # token 0 is clipped (no gradient), token 1: -A exp(0.1) / 2 = -0.55259
     loss, metrics = gmpo_loss(logp, old, torch.ones(1, 2), mask, GMPO, Chunk())
-    assert float(loss) == pytest.approx(-math.exp(0.1))
+    assert float(loss.detach()) == pytest.approx(-math.exp(0.1))
     assert metrics["clip_frac"] == 0.5
     torch.testing.assert_close(grad_of(loss, logp), torch.tensor([[0.0, -math.exp(0.1) / 2]]))
     # A = -1 keeps max(l, clip(l)): [0.6, -0.2], mean 0.2 -> loss +exp(0.2) = 1.22140
     loss, metrics = gmpo_loss(logp, old, -torch.ones(1, 2), mask, GMPO, Chunk())
-    assert float(loss) == pytest.approx(math.exp(0.2))
+    assert float(loss.detach()) == pytest.approx(math.exp(0.2))
     assert metrics["clip_frac"] == 0.0
 
 
@@ -243,16 +243,18 @@ def test_gmpo_matches_loop(seed):
         a = float(adv[i, tokens[0]])  # constant over the row
         kept = []
         for k in tokens:
-            raw = float(logp[i, k] - old[i, k])
+            raw = float(logp[i, k].detach() - old[i, k])
             clipped = min(max(raw, -0.3), 0.25)
             kept.append(min(raw, clipped) if a > 0 else max(raw, clipped))
         ratio = math.exp(sum(kept) / len(tokens))
         total += -a * ratio
         for k, value in zip(tokens, kept, strict=True):
-            if value == float(logp[i, k] - old[i, k]):  # unclipped: d/dlogp = -A ratio / |y|
+            if value == float(
+                logp[i, k].detach() - old[i, k]
+            ):  # unclipped: d/dlogp = -A ratio / |y|
                 expected_grad[i, k] = -a * ratio / len(tokens) / mask.shape[0]
     loss, _ = gmpo_loss(logp, old, adv, mask, P(clip_low=0.3, clip_high=0.25), Chunk())
-    assert float(loss) == pytest.approx(total / mask.shape[0], rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(total / mask.shape[0], rel=1e-5)
     torch.testing.assert_close(grad_of(loss, logp), expected_grad)
 
 
@@ -263,13 +265,13 @@ def test_sapo_hand_example():
     # r = 1, A = +1, tau 1: f = 4 sigmoid(0) = 2 -> loss -2; gradient -A 4 s (1 - s) r = -1
     logp = torch.zeros(1, 1, requires_grad=True)
     loss, metrics = sapo_loss(logp, torch.zeros(1, 1), torch.ones(1, 1), ONE, P(agg=SEQ), Chunk())
-    assert float(loss) == pytest.approx(-2.0)
+    assert float(loss.detach()) == pytest.approx(-2.0)
     assert metrics["gate"] == pytest.approx(1.0)
     torch.testing.assert_close(grad_of(loss, logp), torch.tensor([[-1.0]]))
     # r = 2, A = -1, tau_neg 1.05: sigmoid(1.05) = 0.740775, f = 4 / 1.05 * 0.740775 = 2.82200
     logp = torch.tensor([[math.log(2.0)]])
     loss, _ = sapo_loss(logp, torch.zeros(1, 1), -ONE, ONE, P(agg=SEQ), Chunk())
-    assert float(loss) == pytest.approx(2.82200, abs=1e-5)
+    assert float(loss.detach()) == pytest.approx(2.82200, abs=1e-5)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -278,13 +280,13 @@ def test_sapo_matches_loop(seed):
     total, expected_grad = 0.0, torch.zeros(mask.shape)
     for i, tokens in enumerate(rows(mask)):
         for k in tokens:
-            a, r = float(adv[i, k]), math.exp(float(logp[i, k] - old[i, k]))
+            a, r = float(adv[i, k]), math.exp(float(logp[i, k].detach() - old[i, k]))
             tau = 0.5 if a > 0 else 2.0
             s = 1 / (1 + math.exp(-tau * (r - 1)))
             total += -(4 / tau) * s * a / len(tokens)
             expected_grad[i, k] = -a * 4 * s * (1 - s) * r / len(tokens) / mask.shape[0]
     loss, _ = sapo_loss(logp, old, adv, mask, P(tau_pos=0.5, tau_neg=2.0, agg=SEQ), Chunk())
-    assert float(loss) == pytest.approx(total / mask.shape[0], rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(total / mask.shape[0], rel=1e-5)
     torch.testing.assert_close(grad_of(loss, logp), expected_grad)
 
 
@@ -310,7 +312,7 @@ def test_clip_cov_detaches_covariance_tokens_outside_the_ppo_clip():
     old = torch.tensor([[-math.log(1.5), -2.0, -4.0, -6.0]])
     loss, metrics = clip_cov_loss(logp, old, COV_ADV, COV_MASK, P(cov_ratio=0.5), Chunk())
     # the value is not changed by detaching: (-1.2 - 0.5 - 0.5 + 1) / 4 = -0.3
-    assert float(loss) == pytest.approx(-0.3)
+    assert float(loss.detach()) == pytest.approx(-0.3)
     assert metrics["cov_frac"] == 0.25
     torch.testing.assert_close(grad_of(loss, logp), torch.tensor([[0.0, -0.125, -0.125, 0.0]]))
 
@@ -342,14 +344,14 @@ def test_clip_cov_matches_loop(seed):
     logp, old, adv, mask = random_inputs(seed)
     adv = adv * 6  # spread covariances over the (1, 5) band
     cells = [(i, k) for i, tokens in enumerate(rows(mask)) for k in tokens]
-    mean_logp = sum(float(logp[c]) for c in cells) / len(cells)
+    mean_logp = sum(float(logp[c].detach()) for c in cells) / len(cells)
     mean_adv = sum(float(adv[c]) for c in cells) / len(cells)
     total, expected_grad, picked = 0.0, torch.zeros(mask.shape), 0
     for c in cells:
-        a, r = float(adv[c]), math.exp(float(logp[c] - old[c]))
+        a, r = float(adv[c]), math.exp(float(logp[c].detach() - old[c]))
         unclipped, clipped = -a * r, -a * min(max(r, 0.8), 1.2)
         total += max(unclipped, clipped)
-        cov = (float(logp[c]) - mean_logp) * (a - mean_adv)
+        cov = (float(logp[c].detach()) - mean_logp) * (a - mean_adv)
         if clipped > unclipped:
             continue
         if 1.0 < cov < 5.0:
@@ -358,7 +360,7 @@ def test_clip_cov_matches_loop(seed):
         expected_grad[c] = -a * r / len(cells)
     loss, metrics = clip_cov_loss(logp, old, adv, mask, P(cov_ratio=1.0), Chunk())
     assert picked > 0
-    assert float(loss) == pytest.approx(total / len(cells), rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(total / len(cells), rel=1e-5)
     assert metrics["cov_frac"] == pytest.approx(picked / len(cells))
     torch.testing.assert_close(grad_of(loss, logp), expected_grad)
 
@@ -370,7 +372,7 @@ def test_kl_cov_hand_example():
     logp = torch.tensor(COV_LOGP, requires_grad=True)
     old = torch.tensor([[0.0, -2.0, -4.0, -5.8]])
     loss, metrics = kl_cov_loss(logp, old, COV_ADV, COV_MASK, P(cov_ratio=0.25), Chunk())
-    assert float(loss) == pytest.approx(-0.24532, abs=1e-5)
+    assert float(loss.detach()) == pytest.approx(-0.24532, abs=1e-5)
     assert metrics["cov_frac"] == 0.25
     expected = torch.tensor([[-1.0, -0.5, -0.5, math.exp(-0.2) - 1.0]]) / 4
     torch.testing.assert_close(grad_of(loss, logp), expected)
@@ -380,16 +382,18 @@ def test_kl_cov_hand_example():
 def test_kl_cov_matches_loop(seed):
     logp, old, adv, mask = random_inputs(seed)
     cells = [(i, k) for i, tokens in enumerate(rows(mask)) for k in tokens]
-    mean_logp = sum(float(logp[c]) for c in cells) / len(cells)
+    mean_logp = sum(float(logp[c].detach()) for c in cells) / len(cells)
     mean_adv = sum(float(adv[c]) for c in cells) / len(cells)
-    by_cov = sorted(cells, key=lambda c: -(float(logp[c]) - mean_logp) * (float(adv[c]) - mean_adv))
+    by_cov = sorted(
+        cells, key=lambda c: -(float(logp[c].detach()) - mean_logp) * (float(adv[c]) - mean_adv)
+    )
     top = set(by_cov[: int(0.2 * len(cells))])
     total = 0.0
     for c in cells:
-        log_ratio = float(logp[c] - old[c])
+        log_ratio = float(logp[c].detach() - old[c])
         total += -float(adv[c]) * math.exp(log_ratio) + (0.5 * abs(log_ratio) if c in top else 0)
     loss, _ = kl_cov_loss(logp, old, adv, mask, P(cov_ratio=0.2, cov_kl_coef=0.5), Chunk())
-    assert float(loss) == pytest.approx(total / len(cells), rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(total / len(cells), rel=1e-5)
 
 
 # -- numerical safety: extreme log-ratios ------------------------------------------------------
@@ -433,7 +437,7 @@ LOSSES = {
 def test_extreme_log_ratios_give_finite_loss_and_gradients(name):
     logp, old, adv, mask = extreme_inputs()
     loss = LOSSES[name](logp, old, adv, mask)
-    assert torch.isfinite(loss), f"{name}: loss {float(loss)}"
+    assert torch.isfinite(loss), f"{name}: loss {float(loss.detach())}"
     grad = grad_of(loss, logp)
     assert torch.isfinite(grad).all(), f"{name}: gradient {grad}"
 
