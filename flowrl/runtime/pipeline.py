@@ -76,8 +76,10 @@ class Pipeline:
             self.thread.start()
 
     def version_for(self, step: int) -> int:
-        """The update whose weights generate step `step`'s batch."""
-        return max(step - 1 - self.k, 0)
+        """The update whose weights generate step `step`'s batch: s - 1 - k, never older than
+        the weights the run started (or resumed) with. A resume finds the queue full, so this
+        floor matters only for a run extended past its last step, which refills the queue."""
+        return max(step - 1 - self.k, self.start)
 
     # -- the rollout stage ----------------------------------------------------------------
     def _run(self) -> None:

@@ -95,3 +95,21 @@ def test_a_dead_rollout_rank_is_named(tiny_plan, tmp_path):
             trainer.fit()
     finally:
         trainer.close()
+
+
+def test_a_run_extended_past_its_last_step_refills_the_queue(tiny_plan, tmp_path):
+    """The checkpoint of the last step keeps no queue (no step is left to train on it): a
+    resume with more steps generates from the checkpoint's weights on."""
+    first = tiny_plan("grpo_disaggregated.toml", **{"run.steps": 3, "run.staleness": 1})
+    train(first, tmp_path / "run")
+    assert not (tmp_path / "run/checkpoints/step_000003/queue").exists()
+    longer = tiny_plan("grpo_disaggregated.toml", **{"run.steps": 5, "run.staleness": 1})
+    trainer = Trainer(longer, tmp_path / "run", "local")
+    try:
+        trainer.fit(resume=True)
+    finally:
+        trainer.close()
+    rows = comparable(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]  # the end of the first, then 4, 5
+    assert [r.get("async/weight_version") for r in rows[-2:]] == [3.0, 3.0]
+    assert [r.get("async/staleness") for r in rows[-2:]] == [0.0, 1.0]
