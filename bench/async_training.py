@@ -73,19 +73,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tiny", action="store_true", help="the tiny random model (a check)")
     parser.add_argument("--max-new-tokens", type=int, default=0, help="0: the graph's (20)")
+    parser.add_argument("--set", action="append", default=[], help="another override, a=b")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "async_training.json"))
     args = parser.parse_args()
     results, more = [], []
     if args.max_new_tokens:
         more.append(f"nodes.generate.max_new_tokens={args.max_new_tokens}")
+    more += args.set
     for k in args.staleness:  # one at a time: the pools of two runs would share the cores
         with tempfile.TemporaryDirectory() as out_dir:
             result = run(k, args.steps, args.tiny, Path(out_dir), more)
         results.append(result)
         print(json.dumps({k: v for k, v in result.items() if k != "per_step"}), flush=True)
+        write(args, more, results)  # after each run: a stopped bench keeps what it measured
+    print(f"wrote {args.out}")
+
+
+def write(args, more: list, results: list) -> None:
     base = results[0]["samples_per_s"]
     for r in results:
-        r["speedup_vs_first"] = r["samples_per_s"] / base if base else None
+        r["speedup_vs_first"] = r["samples_per_s"] / base
     report = {
         "graph": "graphs/grpo_disaggregated.toml",
         "overrides": CORRECTION + more,
@@ -94,7 +101,6 @@ def main() -> None:
         "runs": results,
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
