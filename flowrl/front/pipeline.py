@@ -147,12 +147,15 @@ def _refusals(graph, first_rollout: str, stage: dict, refill, errors: Collector)
 
 def _stages(graph, gen: str) -> dict[str, list[str]]:
     """Nodes by stage: on the rollout pool, or on the controller with every input from the
-    rollout stage -> "rollout"; every other node -> "train"."""
+    rollout stage -> "rollout"; every other node -> "train". A stateful controller node stays
+    in the train stage, so its state, like the weights, is that of the steps trained (what a
+    checkpoint keeps)."""
     spec, out = graph.spec, {"rollout": [], "train": []}
     for node in graph.order:
         preds = list(graph.dag.predecessors(node))
-        pool = spec.pool_of(node)
-        ahead = pool == gen or (pool is None and preds and all(p in out["rollout"] for p in preds))
+        pool, stateful = spec.pool_of(node), spec.nodes[node].spec.stateful
+        inputs_ahead = bool(preds) and all(p in out["rollout"] for p in preds)
+        ahead = pool == gen or (pool is None and inputs_ahead and not stateful)
         out["rollout" if ahead else "train"].append(node)
     return out
 

@@ -143,3 +143,21 @@ def test_every_shipped_graph_compiles_or_is_refused_by_name(graph):
         assert all("staleness = 1" in p.message for p in e.problems), str(e)
         return
     assert plan.pipeline.rollout_pool not in plan.pipeline.train_pools
+
+
+def test_a_stateful_controller_node_stays_in_the_train_stage(tmp_path):
+    """Its state must be that of the steps trained, as a checkpoint keeps it: a stateful node
+    computed from the rollout alone (here a copy of reward.rule made stateful) does not run
+    ahead, and neither does what reads it."""
+    node = tmp_path / "stateful_reward.py"
+    node.write_text(
+        "import attrs\n"
+        "from nodes.reward import rule\n"
+        "SPEC = attrs.evolve(rule.SPEC, stateful=True, fn=lambda b, p, s: rule.SPEC.fn(b, p))\n"
+    )
+    text = (GRAPHS / "grpo_disaggregated.toml").read_text()
+    graph = tmp_path / "g.toml"
+    graph.write_text(text.replace('uses = "reward.rule"', f'uses = "{node}"'))
+    p = plan_of(str(graph), "run.staleness=1", *CORRECTED).pipeline
+    assert p.rollout_nodes == ("generate",)
+    assert p.train_nodes == ("reward", "ref_logprob", "advantage", "update_policy")
