@@ -15,7 +15,11 @@ with the same seed and the same failures is the reference. Checked at the end:
   refused naming the first's pid (the first pauses after its lock, FLOWRL_KILL_AT=locked:0:STOP,
   so the race does not depend on timing).
 
-Writes bench/results/soak.json and prints a summary; exits non-zero if a condition fails.
+With --staleness K > 0 the run is graphs/grpo_disaggregated.toml with run.staleness = K (the
+rollout stage running K steps ahead, its queue kept in every checkpoint): the same checks.
+
+Writes bench/results/soak.json (soak_staleness<K>.json) and prints a summary; exits non-zero if
+a condition fails.
 """
 
 import argparse
@@ -31,10 +35,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCORER = Path(__file__).with_name("flaky_scorer.py")
+GRAPH = {"graph": ROOT / "graphs/grpo.toml", "stem": "grpo", "pools": ["main"], "train": "main"}
+
+
+def use_staleness(k: int) -> None:
+    """Soak the disaggregated graph with run.staleness = k (k = 0: grpo.toml, as always)."""
+    if k:
+        GRAPH.update(
+            graph=ROOT / "graphs/grpo_disaggregated.toml",
+            stem="grpo_disaggregated",
+            pools=["train", "gen"],
+            train="train",
+            staleness=k,
+        )
 
 
 def overrides(out_dir: Path, steps: int, every: int = 10) -> list[str]:
+    pools = [f"pools.{name}.cpus_per_worker=1" for name in GRAPH["pools"]]
+    if GRAPH.get("staleness"):
+        pools.append(f"run.staleness={GRAPH['staleness']}")
     return [
+        *pools,
         'models.policy.path="tiny"',
         'models.ref.path="tiny"',
         "models.policy.lr=0.01",
@@ -49,12 +70,11 @@ def overrides(out_dir: Path, steps: int, every: int = 10) -> list[str]:
         f'nodes.reward.scorer="{SCORER}:compute_score"',
         "nodes.reward.timeout_s=30",
         f'run.out_dir="{out_dir}"',
-        "pools.main.cpus_per_worker=1",
     ]
 
 
 def flowrl(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "flowrl.cli", "run", str(ROOT / "graphs/grpo.toml"), *args]
+    command = [sys.executable, "-m", "flowrl.cli", "run", str(GRAPH["graph"]), *args]
     return subprocess.run(
         command, env={**os.environ, **(env or {})}, capture_output=True, text=True
     )
@@ -66,7 +86,7 @@ def steps_of(run_dir: Path) -> list[dict]:
 
 
 def launch(args: list[str], env: dict | None = None) -> subprocess.Popen:
-    command = [sys.executable, "-m", "flowrl.cli", "run", str(ROOT / "graphs/grpo.toml"), *args]
+    command = [sys.executable, "-m", "flowrl.cli", "run", str(GRAPH["graph"]), *args]
     env = {**os.environ, **(env or {})}
     return subprocess.Popen(
         command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -83,7 +103,7 @@ def steps_once(run_dir: Path, steps: int) -> bool:
 def final_weights(run_dir: Path, steps: int) -> dict:
     import torch
 
-    path = run_dir / f"checkpoints/step_{steps:06d}/pool-main.pt"
+    path = run_dir / f"checkpoints/step_{steps:06d}/pool-{GRAPH['train']}.pt"
     return torch.load(path, weights_only=True)["policy"]["module"]
 
 
@@ -97,8 +117,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--kill-every", type=int, default=50)
-    parser.add_argument("--out", default=str(ROOT / "bench/results/soak.json"))
+    parser.add_argument("--staleness", type=int, default=0)
+    parser.add_argument("--out", default="")
     args = parser.parse_args()
+    use_staleness(args.staleness)
+    suffix = f"_staleness{args.staleness}" if args.staleness else ""
+    args.out = args.out or str(ROOT / f"bench/results/soak{suffix}.json")
     start = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -109,7 +133,7 @@ def main() -> int:
         for twin in twins:
             _, err = twin.communicate()
             assert twin.returncode == 0, err[-3000:]
-        straight, twin_dir = sorted(straight_dir.glob("grpo-*"))
+        straight, twin_dir = sorted(straight_dir.glob(f"{GRAPH['stem']}-*"))
 
         base = ["--backend", "local", *overrides(soak_dir, args.steps)]
         kills, run_dir = [], None
@@ -118,7 +142,7 @@ def main() -> int:
             resume = ["--resume", str(run_dir)] if run_dir else []
             killed = flowrl([*resume, *base], {"FLOWRL_KILL_AT": point})
             assert killed.returncode == -9, f"not killed at {point}: {killed.stderr[-3000:]}"
-            (run_dir,) = soak_dir.glob("grpo-*")
+            (run_dir,) = soak_dir.glob(f"{GRAPH['stem']}-*")
             kills.append(point)
         # the last resume races a second one: paused right after taking the lock, it holds
         # the run directory while the rival is refused, then goes on
@@ -141,6 +165,8 @@ def main() -> int:
         fds = [statistics.median(r["process/open_fds"] for r in part) for part in (early, late)]
         errors = sum(r.get("reward/errors", 0) for r in rows)
         result = {
+            "graph": str(GRAPH["graph"].relative_to(ROOT)),
+            "staleness": args.staleness,
             "steps": args.steps,
             "kills": kills,
             "every_step_once": sorted(counts) == list(range(1, args.steps + 1))

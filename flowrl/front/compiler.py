@@ -6,7 +6,8 @@ Passes, in order:
 2. placement: a model node runs on its model's pool; other nodes on the controller;
 3. residency: per pool, which (model, part) must be on the device for each call, and the
    reload / offload / sync transitions the pool's offload policy implies;
-4. dispatch / collect items around every call; dependencies; what may overlap.
+4. dispatch / collect items around every call; dependencies; what may overlap;
+5. with run.staleness > 0, the split into a rollout and a train stage (flowrl/front/pipeline.py).
 """
 
 import math
@@ -15,7 +16,7 @@ from pathlib import Path
 import networkx as nx
 
 from flowrl.errors import Collector, GraphErrors
-from flowrl.front import batching, dsl, memory, schema
+from flowrl.front import batching, dsl, memory, pipeline, schema
 from flowrl.front.graph import DATASET, Graph, build
 from flowrl.front.plan import BatchPlan, ExecutionPlan, Item, PoolPlan, ValidationPlan
 from flowrl.nodespec import RolloutParams
@@ -76,6 +77,8 @@ def compile_graph(built: Graph) -> ExecutionPlan:
     pools = _pools(built, batch, warnings)
     warnings += _lr_warnings(built.spec)
     items = _Builder(built, pools).build()
+    stages = pipeline.split(built, pools, items, batch.rows, refill, errors, warnings)
+    errors.raise_if_any()
     return ExecutionPlan(
         built.spec.file,
         pools,
@@ -87,6 +90,7 @@ def compile_graph(built: Graph) -> ExecutionPlan:
         built,
         refill,
         after_warmup,
+        stages,
     )
 
 
@@ -301,16 +305,20 @@ class _Builder:
         if mode == "train" and model in self.synced:
             to_pool = self.spec.models[model].rollout_pool
             to_pool = to_pool if to_pool and to_pool != pool else None
+            k = self.spec.run.staleness
+            ahead = bool(to_pool and k)  # the rollout pool loads it later, between generates
             sync = self.add(
                 "sync",
                 f"sync:{model}",
-                self.pool_deps(pool) + (self.pool_deps(to_pool) if to_pool else []),
+                self.pool_deps(pool) + (self.pool_deps(to_pool) if to_pool and not ahead else []),
                 pool=pool,
                 model=model,
                 to_pool=to_pool,
-                note="for the next step's generate",
+                note=f"loaded before generating step s+{k + 1}"
+                if ahead
+                else "for the next step's generate",
             )
-            if to_pool:  # the rollout pool is busy receiving until then
+            if to_pool and not ahead:  # the rollout pool is busy receiving until then
                 self.last_on_pool[to_pool] = sync
         if self.pools[pool].offload == "always":
             later = self.calls_on[pool][self.calls_on[pool].index(node) + 1 :]

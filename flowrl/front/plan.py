@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 import networkx as nx
 
+from flowrl.front.pipeline import PipelinePlan
 from flowrl.front.render import dot_escape, levels, rank_lines
 
 TRANSITIONS = ("reload", "offload", "sync")
@@ -135,6 +136,7 @@ class ExecutionPlan:
     graph: Any = attrs.field(default=None, eq=False, repr=False)  # the graph.Graph that runs
     refill: RefillPlan | None = None  # a filter node that refills the step
     after_warmup: tuple[str, ...] = ()  # train nodes that skip the first run.critic_warmup steps
+    pipeline: PipelinePlan | None = None  # run.staleness > 0: the two stages and their queue
 
     @property
     def spec(self):
@@ -168,25 +170,83 @@ class ExecutionPlan:
         b = self.batch
         lines.append(f"batch: {b.prompts} prompts x {b.samples} samples = {b.rows} rows")
         lines += self.filter_lines()
+        if self.pipeline:
+            lines += self.pipeline.lines()
         if self.after_warmup:
             lines.append(
                 f"critic warm-up: {', '.join(self.after_warmup)} skip steps 1-"
                 f"{self.spec.run.critic_warmup}; the other nodes run"
             )
-        lines.append("step")
         width = len(str(len(self.items)))
-        for item in self.items:
-            where = item.pool or "controller"
-            after = f"  after {','.join(map(str, item.deps))}" if item.deps else ""
-            lines.append(
-                f"  {item.id:>{width}}  {item.kind:<10} {where:<10} {item.describe()}{after}"
-            )
-        if self.overlaps:
+        for title, items in self._sections():
+            lines.append(title)
+            for item in items:
+                where = item.pool or "controller"
+                after = f"  after {','.join(map(str, item.deps))}" if item.deps else ""
+                lines.append(
+                    f"  {item.id:>{width}}  {item.kind:<10} {where:<10} {item.describe()}{after}"
+                )
+        if self.overlaps or self.pipeline:
             lines.append("may overlap")
             for name, others in self.overlaps:
                 lines.append(f"  {name} || {', '.join(others)}")
+            if self.pipeline:
+                p = self.pipeline
+                ahead = "s+1" if p.staleness == 1 else f"s+1 .. s+{p.staleness}"
+                lines.append(
+                    f"  the rollout stage (step {ahead}) || the train stage (step s): every "
+                    "item of one with every item of the other"
+                )
         lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines) + "\n"
+
+    def _sections(self) -> list[tuple[str, list[Item]]]:
+        """The step's items under their headings: one list, or one per stage."""
+        if not self.pipeline:
+            return [("step", list(self.items))]
+        p, by_id = self.pipeline, {i.id: i for i in self.items}
+        return [
+            (
+                f"rollout stage (pool {p.rollout_pool}): step s+{p.staleness}, with the weights "
+                f"of update s-1",
+                [by_id[i] for i in p.rollout_items],
+            ),
+            (
+                f"queue -> train stage (pool {', '.join(p.train_pools)}): step s",
+                [by_id[i] for i in sorted((*p.train_items, p.sync_item))],
+            ),
+        ]
+
+    def _stage_names(self) -> dict:
+        """Pool -> the stage it runs, for the DOT's box labels ({} when synchronous)."""
+        if not self.pipeline:
+            return {}
+        return {self.pipeline.rollout_pool: "rollout"} | dict.fromkeys(
+            self.pipeline.train_pools, "train"
+        )
+
+    def _through_queue(self, dag: nx.DiGraph) -> nx.DiGraph:
+        """The item DAG with every edge from the rollout stage to the train stage replaced
+        by one through the queue node, and the sync's edge to the rollout pool dropped."""
+        rollout = {str(i) for i in self.pipeline.rollout_items}
+        out = nx.DiGraph()
+        out.add_nodes_from([*dag.nodes, "queue"])
+        for a, b in dag.edges:
+            if a in rollout and b not in rollout:
+                out.add_edges_from([(a, "queue"), ("queue", b)])
+            elif b not in rollout or a in rollout:
+                out.add_edge(a, b)
+        return out
+
+    def _queue_lines(self) -> list[str]:
+        p = self.pipeline
+        label = (
+            f"queue\\nat most {p.queue_size} batch(es) of {p.rows} rows\\n"
+            f"weights up to {p.staleness} update(s) old"
+        )
+        return [
+            f'  "queue" [label="{label}", shape=cylinder, style="filled", fillcolor="#eeeeee"];'
+        ]
 
     def filters(self) -> tuple[str, ...]:
         """The filter nodes (rows = "filter") of the step, in plan order."""
@@ -231,6 +291,7 @@ class ExecutionPlan:
             "validation": attrs.asdict(self.validation),
             "refill": attrs.asdict(self.refill) if self.refill else None,
             "after_warmup": list(self.after_warmup),
+            "pipeline": attrs.asdict(self.pipeline) if self.pipeline else None,
             "items": [attrs.asdict(i) for i in self.items],
             "overlaps": {name: list(others) for name, others in self.overlaps},
             "warnings": list(self.warnings),
@@ -254,8 +315,11 @@ class ExecutionPlan:
         groups: dict[str | None, list[Item]] = {}
         for item in self.items:
             groups.setdefault(item.pool, []).append(item)
+        stage = self._stage_names()
         for pool in sorted(groups, key=lambda p: (p is not None, p or "")):
             name, label = ("(controller)", "controller") if pool is None else (pool, f"pool {pool}")
+            if pool in stage:
+                label += f" ({stage[pool]} stage)"
             lines.append(f'  subgraph "cluster_{dot_escape(name)}" {{')
             lines.append(
                 f'    label="{dot_escape(label)}"; style={"solid" if pool is None else "dashed"};'
@@ -267,9 +331,23 @@ class ExecutionPlan:
         dag = nx.DiGraph()
         dag.add_nodes_from(str(i.id) for i in self.items)
         dag.add_edges_from((str(d), str(i.id)) for i in self.items for d in i.deps)
+        if self.pipeline:  # the stages meet at the queue, not item to item
+            dag = self._through_queue(dag)
+            lines += self._queue_lines()
         lines += rank_lines(levels(dag))
-        for item in self.items:
-            for dep in item.deps:
-                lines.append(f'  "{dep}" -> "{item.id}";')
+        for a, b in sorted(dag.edges, key=lambda e: (_order(e[1]), _order(e[0]))):
+            lines.append(f'  "{a}" -> "{b}";')
+        if self.pipeline:
+            p = self.pipeline
+            first = p.rollout_items[0]
+            lines.append(
+                f'  "{p.sync_item}" -> "{first}" [style=dashed, constraint=false, '
+                f'label="weights, loaded {p.staleness + 1} steps later"];'
+            )
         lines.append("}")
         return "\n".join(lines) + "\n"
+
+
+def _order(name: str) -> tuple:
+    """Sort key of a DOT node name: item ids in number order, the queue after them."""
+    return (0, int(name)) if name.isdigit() else (1, 0)

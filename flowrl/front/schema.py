@@ -115,6 +115,7 @@ class RunConfig:
     save_inputs_last: int = checked(1, count(1, MAX_STEPS))  # of the last K steps
     loggers: list[str] = checked([], _loggers())  # jsonl (always), tensorboard, wandb
     critic_warmup: int = checked(0, count(0, MAX_STEPS))  # first N steps train only the critic
+    staleness: int = checked(0, count(0, MAX_STEPS))  # k > 0: generate k steps ahead (async)
 
 
 @attrs.frozen

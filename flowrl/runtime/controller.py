@@ -26,6 +26,7 @@ from flowrl.data.split import prompt_sets
 from flowrl.models import load_tokenizer
 from flowrl.nodespec import GREEDY
 from flowrl.runtime import checkpoint, faults, guards, make_executor, outcome, rng, step_log, stop
+from flowrl.runtime import pipeline as pipelines
 from flowrl.runtime import resume as resuming
 from flowrl.runtime import run_dir as run_dirs
 from flowrl.runtime.executor import StepResult
@@ -105,10 +106,13 @@ class Trainer:
         )
         self.executor = make_executor(backend, plan, num_cpus=spec.run.num_cpus or None)
         self.trace = Trace()
+        self.pipeline, self.queued = None, []  # run.staleness > 0: the stages' queue
 
     def close(self) -> None:
         from flowrl.rewards.pool import close_all
 
+        if self.pipeline is not None:
+            self.pipeline.close()
         self.executor.shutdown()
         close_all()  # scorer processes
 
@@ -138,6 +142,15 @@ class Trainer:
                 scores = self.validate(0)
                 with self._writing("metrics.jsonl"):
                     loggers.log({"step": 0, **scores})
+            if self.plan.pipeline is not None:  # the rollout stage starts running ahead
+                self.pipeline = pipelines.Pipeline(
+                    self.executor,
+                    self.plan.pipeline,
+                    self._rollout,
+                    start_step,
+                    self.spec.run.steps,
+                    self.queued,
+                )
             self._loop(start_step, loggers, samples_file)
 
     def _write_run_files(self) -> None:
@@ -240,14 +253,16 @@ class Trainer:
         """One training step: the walk's StepResult, its metrics completed with the step's
         timings, throughput and process metrics (what metrics.jsonl logs)."""
         start = time.time()
-        batch = self._prompts(step)
         run = self.spec.run
         record = self._record(step, step - 1, keep=tuple(run.save_inputs))
-        if self.plan.refill is not None:  # a filter that samples more prompts (DAPO)
+        if self.pipeline is not None:
+            walked = self._pipelined(step, record)
+        elif self.plan.refill is not None:  # a filter that samples more prompts (DAPO)
+            batch = self._prompts(step)
             more = functools.partial(self._prompts, step)
             walked = refilled_step(self.executor, self.plan.refill, batch, more, record)
         else:
-            only = None
+            batch, only = self._prompts(step), None
             if step <= run.critic_warmup:  # the critic alone trains
                 only = set(self.spec.nodes) - set(self.plan.after_warmup)
             walked = self.executor.run_step(batch, only=only, record=record)
@@ -267,6 +282,26 @@ class Trainer:
         out["tokens_per_s"] = tokens / seconds
         out.update(step_log.process_metrics())
         return StepResult(batch, out, slices)
+
+    def _pipelined(self, step: int, record: Recording) -> StepResult:
+        """The train stage on the queued batch of `step`, then the weights exported for the
+        rollout stage (run.staleness > 0, flowrl/runtime/pipeline.py)."""
+        rollout, metrics = self.pipeline.take(step)
+        ids = self.plan.pipeline.train_items
+        walked = self.executor.run_stage(rollout.result.batch, ids, record)
+        self.pipeline.export(step)
+        metrics = {**rollout.result.metrics, **walked.metrics, **metrics}
+        slices = rollout.result.slices + walked.slices + self.pipeline.drain_slices()
+        return StepResult(walked.batch, metrics, slices)
+
+    def _rollout(self, step: int) -> tuple[StepResult, dict]:
+        """The rollout stage of `step` on its prompts, and the loader's state after them (in
+        the rollout stage's thread: the loader is read there alone while the pipeline runs)."""
+        batch = self._prompts(step)
+        loader = self.loader.state_dict()
+        record = self._record(step, step - 1, keep=tuple(self.spec.run.save_inputs))
+        ids = self.plan.pipeline.rollout_items
+        return self.executor.run_stage(batch, ids, record, "controller/rollout stage"), loader
 
     def _prompts(self, step: int, round_: int = 0):
         """The next prompt batch, with the meta that seeds its sampling."""
@@ -292,9 +327,11 @@ class Trainer:
         batch = self.val_batch.index(slice(0, len(self.val_batch)))
         batch.meta.update(self.batch_meta, step=0)
         record = self._record(step, step, validation=True)
-        walked = self.executor.run_step(
-            batch, only=set(validation.nodes), param_changes=greedy, record=record
-        )
+        held = self.pipeline.weights_of(step) if self.pipeline else contextlib.nullcontext()
+        with held:  # the rollout pool, with this step's weights
+            walked = self.executor.run_step(
+                batch, only=set(validation.nodes), param_changes=greedy, record=record
+            )
         out, metrics = walked.batch, walked.metrics
         result = {"val/score": float(out["scores"].float().mean())}
         for key, value in metrics.items():  # failed scorer calls count in validation too
@@ -312,9 +349,15 @@ class Trainer:
             "node_state": self.executor.node_state,
             "rng": rng.state(),
         }
+        queued = []
+        if self.pipeline is not None:  # the loader has run ahead: its state after the queue
+            queued, loader = self.pipeline.queued(step)
+            state["loader"] = loader or state["loader"]
+            state["queue"] = [pipelines.entry(r) for r in queued]
         keep, graph = self.spec.run.keep_checkpoints, self.spec.raw
         with self._writing(f"the checkpoint of step {step}", step=step):
             with checkpoint.writing(self.run_dir, step, keep, graph) as out:
+                pipelines.save_queue(out, queued)
                 self.executor.broadcast("save", str(out))
                 (out / "controller.json").write_text(_state_json(state))
 
@@ -330,6 +373,7 @@ class Trainer:
         self.executor.broadcast("load", str(directory))
         self.executor.sync_rollout_pools()  # a separate rollout copy gets the loaded weights
         self.loader.load_state_dict(state["loader"])
+        self.queued = pipelines.load_queue(directory, state.get("queue", []))
         self.executor.node_state.update(state["node_state"])
         rng.set_state(state["rng"])
         with self._writing("metrics.jsonl and samples.jsonl"):

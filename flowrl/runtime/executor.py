@@ -60,6 +60,8 @@ class Executor(abc.ABC):
     - `shutdown()`: release the ranks (processes, placement groups).
     """
 
+    concurrent = True  # walks from two threads run at once (run.staleness's two stages)
+
     def __init__(self, plan):
         self.plan, self.spec = plan, plan.spec
         self._by_id = {i.id: i for i in plan.items}
@@ -127,10 +129,24 @@ class Executor(abc.ABC):
         a partial walk leaves every pool as a whole step does.
         """
         walk = _Walk(list(self.plan.items), batch, record, skip=self._skipped(only))
+        return self._walk(walk, param_changes or {})
+
+    def run_stage(
+        self, batch: DataProto, ids, record: Recording | None = None, track: str = "controller"
+    ) -> StepResult:
+        """Run the items `ids` (a stage of run.staleness's pipeline, flowrl/front/pipeline.py)
+        on `batch`, passing the others over; `track`: the trace track of its controller items
+        (the stages run at once, each on its own)."""
+        keep = set(ids)
+        skip = {i.id for i in self.plan.items if i.id not in keep}
+        walk = _Walk(list(self.plan.items), batch, record, skip=skip, track=track)
+        return self._walk(walk, {})
+
+    def _walk(self, walk: "_Walk", param_changes: dict) -> StepResult:
         while len(walk.done) < len(walk.items):
             ready = [i for i in walk.items if walk.ready(i)]
             for item in ready:
-                self._start(item, walk, param_changes or {})
+                self._start(item, walk, param_changes)
             if not ready:
                 self._wait(walk)
         return StepResult(walk.batch, walk.metrics, walk.slices)
@@ -180,7 +196,7 @@ class Executor(abc.ABC):
             return
         walk.done.add(item.id)
         walk.slices.append(
-            Slice(item.name, item.kind, "controller", start, time.time(), len(walk.batch))
+            Slice(item.name, item.kind, walk.track, start, time.time(), len(walk.batch))
         )
 
     def _wait(self, walk: "_Walk") -> None:
@@ -267,6 +283,7 @@ class _Walk:
     metrics: dict = attrs.Factory(dict)
     slices: list = attrs.Factory(list)
     skip: set = attrs.Factory(set)  # ids of items passed over (done once their deps are)
+    track: str = "controller"  # the trace track of its controller items
 
     def ready(self, item) -> bool:
         if item.id in self.done or item.id in self.pending:

@@ -9,6 +9,9 @@ from flowrl.runtime.setup import pool_setups
 
 
 class LocalExecutor(Executor):
+    # one process: run.staleness's stages take turns in one thread (flowrl/runtime/pipeline.py)
+    concurrent = False
+
     def __init__(self, plan, num_cpus: int | None = None):
         super().__init__(plan)
         for name, pool in plan.pools.items():

@@ -75,3 +75,40 @@ def test_sigkill_then_resume(tmp_path, kill_at, save_every):
     assert len(set(samples.values())) == 1  # the same number of samples for every step
     events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert {"event": "resume", "step": 2} in events
+
+
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_sigkill_then_resume_with_staleness_one(tmp_path, backend):
+    """run.staleness = 1: the checkpoint of step 2 keeps the queued batch of step 3 (generated
+    with the weights of update 1, which no checkpoint holds); the resumed run trains on it and
+    equals an uninterrupted run, step for step."""
+    from test_async import comparable
+
+    extra = {"run.steps": STEPS, "run.save_every": 2, "run.keep_checkpoints": 10}
+    extra |= {"run.staleness": 1, "run.num_cpus": 2}
+    graph = "grpo_disaggregated.toml"
+    command = [sys.executable, "-m", "flowrl.cli", "run", str(ROOT / "graphs" / graph)]
+    command += ["--backend", backend]
+
+    def start(folder: str, *more, **env):
+        overrides = tiny_overrides(graph, tmp_path / folder, **extra)
+        environment = {**os.environ, **env}
+        return subprocess.run(
+            [*command, *more, *overrides], cwd=tmp_path, env=environment, capture_output=True
+        )
+
+    whole = start("whole")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    killed = start("killed", FLOWRL_KILL_AT="logged:3")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    (run_dir,) = (tmp_path / "killed").glob("grpo_disaggregated-*")
+    kept = run_dir / "checkpoints/step_000002"
+    assert [p.name for p in (kept / "queue").iterdir()] == ["step_000003.pt"]
+    queue = json.loads((kept / "controller.json").read_text())["queue"]
+    assert [(q["step"], q["version"]) for q in queue] == [(3, 1)]
+    resumed = start("killed", "--resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    every_step_once = {step: 1 for step in range(STEPS + 1)}
+    assert dict(steps_logged(run_dir / "metrics.jsonl")) == every_step_once
+    (reference,) = (tmp_path / "whole").glob("grpo_disaggregated-*")
+    assert comparable(run_dir) == comparable(reference)

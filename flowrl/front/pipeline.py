@@ -1,0 +1,204 @@
+"""`run.staleness = k > 0`: the step split into a rollout stage and a train stage, joined by a
+bounded queue of batches (asynchronous, off-policy training; docs/scaling.md).
+
+The rollout stage is every node placed on the rollout pool (generate) and every controller
+node computed only from what that stage wrote (reward, advantage): it needs no trained model,
+so it can run ahead. The train stage is the rest (reference / old log-probs, the updates).
+The batch of step s is generated with the weights of update max(s - 1 - k, 0): exactly k
+updates old once the pipeline is full, never more, never fewer, so a run is reproducible
+whatever the timing. After update s the trainer exports the weights; the rollout pool loads
+them just before it generates step s + 1 + k. At most k batches wait in the queue.
+
+The checks refuse what the pipeline cannot honour, naming the key and the fix. No torch here.
+"""
+
+import attrs
+
+from flowrl.errors import Collector
+
+FIX_POOLS = (
+    'generate on a pool of its own: models.{model}.rollout_pool = "gen" with a [pools.gen] '
+    "table, as graphs/grpo_disaggregated.toml does, or set run.staleness = 0"
+)
+
+
+@attrs.frozen
+class PipelinePlan:
+    """The two stages of an asynchronous step, by node and by plan item."""
+
+    staleness: int  # k: a batch comes from weights exactly min(k, s - 1) updates old
+    model: str  # the trained model whose rollout copy generates
+    rollout_pool: str
+    train_pools: tuple[str, ...]
+    rollout_nodes: tuple[str, ...]  # plan order
+    train_nodes: tuple[str, ...]
+    rollout_items: tuple[int, ...]  # item ids of the rollout stage's walk
+    train_items: tuple[int, ...]  # item ids of the train stage's walk (without the sync)
+    sync_item: int  # the cross-pool sync: run by the pipeline, not by either walk
+    rows: int  # rows of a queued batch
+    correction: str  # the off-policy correction the graph applies, in words ("" = none)
+
+    @property
+    def queue_size(self) -> int:
+        """The most batches that wait at once (the version rule allows no more)."""
+        return max(self.staleness, 1)
+
+    def lines(self) -> list[str]:
+        """The pipeline's summary for `flowrl plan`."""
+        k = self.staleness
+        return [
+            f"async: run.staleness = {k}: step s trains on a batch generated with the weights "
+            f"of update s-{k + 1} (the first {k + 1} steps: the initial weights)",
+            f"  rollout stage on pool {self.rollout_pool}, runs up to {k} step(s) ahead: "
+            + ", ".join(self.rollout_nodes),
+            f"  queue: at most {self.queue_size} batch(es) of {self.rows} rows, every row "
+            "stamped with weight_version",
+            f"  train stage on pool {', '.join(self.train_pools)}: " + ", ".join(self.train_nodes),
+            f"  sync: after update s pool {self.train_pools[0]} exports {self.model}; "
+            f"pool {self.rollout_pool} loads it before generating step s+{k + 1}",
+            f"  off-policy correction: {self.correction or 'none'}",
+        ]
+
+
+def split(graph, pools: dict, items: list, rows: int, refill, errors: Collector, warnings: list):
+    """The PipelinePlan of a graph with run.staleness > 0, or None when it is 0 (or refused:
+    the problems go to `errors`)."""
+    spec, k = graph.spec, graph.spec.run.staleness
+    if not k:
+        return None
+    rollout = [n for n in graph.order if spec.nodes[n].mode == "rollout"]
+    if not rollout:
+        errors.add("[run]", f"staleness = {k}, but no node generates", "set run.staleness = 0")
+        return None
+    model, gen = spec.nodes[rollout[0]].model, spec.pool_of(rollout[0])
+    stage = _stages(graph, gen)
+    sync = [i.id for i in items if i.kind == "sync" and i.model == model and i.to_pool]
+    _refusals(graph, rollout[0], stage, refill, errors)
+    if not sync and not errors.problems:
+        errors.add(
+            "[run]",
+            f"staleness = {k}, but {model}, which [nodes.{rollout[0]}] generates with, is "
+            "not trained: its samples can never be stale",
+            "set run.staleness = 0",
+        )
+    if errors.problems:
+        return None
+    by_node = {n: s for s, nodes in stage.items() for n in nodes}
+    in_stage = {s: tuple(i.id for i in items if _stage_of(i, by_node, gen) == s) for s in stage}
+    correction = _correction(graph, model, stage["train"])
+    if not correction:
+        warnings.append(_no_correction(graph, model, k))
+    return PipelinePlan(
+        staleness=k,
+        model=model,
+        rollout_pool=gen,
+        train_pools=tuple(sorted({p for n in stage["train"] if (p := spec.pool_of(n))})),
+        rollout_nodes=tuple(stage["rollout"]),
+        train_nodes=tuple(stage["train"]),
+        rollout_items=in_stage["rollout"],
+        train_items=tuple(i for i in in_stage["train"] if i != sync[0]),
+        sync_item=sync[0],
+        rows=rows,
+        correction=correction,
+    )
+
+
+def _refusals(graph, first_rollout: str, stage: dict, refill, errors: Collector) -> None:
+    """What the pipeline cannot honour, each with its reason and fix."""
+    spec, k = graph.spec, graph.spec.run.staleness
+    model, gen = spec.nodes[first_rollout].model, spec.pool_of(first_rollout)
+    trained = [n for n in graph.order if spec.nodes[n].mode == "train"]
+    shared = [n for n in trained if spec.pool_of(n) == gen]
+    if gen == spec.models[model].pool or shared:
+        errors.add(
+            "[run]",
+            f"staleness = {k} runs generation and training at once, but "
+            f"[nodes.{first_rollout}] generates on pool {gen}, where "
+            f"{', '.join(shared) or model} trains (a colocated hybrid engine cannot do both "
+            "at once)",
+            FIX_POOLS.format(model=model),
+        )
+    if refill is not None and refill.groups:
+        param = spec.nodes[refill.node].spec.refill.groups
+        errors.add(
+            "[run]",
+            f"staleness = {k} cannot be combined with the refilling filter "
+            f"[nodes.{refill.node}]: a refill generates again within the step until enough "
+            "groups are kept, which the rollout stage running ahead cannot do",
+            f"set run.staleness = 0, or {param} = 0 on [nodes.{refill.node}]",
+        )
+    if spec.run.critic_warmup:
+        errors.add(
+            "[run]",
+            f"staleness = {k} cannot be combined with critic_warmup = {spec.run.critic_warmup}: "
+            "during the warm-up the step runs a partial walk (the critic alone trains), which "
+            "the pipelined train stage does not",
+            "set run.critic_warmup = 0 or run.staleness = 0",
+        )
+    for node in stage["rollout"]:
+        if any(p in stage["train"] for p in graph.dag.predecessors(node)):
+            errors.add(
+                f"[nodes.{node}]",
+                f"runs on the rollout pool {gen} but reads what the train stage writes, so "
+                f"run.staleness = {k} cannot run it ahead",
+                "set run.staleness = 0",
+            )
+
+
+def _stages(graph, gen: str) -> dict[str, list[str]]:
+    """Nodes by stage: on the rollout pool, or on the controller with every input from the
+    rollout stage -> "rollout"; every other node -> "train". A stateful controller node stays
+    in the train stage, so its state, like the weights, is that of the steps trained (what a
+    checkpoint keeps)."""
+    spec, out = graph.spec, {"rollout": [], "train": []}
+    for node in graph.order:
+        preds = list(graph.dag.predecessors(node))
+        pool, stateful = spec.pool_of(node), spec.nodes[node].spec.stateful
+        inputs_ahead = bool(preds) and all(p in out["rollout"] for p in preds)
+        ahead = pool == gen or (pool is None and inputs_ahead and not stateful)
+        out["rollout" if ahead else "train"].append(node)
+    return out
+
+
+def _stage_of(item, by_node: dict, gen: str) -> str:
+    if item.node is not None:
+        return by_node[item.node]
+    return "rollout" if item.pool == gen else "train"  # reload / offload on a pool
+
+
+def _correction(graph, model: str, train_nodes: list[str]) -> str:
+    """How the updates of `model` account for samples from older weights, in words; "" when
+    they do not (they take the trainer's own log-probs as the behaviour policy's)."""
+    spec, out = graph.spec, []
+    for node in train_nodes:
+        decl = spec.nodes[node]
+        if decl.mode != "train" or decl.model != model:
+            continue
+        cap = getattr(decl.params, "tis_cap", 0)
+        if "rollout_logprobs" in decl.reads and cap:
+            out.append(
+                f"truncated importance sampling in {node} (tis_cap = {cap:g}, rollout_logprobs)"
+            )
+            continue
+        writer = graph.writers.get("old_logprobs")
+        if "old_logprobs" in decl.reads and writer in train_nodes:
+            out.append(f"old_logprobs recomputed on the trainer by {writer} before {node}")
+            continue
+        return ""
+    return "; ".join(out)
+
+
+def _no_correction(graph, model: str, k: int) -> str:
+    update = next(
+        n
+        for n in graph.order
+        if graph.spec.nodes[n].mode == "train" and graph.spec.nodes[n].model == model
+    )
+    rollout = next(n for n in graph.order if graph.spec.nodes[n].mode == "rollout")
+    return (
+        f"[run] staleness = {k}: [nodes.{update}] trains {model} on samples generated by weights "
+        f"up to {k} update(s) old with no off-policy correction: set nodes.{update}.tis_cap "
+        f"(e.g. 2.0) with nodes.{rollout}.return_logprobs = true (truncated importance "
+        f"sampling), or recompute old_logprobs with a logprob node on {model} and "
+        f"nodes.{update}.on_policy = false"
+    )

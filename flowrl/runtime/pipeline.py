@@ -1,0 +1,224 @@
+"""The rollout stage running ahead of the train stage: run.staleness = k > 0 (the split and the
+version rule: flowrl/front/pipeline.py; docs/scaling.md).
+
+    rollout stage (a thread)                    train stage (the controller loop)
+    for r in steps:                             for s in steps:
+        wait for version v = max(r - 1 - k, 0)      take batch s from the queue
+        load v on the rollout pool                  run the train stage on it
+        generate, reward ... on step r's prompts    export the weights: version s
+        queue batch r, every row stamped v
+
+The version a batch is generated with depends on its step alone, never on timing, so a run is
+reproducible and a resume continues it exactly. On Ray the rollout stage runs in a thread of the
+controller, its calls on the rollout pool's actors, so the two pools work at once. The local
+executor runs every pool in this process: there the same schedule runs in one thread (before
+step s, every rollout whose weights exist: r <= s + k), with the same results and no overlap.
+
+A checkpoint after step s keeps the queue: batches s+1 .. s+k (they were generated with weights
+older than the checkpoint's) and the prompt loader's position after them (`Pipeline.queued`).
+"""
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import torch
+
+from flowrl.protocol import DataProto
+from flowrl.runtime.executor import Slice, StepResult
+
+VERSION_KEY = "weight_version"  # (b,) int64: the update whose weights generated the row
+
+
+@attrs.define
+class Rollout:
+    """One queued batch: the rollout stage's walk of step `step`, generated with the weights of
+    update `version`; `loader`: the prompt loader's state right after its prompts."""
+
+    step: int
+    version: int
+    result: StepResult
+    loader: dict | None = None
+
+
+class Pipeline:
+    """The queue between the stages, the exported weights by version, and the rollout thread.
+
+    Args:
+        executor: runs the walks (`run_stage`), the weight export and import.
+        stages: the plan's PipelinePlan.
+        produce: step -> (the rollout stage's StepResult on that step's prompts, the loader's
+            state after them); called in the rollout thread (or inline, locally).
+        start: the steps done (the checkpoint's step when resuming); the rollout pool holds
+            their weights.
+        steps: the last step (run.steps).
+        queued: the batches a checkpoint kept, steps start+1 ..
+    """
+
+    def __init__(self, executor, stages, produce: Callable, start: int, steps: int, queued=()):
+        self.executor, self.stages, self.produce = executor, stages, produce
+        self.k, self.start, self.steps = stages.staleness, start, steps
+        self.ready = {r.step: r for r in queued}  # the queue: step -> Rollout
+        self.next = start + 1 + len(self.ready)  # the next step to generate
+        self.loaders = {r.step: r.loader for r in queued}
+        self.weights: dict[int, object] = {}  # version -> exported weights (a Ray ref on Ray)
+        self.latest = self.loaded = start  # newest version exported; version the pool holds
+        self.cond = threading.Condition()
+        self.gen = threading.Lock()  # the rollout pool: one walk or load at a time
+        self.error: BaseException | None = None
+        self.stopping, self.thread, self.sync_slices = False, None, []
+        self.export(start)  # what the rollout pool holds now, kept while a batch needs it
+        if executor.concurrent:
+            self.thread = threading.Thread(target=self._run, name="rollout-stage", daemon=True)
+            self.thread.start()
+
+    def version_for(self, step: int) -> int:
+        """The update whose weights generate step `step`'s batch: s - 1 - k, never older than
+        the weights the run started (or resumed) with. A resume finds the queue full, so this
+        floor matters only for a run extended past its last step, which refills the queue."""
+        return max(step - 1 - self.k, self.start)
+
+    # -- the rollout stage ----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    r, need = self.next, self.version_for(self.next)
+                    if r > self.steps:
+                        return
+                    self.cond.wait_for(lambda: self.latest >= need or self.stopping)  # noqa: B023
+                    if self.stopping:
+                        return
+                self._produce(r, need)
+        except BaseException as e:  # the train stage raises it when it takes the batch
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def _produce(self, r: int, version: int) -> None:
+        with self.gen:
+            self._load(version)
+            result, loader = self.produce(r)
+        result.batch[VERSION_KEY] = torch.full((len(result.batch),), version, dtype=torch.long)
+        with self.cond:
+            self.ready[r], self.loaders[r] = Rollout(r, version, result, loader), loader
+            self.next = r + 1
+            needed = min(self.version_for(self.next), self.latest)
+            self.weights = {v: w for v, w in self.weights.items() if v >= needed}
+            self.cond.notify_all()
+
+    def _load(self, version: int) -> None:
+        """Load the weights of update `version` on the rollout pool, unless they are there."""
+        if self.loaded == version:
+            return
+        with self.cond:
+            weights = self.weights[version]
+        pool, model = self.stages.rollout_pool, self.stages.model
+        ranks = self.executor.ranks(pool)
+        handle = self.executor.submit(pool, "import_weights", [(model, weights)] * ranks)
+        slices = [
+            Slice(f"sync:{model}", "sync", f"{pool}/rank{rank}", timed.start, timed.end)
+            for rank, timed in enumerate(self.executor.results(handle))
+        ]
+        with self.cond:
+            self.sync_slices += slices
+        self.loaded = version
+
+    def _catch_up(self, step: int) -> None:
+        """Without a thread: generate every batch whose weights exist (up to step + k)."""
+        while self.next <= self.steps and self.version_for(self.next) <= self.latest:
+            self._produce(self.next, self.version_for(self.next))
+
+    # -- the train stage ------------------------------------------------------------------
+    def take(self, step: int) -> tuple[Rollout, dict]:
+        """The batch of `step` (waiting for it) and the queue's metrics; raises the rollout
+        stage's error (a dead rank named as any other) if it failed."""
+        start = time.time()
+        if self.thread is None:
+            self._catch_up(step)
+        with self.cond:
+            self.cond.wait_for(lambda: step in self.ready or self.error is not None)
+            if step not in self.ready:
+                raise self.error
+            rollout = self.ready.pop(step)
+            queued = len(self.ready)
+        metrics = {
+            "async/staleness": float(step - 1 - rollout.version),
+            "async/weight_version": float(rollout.version),
+            "async/queued": float(queued),  # batches still waiting once this one is taken
+            "async/wait_s": time.time() - start,  # the train stage idle, waiting for it
+        }
+        return rollout, metrics
+
+    def export(self, version: int) -> None:
+        """After update `version`: its weights, for the rollout pool to load when due."""
+        model = self.stages.model
+        pool = self.executor.spec.models[model].pool  # where it trains
+        ranks = self.executor.ranks(pool)
+        handle = self.executor.submit(pool, "export_weights", [(model,)] * ranks)
+        weights = self.executor.rank0_output(handle)  # on Ray a reference: not waited for
+        with self.cond:
+            self.weights[version], self.latest = weights, version
+            self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def weights_of(self, version: int):
+        """Hold the rollout pool with the weights of update `version` loaded (validation of
+        step `version`); the rollout stage loads its own version again afterwards."""
+        with self.gen:
+            self._load(version)
+            yield
+
+    def queued(self, step: int) -> tuple[list[Rollout], dict | None]:
+        """For a checkpoint after `step`: the batches of steps step+1 .. step+k (waiting for
+        them) and the loader's state after the last of them (None: nothing generated yet)."""
+        last = min(step + self.k, self.steps)
+        if self.thread is None:
+            self._catch_up(step)
+        with self.cond:
+            self.cond.wait_for(lambda: self.next > last or self.error is not None)
+            if self.next <= last:
+                raise self.error
+            kept = [self.ready[r] for r in range(step + 1, last + 1)]
+            loader = self.loaders.get(last)
+            self.loaders = {r: s for r, s in self.loaders.items() if r >= last}
+        return kept, loader
+
+    def drain_slices(self) -> list[Slice]:
+        """The weight loads on the rollout pool since the last call, for the trace."""
+        with self.cond:
+            out, self.sync_slices = self.sync_slices, []
+        return out
+
+    def close(self) -> None:
+        """Stop the rollout stage after its current walk (not waited for: a run that stops
+        shuts the pools down, which ends a walk in flight)."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+
+
+# -- the queue in a checkpoint ------------------------------------------------------------
+def entry(rollout: Rollout) -> dict:
+    """A queued batch's line in controller.json (its rows go to queue/step_NNNNNN.pt)."""
+    return {"step": rollout.step, "version": rollout.version, "metrics": rollout.result.metrics}
+
+
+def save_queue(directory, queued: list[Rollout]) -> None:
+    """Each queued batch's rows, tensors and JSON (DataProto.save: nothing to unpickle)."""
+    for rollout in queued:
+        folder = Path(directory) / "queue"
+        folder.mkdir(exist_ok=True)
+        rollout.result.batch.save(folder / f"step_{rollout.step:06d}.pt")
+
+
+def load_queue(directory, entries: list[dict]) -> list[Rollout]:
+    """The batches `save_queue` wrote, in step order, as the checkpoint's step left them."""
+    out = []
+    for e in entries:
+        batch = DataProto.load(Path(directory) / "queue" / f"step_{e['step']:06d}.pt")
+        out.append(Rollout(e["step"], e["version"], StepResult(batch, e["metrics"], [])))
+    return out
