@@ -63,6 +63,11 @@ class HFRollout:
         """Sample one turn (see `RolloutBackend.generate`)."""
         return await self.scheduler.submit(request)
 
+    def run(self, coroutine):
+        """Run `coroutine` (requests to this engine) from synchronous code, the model calls on
+        this thread (`Scheduler.drive`); `flowrl.engines.rollout.run_on` calls it."""
+        return self.scheduler.drive(coroutine)
+
     def release(self, request_id: str) -> None:
         """Free the cache slot held for `request_id` (a running request ends "abort")."""
         self.scheduler.release(request_id)

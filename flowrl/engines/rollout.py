@@ -154,9 +154,10 @@ def mix(a: int, b: int) -> int:
 
 
 def run_on(backend, coroutine):
-    """Run `coroutine` (requests to `backend`) to its end from synchronous code: on the
-    backend's own loop when it has one (`backend.run`: SGLang answers on the loop its
-    tokenizer manager runs on), else on a fresh loop (`run_sync`)."""
+    """Run `coroutine` (requests to `backend`) to its end from synchronous code, the way
+    the backend wants when it says (`backend.run`: SGLang answers on the loop its tokenizer
+    manager runs on; flowrl's own engine makes its model calls on this thread), else on a
+    fresh loop (`run_sync`)."""
     run = getattr(backend, "run", None)
     return run(coroutine) if run is not None else run_sync(coroutine)
 

@@ -11,11 +11,18 @@ batch at every decode step.
             loop; their slot is freed, or held for their next turn (keep)
         one model call feeds the sampled token of every request still decoding
 
-The model calls are blocking torch, so they run in this thread while the callers' event loop
-runs tools and interactions. Decoding requests occupy slots 0..d-1, so a decode call reads a
-contiguous view of the cache; a request that joins or leaves swaps rows with the slot at the
-boundary (kv_cache.py). A request's tokens depend only on its own stream and the model: which
-other requests share a call changes its logits by floating-point noise at most.
+The model calls are blocking torch, so they run on one thread while the callers' event loop
+runs tools and interactions on another. A synchronous caller (`HFRollout.run`: the generate
+node, validation, the agent node) lends its own thread to the loop and runs its requests'
+event loop on a helper thread (`drive`): torch's intra-op threads (OpenMP) are set up for the
+thread that configured them, and a forward pass from a thread of its own ran 1.4x slower with
+2 torch threads on the 2-core machine (the same with 1). A caller already inside an event loop
+gets the loop on a thread of its own (`submit` starts it).
+
+Decoding requests occupy slots 0..d-1, so a decode call reads a contiguous view of the cache;
+a request that joins or leaves swaps rows with the slot at the boundary (kv_cache.py). A
+request's tokens depend only on its own stream and the model: which other requests share a
+call changes its logits by floating-point noise at most.
 
 `lockstep`: the loop runs no step while a held request is away (its caller is running its
 tools), so every batch's composition is a function of the requests alone and a rollout is
@@ -33,7 +40,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from flowrl.engines.rollout import Request, Result, mix
+from flowrl.engines.rollout import Request, Result, mix, run_sync
 from flowrl.engines.sampling import sample_rows
 
 # a prefix shared by new prompts is prefilled once when that saves this many prompt tokens:
@@ -69,7 +76,9 @@ class Scheduler:
         self.inbox: list[Row] = []
         self.releases: list[str] = []
         self.away: set[str] = set()  # held requests whose caller has not come back yet
-        self.thread: threading.Thread | None = None
+        self.thread: threading.Thread | None = None  # the thread running the loop
+        self.driven = False  # the loop runs on a caller's thread (`drive`)
+        self.caller_done = False  # ... and that caller's requests have all come back
         self.dropping = False
         # owned by the loop thread
         self.cache = None
@@ -131,6 +140,41 @@ class Scheduler:
                 self.cv.wait()
             self.dropping = False
 
+    def drive(self, coroutine):
+        """Run `coroutine` (requests to this engine) to its end: its event loop on a helper
+        thread, the batching loop on this one, until the coroutine has finished and no request
+        of it runs. Requests it left held are dropped then (nobody is left to come back for
+        them). If the loop already runs (another caller's), the coroutine joins it instead."""
+        with self.cv:
+            if self.thread is not None:
+                busy = True
+            else:
+                busy = False
+                self.thread, self.driven, self.caller_done = threading.current_thread(), True, False
+        if busy:
+            return run_sync(coroutine)
+        out: dict = {}
+
+        def target():
+            try:
+                out["value"] = asyncio.run(coroutine)
+            except BaseException as e:  # re-raised on the caller's thread
+                out["error"] = e
+            finally:
+                with self.cv:
+                    self.caller_done = True
+                    self.cv.notify_all()
+
+        helper = threading.Thread(target=target, name="flowrl-requests", daemon=True)
+        helper.start()
+        try:
+            self._run()
+        finally:
+            helper.join()
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
+
     def _wake(self) -> None:
         if self.thread is None:
             self.thread = threading.Thread(target=self._run, name="flowrl-rollout", daemon=True)
@@ -142,7 +186,11 @@ class Scheduler:
         while True:
             with self.cv:
                 while not self._ready():
-                    if not (self.held or self.away) or (self.dropping and not self.decoding):
+                    if self.driven:
+                        done = self.caller_done and not self.decoding
+                    else:
+                        done = not (self.held or self.away) or self.dropping
+                    if done and not self.decoding:
                         self._exit()
                         return
                     self.cv.wait()
@@ -159,7 +207,8 @@ class Scheduler:
     def _ready(self) -> bool:
         if self.releases:
             return True
-        if self.lockstep and self.away and not self.dropping:  # wait for every held request
+        # wait for every held request, unless none can come back
+        if self.lockstep and self.away and not (self.dropping or self.caller_done):
             return False
         return bool(self.inbox or self.decoding)
 
@@ -172,7 +221,7 @@ class Scheduler:
         self.held.clear()
         self.away.clear()
         self.cache, self.slots, self.logits, self.turn_columns = None, [], None, 0
-        self.thread = None
+        self.thread, self.driven, self.caller_done = None, False, False
         self.cv.notify_all()
 
     def _fail(self, error: BaseException, arrivals: list[Row]) -> None:

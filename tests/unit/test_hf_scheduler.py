@@ -18,7 +18,7 @@ from flowrl.agent.episode import Episode, Limits
 from flowrl.agent.parsers import user_parser
 from flowrl.agent.tools import FunctionTool, Toolbox
 from flowrl.engines import HFRollout, TrainEngine
-from flowrl.engines.rollout import Request, Sampling, run_sync
+from flowrl.engines.rollout import Request, Sampling, run_on, run_sync
 from flowrl.protocol import DataProto
 from flowrl.testing import tiny_model, tiny_tokenizer
 
@@ -316,3 +316,88 @@ def test_releasing_a_running_request_ends_it_with_abort_and_frees_its_slot():
     engine.release("b")
     engine.idle()
     assert engine.cache is None and not engine.scheduler.held
+
+
+# -- a synchronous caller lends its thread to the loop (HFRollout.run) ----------------------
+
+
+def test_run_makes_the_model_calls_on_the_callers_thread_and_returns_the_results():
+    model = CountingLM()
+    engine = HFRollout(model, FakeTokenizer())
+    threads = set()
+    model.before_call = lambda k: threads.add(threading.current_thread())
+
+    async def run():
+        results = await asyncio.gather(
+            engine.generate(greedy([10, 11], 3, "a")), engine.generate(greedy([30], 2, "b"))
+        )
+        engine.release("a"), engine.release("b")
+        return results
+
+    a, b = run_on(engine, run())
+    assert threads == {threading.current_thread()}
+    assert a.ids == [12, 13, 14] and b.ids == [31, 32]
+    assert engine.cache is None and engine.scheduler.thread is None  # the loop has exited
+
+
+def test_run_raises_the_coroutines_error_and_drops_what_it_left_held():
+    model = CountingLM()
+    engine = HFRollout(model, FakeTokenizer())
+
+    async def run():
+        await engine.generate(greedy([10, 11], 2, "a"))  # kept, never released
+        raise ValueError("the caller's own error")
+
+    with pytest.raises(ValueError, match="the caller's own error"):
+        run_on(engine, run())
+    assert engine.cache is None and not engine.scheduler.held
+    # the engine serves the next caller as a fresh one
+    assert run_on(engine, engine.generate(greedy([40], 2, "c"))).ids == [41, 42]
+
+
+def test_a_lockstep_run_whose_caller_ends_with_a_request_away_does_not_wait_for_it():
+    """A lockstep engine runs no step while a held request is away; once the caller has
+    ended, nobody can come back for A, so the loop goes on: B (cancelled with the caller's
+    loop) leaves with "abort" and the loop exits instead of waiting for A forever."""
+    model = CountingLM()
+    engine = HFRollout(model, FakeTokenizer(), lockstep=True)
+
+    async def run():
+        async def b():
+            return await engine.generate(Request([30], 6, Sampling(do_sample=False)))
+
+        task = asyncio.ensure_future(b())
+        await engine.generate(greedy([10, 11], 1, "a"))  # A stays away, unreleased
+        return task  # B still decoding when the caller ends
+
+    caller = threading.Thread(target=run_on, args=(engine, run()), daemon=True)
+    caller.start()
+    caller.join(30)
+    assert not caller.is_alive()
+    assert engine.cache is None and engine.scheduler.thread is None
+
+
+def test_run_while_another_caller_holds_the_loop_joins_it():
+    """A second synchronous caller (another thread) while the first one's requests run:
+    its requests are batched by the running loop, on the first caller's thread."""
+    model = CountingLM()
+    engine = HFRollout(model, FakeTokenizer())
+    started, out = threading.Event(), {}
+
+    def first_call(k):
+        if k == 1:  # the first caller's loop is running: start the second caller now
+            started.set()
+            thread = threading.Thread(
+                target=lambda: out.setdefault("b", run_on(engine, engine.generate(
+                    Request([30], 2, Sampling(do_sample=False))
+                )))
+            )  # fmt: skip
+            thread.start()
+            out["thread"] = thread
+        if k == 2:
+            assert out["thread"].is_alive()
+
+    model.before_call = first_call
+    a = run_on(engine, engine.generate(Request([10], 8, Sampling(do_sample=False))))
+    out["thread"].join(10)
+    assert started.is_set() and a.ids == list(range(11, 19)) and out["b"].ids == [31, 32]
