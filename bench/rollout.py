@@ -5,6 +5,8 @@ continuous-batching engine (flowrl/engines/scheduler.py), repetitions alternated
     python bench/rollout.py multi_turn [--rows 16] [--repeats 3]
     python bench/rollout.py single_turn [--prompts 16] [--n 2] [--repeats 3]
     python bench/rollout.py cache [--rows 16] [--repeats 3]
+    (any mode: --threads N torch threads, 1 by default; --own-thread: the new engine's loop
+    on a thread of its own instead of the caller's)
 
 multi_turn: the calculator prompts; request i's tool answers after a latency fixed per row,
 uniform in 0 to 1 s, and request i makes 1 to 4 calls (uniform), both drawn independently
@@ -132,11 +134,30 @@ def waves(model, tokenizer, ids, latency=True, seed=0) -> tuple[float, list]:
     return time.perf_counter() - start, episodes
 
 
+class OwnThread:
+    """The new engine with its batching loop on a thread of its own, as before the caller's
+    thread ran it (`--own-thread`): no `run`, so `run_on` falls back to a fresh event loop."""
+
+    def __init__(self, engine):
+        self.engine, self.tokenizer = engine, engine.tokenizer
+
+    async def generate(self, request):
+        return await self.engine.generate(request)
+
+    def release(self, request_id):
+        self.engine.release(request_id)
+
+
+ENGINE = {"wrap": lambda engine: engine}
+
+
 class Forgetful:
     """The new engine with every turn re-prefilled: no request keeps its KV."""
 
     def __init__(self, engine):
         self.engine = engine
+        if hasattr(engine, "run"):  # the engine's loop on the caller's thread, as without this
+            self.run = engine.run
 
     async def generate(self, request):
         return await self.engine.generate(attrs.evolve(request, keep=False))
@@ -149,9 +170,10 @@ def requests(model, tokenizer, ids, latency=True, keep=True, seed=0) -> tuple[fl
     episodes = episodes_of(tokenizer, ids, latency)
     start = time.perf_counter()
     engine = HFRollout(model, tokenizer)
-    backend = engine if keep else Forgetful(engine)
+    backend = ENGINE["wrap"](engine)
+    backend = backend if keep else Forgetful(backend)
     seeds = [seed * 1000 + k for k in range(len(episodes))]
-    run_on(engine, run_requests(episodes, backend, SAMPLING["value"], seeds))
+    run_on(backend, run_requests(episodes, backend, SAMPLING["value"], seeds))
     seconds = time.perf_counter() - start
     engine.idle()
     return seconds, episodes, dict(engine.scheduler.counts)
@@ -208,7 +230,7 @@ def single_turn(model, tokenizer, args) -> dict:
         lengths["loop"] = out["response_mask"].sum(-1).tolist()
         engine = HFRollout(model, tokenizer)
         start = time.perf_counter()
-        out = generate_batch(engine, prompts, mask, seed=rep, **kwargs)
+        out = generate_batch(ENGINE["wrap"](engine), prompts, mask, seed=rep, **kwargs)
         new.append((time.perf_counter() - start, int(out["response_mask"].sum())))
         lengths["requests"] = out["response_mask"].sum(-1).tolist()
         if args.greedy:
@@ -259,11 +281,16 @@ def main() -> None:
     parser.add_argument("--assign", choices=["random", "ordered"], default="random")
     parser.add_argument("--sample", action="store_true", help="multi_turn: temperature 1")
     parser.add_argument("--greedy", action="store_true", help="single_turn: greedy")
+    parser.add_argument(
+        "--own-thread", action="store_true", help="the new engine's loop on a thread of its own"
+    )
     parser.add_argument("--model", default="smollm2-135m-instruct", help='"tiny": a smoke test')
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ASSIGN["value"] = args.assign
+    if args.own_thread:
+        ENGINE["wrap"] = OwnThread
     if args.sample:
         SAMPLING["value"] = Sampling(temperature=1.0)
     model, tokenizer = load_model(args.model)
@@ -278,6 +305,8 @@ def main() -> None:
             "_sampled" if args.sample else ""
         )
         suffix += "_greedy" if args.greedy else ""
+        suffix += f"_{args.threads}threads" if args.threads != 1 else ""
+        suffix += "_own_thread" if args.own_thread else ""
         Path(args.out, f"rollout_{args.mode}{suffix}.json").write_text(text + "\n")
 
 
