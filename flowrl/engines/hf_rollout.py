@@ -2,14 +2,15 @@
 causal LM.
 
 It serves the request contract (flowrl/engines/rollout.py): `await generate(request)` per
-conversation turn, from any number of concurrent callers. A scheduler thread
-(scheduler.py) batches every request ready to decode into one model call per token; new
-requests, and requests back from their tools, join with a prefill of their new tokens only
-(a request held by id keeps its earlier turns' keys and values in its cache slot); finished
-requests leave at once and free their slot. What `generate` kept for `generate`'s own savings
-stays: a prompt's n samples share one prefill, and a prefix all new prompts share (the chat
-template's system prompt) is prefilled once. Sampling runs in torch (temperature, top-k,
-top-p; sampling.py), each request from its own stream seeded by (seed, turn).
+conversation turn, from any number of concurrent callers. A scheduler loop (scheduler.py; on
+the caller's thread when the caller is synchronous, `run`) batches every request ready to
+decode into one model call per token; new requests, and requests back from their tools, join
+with a prefill of their new tokens only (a request held by id keeps its earlier turns' keys
+and values in its cache slot); finished requests leave at once and free their slot. What
+`generate` kept for `generate`'s own savings stays: a prompt's n samples share one prefill,
+and a prefix all new prompts share (the chat template's system prompt) is prefilled once.
+Sampling runs in torch (temperature, top-k, top-p; sampling.py), each request from its own
+stream seeded by (seed, turn).
 
 In hybrid mode the engine shares its module with the train engine, so a weight sync is free;
 a separate copy is refreshed by `sync_weights`. Exactness: greedy output equals transformers
