@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
@@ -169,20 +170,34 @@ def run_sync(coroutine):
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(coroutine)
+    return start_thread(coroutine)()
+
+
+def start_thread(coroutine, finished: Callable[[], None] | None = None) -> Callable[[], Any]:
+    """Start `coroutine` on a fresh event loop in a thread of its own; `finished()` runs in
+    that thread once the coroutine has ended. Returns `join`: waits, then returns the
+    coroutine's value or raises its error in the caller's thread."""
     out = {}
 
     def target():
         try:
             out["value"] = asyncio.run(coroutine)
-        except BaseException as e:  # re-raised in the caller's thread
+        except BaseException as e:  # re-raised by join, in the caller's thread
             out["error"] = e
+        finally:
+            if finished is not None:
+                finished()
 
-    thread = threading.Thread(target=target)
+    thread = threading.Thread(target=target, name="flowrl-requests", daemon=True)
     thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
+
+    def join():
+        thread.join()
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
+
+    return join
 
 
 def rollout_class(name: str) -> type:

@@ -40,7 +40,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from flowrl.engines.rollout import Request, Result, mix, run_sync
+from flowrl.engines.rollout import Request, Result, mix, run_sync, start_thread
 from flowrl.engines.sampling import sample_rows
 
 # a prefix shared by new prompts is prefilled once when that saves this many prompt tokens:
@@ -146,34 +146,20 @@ class Scheduler:
         of it runs. Requests it left held are dropped then (nobody is left to come back for
         them). If the loop already runs (another caller's), the coroutine joins it instead."""
         with self.cv:
-            if self.thread is not None:
-                busy = True
-            else:
-                busy = False
+            busy = self.thread is not None
+            if not busy:
                 self.thread, self.driven, self.caller_done = threading.current_thread(), True, False
         if busy:
             return run_sync(coroutine)
-        out: dict = {}
 
-        def target():
-            try:
-                out["value"] = asyncio.run(coroutine)
-            except BaseException as e:  # re-raised on the caller's thread
-                out["error"] = e
-            finally:
-                with self.cv:
-                    self.caller_done = True
-                    self.cv.notify_all()
+        def finished():
+            with self.cv:
+                self.caller_done = True
+                self.cv.notify_all()
 
-        helper = threading.Thread(target=target, name="flowrl-requests", daemon=True)
-        helper.start()
-        try:
-            self._run()
-        finally:
-            helper.join()
-        if "error" in out:
-            raise out["error"]
-        return out["value"]
+        join = start_thread(coroutine, finished)
+        self._run()  # returns once `finished` has run and no request decodes
+        return join()
 
     def _wake(self) -> None:
         if self.thread is None:
@@ -186,9 +172,9 @@ class Scheduler:
         while True:
             with self.cv:
                 while not self._ready():
-                    if self.driven:
-                        done = self.caller_done and not self.decoding
-                    else:
+                    if self.driven:  # until the caller's requests have all come back
+                        done = self.caller_done
+                    else:  # until nothing is held (or held requests are being dropped)
                         done = not (self.held or self.away) or self.dropping
                     if done and not self.decoding:
                         self._exit()

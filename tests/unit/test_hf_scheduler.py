@@ -378,26 +378,33 @@ def test_a_lockstep_run_whose_caller_ends_with_a_request_away_does_not_wait_for_
 
 
 def test_run_while_another_caller_holds_the_loop_joins_it():
-    """A second synchronous caller (another thread) while the first one's requests run:
-    its requests are batched by the running loop, on the first caller's thread."""
+    """A second synchronous caller (another thread) while the first one's requests run: its
+    request is batched by the running loop, on the first caller's thread. An event orders the
+    two: model call 1 waits until the second caller's request has reached the engine."""
     model = CountingLM()
     engine = HFRollout(model, FakeTokenizer())
-    started, out = threading.Event(), {}
+    arrived, hand_over = threading.Event(), engine.scheduler._hand_over
+    engine.scheduler._hand_over = lambda loop: (hand_over(loop), arrived.set())
+    threads, out = set(), {}
 
-    def first_call(k):
-        if k == 1:  # the first caller's loop is running: start the second caller now
-            started.set()
-            thread = threading.Thread(
-                target=lambda: out.setdefault("b", run_on(engine, engine.generate(
-                    Request([30], 2, Sampling(do_sample=False))
-                )))
-            )  # fmt: skip
-            thread.start()
-            out["thread"] = thread
-        if k == 2:
-            assert out["thread"].is_alive()
+    def second_caller():
+        out["b"] = run_on(engine, engine.generate(Request([30], 2, Sampling(do_sample=False))))
 
-    model.before_call = first_call
+    def gate(k):  # in the loop's thread, before model call k
+        threads.add(threading.current_thread())
+        if k == 1:  # the first caller's loop is running: the second caller starts now
+            arrived.clear()
+            out["thread"] = threading.Thread(target=second_caller)
+            out["thread"].start()
+            assert arrived.wait(10)
+
+    model.before_call = gate
     a = run_on(engine, engine.generate(Request([10], 8, Sampling(do_sample=False))))
     out["thread"].join(10)
-    assert started.is_set() and a.ids == list(range(11, 19)) and out["b"].ids == [31, 32]
+    assert a.ids == list(range(11, 19)) and out["b"].ids == [31, 32]
+    assert threads == {threading.current_thread()}  # every call on the first caller's thread
+    assert model.calls[:4] == [
+        (1, 1, [0]), (1, 1, [1]),  # a's prompt, a's first decode (the second caller starts)
+        (1, 1, [0]),  # b's prompt prefilled in the running loop
+        (2, 1, [2, 1]),  # a and b decode in one call
+    ]  # fmt: skip
