@@ -6,7 +6,8 @@ continuous-batching engine (flowrl/engines/scheduler.py), repetitions alternated
     python bench/rollout.py single_turn [--prompts 16] [--n 2] [--repeats 3]
     python bench/rollout.py cache [--rows 16] [--repeats 3]
     (any mode: --threads N torch threads, 1 by default; --own-thread: the new engine's loop
-    on a thread of its own instead of the caller's)
+    on a thread of its own instead of the caller's; --no-pack: a request back from its tools
+    prefilled in a call of its own, not packed into the decode call, flowrl/engines/packed.py)
 
 multi_turn: the calculator prompts; request i's tool answers after a latency fixed per row,
 uniform in 0 to 1 s, and request i makes 1 to 4 calls (uniform), both drawn independently
@@ -148,7 +149,7 @@ class OwnThread:
         self.engine.release(request_id)
 
 
-ENGINE = {"wrap": lambda engine: engine}
+ENGINE = {"wrap": lambda engine: engine, "packs": True}
 
 
 class Forgetful:
@@ -170,6 +171,7 @@ def requests(model, tokenizer, ids, latency=True, keep=True, seed=0) -> tuple[fl
     episodes = episodes_of(tokenizer, ids, latency)
     start = time.perf_counter()
     engine = HFRollout(model, tokenizer)
+    engine.packs = engine.packs and ENGINE["packs"]
     backend = ENGINE["wrap"](engine)
     backend = backend if keep else Forgetful(backend)
     seeds = [seed * 1000 + k for k in range(len(episodes))]
@@ -196,7 +198,7 @@ def multi_turn(model, tokenizer, args) -> dict:
         old.append(seconds)
         last["waves"] = episodes
         tokens["waves"].append(sum(sum(e.mask) for e in episodes))
-        seconds, episodes, _ = requests(model, tokenizer, ids, seed=rep)
+        seconds, episodes, counts = requests(model, tokenizer, ids, seed=rep)
         new.append(seconds)
         last["requests"] = episodes
         tokens["requests"].append(sum(sum(e.mask) for e in episodes))
@@ -212,6 +214,7 @@ def multi_turn(model, tokenizer, args) -> dict:
         "workload_calls_latency": workload(len(ids), ASSIGN["value"]),
         "waves": describe(last["waves"]),
         "requests": describe(last["requests"]),
+        "requests_model_calls": counts,
     }
 
 
@@ -284,6 +287,7 @@ def main() -> None:
     parser.add_argument(
         "--own-thread", action="store_true", help="the new engine's loop on a thread of its own"
     )
+    parser.add_argument("--no-pack", action="store_true", help="no packed model calls")
     parser.add_argument("--model", default="smollm2-135m-instruct", help='"tiny": a smoke test')
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
@@ -291,6 +295,7 @@ def main() -> None:
     ASSIGN["value"] = args.assign
     if args.own_thread:
         ENGINE["wrap"] = OwnThread
+    ENGINE["packs"] = not args.no_pack
     if args.sample:
         SAMPLING["value"] = Sampling(temperature=1.0)
     model, tokenizer = load_model(args.model)
@@ -307,6 +312,7 @@ def main() -> None:
         suffix += "_greedy" if args.greedy else ""
         suffix += f"_{args.threads}threads" if args.threads != 1 else ""
         suffix += "_own_thread" if args.own_thread else ""
+        suffix += "_no_pack" if args.no_pack else ""
         Path(args.out, f"rollout_{args.mode}{suffix}.json").write_text(text + "\n")
 
 

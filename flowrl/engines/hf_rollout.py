@@ -27,6 +27,7 @@ import torch
 
 from flowrl.engines.forward import cache_argument
 from flowrl.engines.kv_cache import attention_mask, slot_cache
+from flowrl.engines.packed import PackedCall, can_pack, groups_of, packing
 from flowrl.engines.rollout import Request, Result
 from flowrl.engines.scheduler import Scheduler
 
@@ -46,6 +47,8 @@ class HFRollout:
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
         self.scheduler = Scheduler(self, self._new_cache, self.eos, lockstep)
+        # decoding and joining rows in one call (packed.py); else a call each
+        self.packs = can_pack(module)
 
     @property
     def cache(self):
@@ -104,6 +107,43 @@ class HFRollout:
             return out.logits[:, -1].float()
         pick = torch.searchsorted(keep, last)  # (a,): each row's column among the kept
         return out.logits[torch.arange(len(ids), device=ids.device), pick].float()
+
+    def _forward_packed(self, chunks: list[list[int]], offsets: list[int], lo: int):
+        """One model call over slots lo..lo+len(chunks)-1 with their tokens packed into one
+        sequence (packed.py): row k feeds chunks[k] at columns offsets[k]..; -> the logits
+        after each row's last id, in float32 (a, v)."""
+        device = self.device
+        lengths = [len(c) for c in chunks]
+        ids = torch.tensor([t for c in chunks for t in c], device=device)[None]  # (1, t)
+        slots = torch.repeat_interleave(
+            torch.arange(lo, lo + len(chunks), device=device),
+            torch.tensor(lengths, device=device),
+        )
+        cols = torch.cat(
+            [torch.arange(o, o + n, device=device) for o, n in zip(offsets, lengths, strict=True)]
+        )
+        cache = self.scheduler.cache
+        cache.select_packed(slots, cols)
+        call = PackedCall(cache, groups_of(lengths, offsets, lo, device))
+        last = torch.tensor(lengths, device=device).cumsum(0) - 1  # (a,) sorted
+        with packing(self.module, call):
+            out = self.module(
+                input_ids=ids,
+                # 4D: taken as it is by the model, and not read (the groups carry the masks)
+                attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
+                position_ids=cols[None],
+                **cache_argument(self.module, cache),
+                use_cache=True,
+                logits_to_keep=last,
+            )
+        layers = len(cache.layers)
+        if call.layers_seen != layers:
+            raise RuntimeError(
+                f"{type(self.module).__name__} says its attention layers call transformers' "
+                f"attention functions, but {call.layers_seen} of {layers} did: flowrl cannot "
+                "pack its calls (set engine.packs = False)"
+            )
+        return out.logits[0].float()
 
     def offload(self, parts: tuple[str, ...]) -> None:
         """With the kv_cache part: wait for the engine to go idle, dropping anything still

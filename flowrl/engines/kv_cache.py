@@ -39,6 +39,11 @@ class SlotLayer(DynamicLayer):
                 c.slots, value_states.shape[1], c.columns, value_states.shape[-1]
             )
             self.is_initialized = True
+        if c.packed is not None:  # one sequence (1, h, t, d), token j for slot rows[j]
+            rows, cols = c.packed  # (t,), (t,); the attention reads the buffers (packed.py)
+            self.key_buffer[rows, :, cols] = key_states[0].transpose(0, 1)
+            self.value_buffer[rows, :, cols] = value_states[0].transpose(0, 1)
+            return key_states, value_states
         rows = torch.arange(c.lo, c.hi, device=key_states.device)[:, None]  # (a, 1)
         # advanced indices on dims 0 and 2 around a slice put them first: (a, w, h, d)
         self.key_buffer[rows, :, c.cols] = key_states.transpose(1, 2)
@@ -81,12 +86,19 @@ class SlotCache(Cache):
         self.slots, self.columns = slots, columns
         self.lo = self.hi = self.width = 0
         self.cols = None
+        self.packed = None  # (slots, columns) of each token of a packed call (select_packed)
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
 
     def select(self, lo: int, hi: int, cols: torch.Tensor) -> None:
         """The next call covers slots lo..hi-1, row k writing at columns cols[k] (a, w)."""
-        self.lo, self.hi, self.cols = lo, hi, cols
+        self.lo, self.hi, self.cols, self.packed = lo, hi, cols, None
         self.width = int(cols.max()) + 1
+
+    def select_packed(self, slots: torch.Tensor, cols: torch.Tensor) -> None:
+        """The next call is one packed sequence (packed.py): token j writes slot slots[j] at
+        column cols[j]."""
+        self.packed = (slots, cols)
+        self.lo, self.hi, self.width = int(slots.min()), int(slots.max()) + 1, int(cols.max()) + 1
 
     def reserve(self, slots: int, columns: int) -> None:
         """Room for `slots` rows of `columns` columns, at least doubling what grows, so that

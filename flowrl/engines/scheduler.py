@@ -4,12 +4,14 @@ batch at every decode step.
     while there is work:                                  (a thread of its own)
         take the requests that arrived; each gets a slot of the KV cache (a returning
             request keeps its slot and the prefix it holds)
-        prefill their new tokens in one model call (n samples of one prompt: once, then
-            copied; a prefix all new prompts share: once, then copied)
+        prefill the new requests' tokens in one model call (n samples of one prompt: once,
+            then copied; a prefix all new prompts share: once, then copied)
         sample one token for every decoding request, each from its own random stream
         requests that finished leave at once: their result goes back to the caller's event
             loop; their slot is freed, or held for their next turn (keep)
-        one model call feeds the sampled token of every request still decoding
+        one model call feeds the sampled token of every request still decoding and the new
+            tokens of the requests back from their tools (packed.py: one sequence, so the
+            weights are read once; a model that cannot be packed gets a prefill call first)
 
 The model calls are blocking torch, so they run on one thread while the callers' event loop
 runs tools and interactions on another. A synchronous caller (`HFRollout.run`: the generate
@@ -86,7 +88,12 @@ class Scheduler:
         self.decoding = 0
         self.held: dict[str, Row] = {}
         self.logits = None  # (decoding, v) next-token logits of slots 0..d-1
-        self.counts = {"decode_calls": 0, "prefill_calls": 0, "prefill_tokens": 0}
+        self.counts = {
+            "decode_calls": 0,
+            "prefill_calls": 0,
+            "packed_calls": 0,
+            "prefill_tokens": 0,
+        }
         self.turn_columns = 0  # the columns the admitted requests' turns need
 
     # -- the callers' side (any event loop) ------------------------------------------------
@@ -185,8 +192,9 @@ class Scheduler:
             try:
                 with torch.inference_mode():
                     self._release(releases, arrivals)
-                    self._admit(arrivals)
-                    self._step()
+                    joining = self._joining(arrivals)
+                    self._admit([r for r in arrivals if all(r is not j for j in joining)])
+                    self._step(joining)
             except BaseException as e:  # every request in the engine gets the error
                 self._fail(e, arrivals)
 
@@ -246,11 +254,7 @@ class Scheduler:
         computed = [r for r in rows if r.tokens] + leaders
         for k, row in enumerate(computed + [c for c, _ in copies]):  # into the decoding slots
             self._swap(row.slot, self.decoding + k)
-        # room for every admitted request's whole turn now, not by doublings as it decodes
-        turn = max(len(r.request.ids) + r.request.max_new_tokens for r in rows)
-        if self.cache is not None:
-            self.cache.reserve(len(self.slots), turn)
-        self.turn_columns = max(self.turn_columns, turn)
+        self._reserve(rows)
         self._shared_prefix(leaders)
         logits = self._prefill(computed, self.decoding)  # (m, v)
         for row, leader in copies:
@@ -261,6 +265,30 @@ class Scheduler:
             logits = torch.cat([logits, logits[[index[id(leader)] for _, leader in copies]]])
         self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
         self.decoding += len(rows)
+
+    def _reserve(self, rows: list[Row]) -> None:
+        """Room for every admitted request's whole turn now, not by doublings as it decodes."""
+        turn = max(len(r.request.ids) + r.request.max_new_tokens for r in rows)
+        if self.cache is not None:
+            self.cache.reserve(len(self.slots), turn)
+        self.turn_columns = max(self.turn_columns, turn)
+
+    def _joining(self, arrivals: list[Row]) -> list[Row]:
+        """The arrivals whose new tokens ride in the next decode call: requests back for a next
+        turn (their slot held), when the engine packs calls and a request decodes."""
+        if not (self.decoding and getattr(self.engine, "packs", False)):
+            return []
+        held = self.held
+        return [r for r in arrivals if not r.stopped and r.request.request_id in held]
+
+    def _join(self, rows: list[Row]) -> list[Row]:
+        """Returning requests into the slots after the decoding ones (fed by `_step`)."""
+        for k, row in enumerate(rows):
+            self._place(row)
+            self._swap(row.slot, self.decoding + k)
+        if rows:
+            self._reserve(rows)
+        return rows
 
     def _place(self, row: Row) -> None:
         """A slot and the ids to feed: a held request keeps its slot and the longest prefix of
@@ -308,9 +336,28 @@ class Scheduler:
         return logits
 
     # -- decoding ----------------------------------------------------------------------------
-    def _step(self) -> None:
-        if not self.decoding:
+    def _step(self, joining: list[Row]) -> None:
+        """Sample a token for every decoding row; then one call feeds them, with the new tokens
+        of `joining` (returning requests) packed beside them."""
+        if self.decoding:
+            self._sample()
+        if not self.decoding:  # nothing decodes: the returning requests get a prefill call
+            self.logits = None
+            self._admit(joining)
             return
+        rows, joined = self.slots[: self.decoding], self._join(joining)
+        chunks = [[r.next] for r in rows] + [r.new for r in joined]
+        offsets = [len(r.tokens) for r in rows + joined]
+        self.logits = self._call(chunks, offsets, 0, packed=True)
+        for row in rows:
+            row.tokens.append(row.next)
+        for row in joined:
+            self.counts["prefill_tokens"] += len(row.new)
+            row.tokens, row.new = row.tokens + row.new, []
+        self.decoding += len(joined)
+
+    def _sample(self) -> None:
+        """Each decoding row's next token; the rows that finished leave their slots."""
         rows = self.slots[: self.decoding]
         tokens, logprobs = sample_rows(rows, self.logits)
         leaving = []
@@ -335,13 +382,6 @@ class Scheduler:
                 self._vacate(row.slot, last)
             self.decoding -= 1
             self._finish(row)
-        if not self.decoding:
-            self.logits = None
-            return
-        rows = self.slots[: self.decoding]
-        self.logits = self._call([[r.next] for r in rows], [len(r.tokens) for r in rows], 0)
-        for row in rows:
-            row.tokens.append(row.next)
 
     def _keeps(self, row: Row) -> bool:
         request = row.request
@@ -367,14 +407,18 @@ class Scheduler:
         row.deliver(Result(list(row.out), list(row.logprobs), row.stopped))
 
     # -- the cache -----------------------------------------------------------------------------
-    def _call(self, chunks: list[list[int]], offsets: list[int], lo: int) -> torch.Tensor:
+    def _call(self, chunks: list[list[int]], offsets: list[int], lo: int, packed=False):
         """One model call over slots lo..lo+len(chunks)-1: row k feeds chunks[k] at columns
-        offsets[k].. (right-padded to the longest) -> the logits after each chunk (a, v)."""
+        offsets[k].. (right-padded to the longest; `packed`: chunks of different lengths in
+        one sequence, packed.py) -> the logits after each chunk (a, v)."""
         w = max(len(c) for c in chunks)
         if self.cache is None:
             columns = max(max(offsets) + w, self.turn_columns)
             self.cache = self.new_cache(len(self.slots), columns)
         self.cache.reserve(len(self.slots), max(offsets) + w)
+        if packed and any(len(c) != w for c in chunks):
+            self.counts["packed_calls"] += 1
+            return self.engine._forward_packed(chunks, offsets, lo)
         device = self.engine.device
         ids = torch.full((len(chunks), w), self.eos, dtype=torch.long)
         for k, chunk in enumerate(chunks):

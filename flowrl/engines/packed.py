@@ -1,0 +1,124 @@
+"""One model call that decodes some requests and prefills others (scheduler.py): every row's
+tokens packed into one sequence, so the weights are read once for all of them.
+
+A model call on CPU costs a read of all the weights plus a share per token (SmolLM2-135M, one
+torch thread on the 2-core machine: ~70 ms a call and ~6 ms a token). A request back from its
+tools brings a few new tokens (its last sampled token and the tool's answer); prefilled in a
+call of its own, it costs a whole weight read while the decoding requests wait for it. Packed,
+the projections and MLPs run over [each decoding row's token, then each joining row's new
+tokens] as one sequence (batch 1, each token at its own position), and attention runs per
+group on the slot cache (kv_cache.py): the decoding rows as one batch of one query each over
+their slots, a joining row's tokens over its own slot with a causal mask. So a packed call
+computes what the two calls compute, up to the order of floating-point sums.
+
+The attention is this module's own function, registered with transformers'
+`AttentionInterface` and selected for the packed call only (the model's own implementation,
+sdpa, runs every other call, and computes each group here). It needs a model whose attention
+layers call the registered functions: transformers marks those `_supports_attention_backend`
+(Llama, Qwen2/3, Mistral, Gemma and most other decoders of transformers 5). For any other
+model the scheduler makes the two calls; a model marked so whose layers do not call it is
+caught after the call (every layer must have come through here) with an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import attrs
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from flowrl.engines.kv_cache import attention_mask
+
+NAME = "flowrl_packed"
+_current = threading.local()  # the packed call running on this thread
+
+
+@attrs.frozen
+class Group:
+    """Rows lo..hi-1 of the call (= cache slots), each with `width` tokens, starting at token
+    `start` of the packed sequence; `mask` (rows, 1, width, columns) over their slots."""
+
+    start: int
+    lo: int
+    hi: int
+    width: int
+    mask: torch.Tensor
+
+
+@attrs.define
+class PackedCall:
+    cache: object
+    groups: list[Group]
+    layers_seen: int = 0
+
+
+def groups_of(lengths: list[int], offsets: list[int], lo: int, device) -> list[Group]:
+    """Rows of one token next to each other form one group; a longer row is a group alone."""
+    out, start, k = [], 0, 0
+    while k < len(lengths):
+        end = k + 1
+        if lengths[k] == 1:
+            while end < len(lengths) and lengths[end] == 1:
+                end += 1
+        width = lengths[k]
+        offs = torch.tensor(offsets[k:end], dtype=torch.long, device=device)
+        columns = int(offs.max()) + width
+        mask = attention_mask(offs, width, columns, torch.float32, eager=False)
+        out.append(Group(start, lo + k, lo + end, width, mask))
+        start += (end - k) * width
+        k = end
+    return out
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """query (1, heads, t, d) of the packed sequence -> (1, t, heads, d), each group attending
+    over its slots' cached keys and values (this call's already written by the cache)."""
+    call = _current.call
+    layer = call.cache.layers[module.layer_idx]
+    call.layers_seen += 1
+    out = []
+    for g in call.groups:
+        rows = g.hi - g.lo
+        q = query[0, :, g.start : g.start + rows * g.width]  # (heads, rows * w, d)
+        q = q.unflatten(1, (rows, g.width)).transpose(0, 1)  # (rows, heads, w, d)
+        columns = g.mask.shape[-1]
+        keys = layer.key_buffer[g.lo : g.hi, :, :columns]
+        values = layer.value_buffer[g.lo : g.hi, :, :columns]
+        o, _ = sdpa_attention_forward(
+            module, q, keys, values, g.mask, scaling=scaling, is_causal=False
+        )  # (rows, w, heads, d)
+        out.append(o.flatten(0, 1))
+    return torch.cat(out)[None], None
+
+
+AttentionInterface.register(NAME, packed_attention)
+
+
+def can_pack(module) -> bool:
+    """Whether `module` (a transformers causal LM, maybe wrapped) routes its attention through
+    the registered functions and runs sdpa, whose per-group function this is."""
+    from flowrl.engines.forward import _innermost
+
+    inner = _innermost(module)
+    config = getattr(inner, "config", None)
+    return bool(
+        getattr(type(inner), "_supports_attention_backend", False)
+        and getattr(config, "_attn_implementation", None) == "sdpa"
+    )
+
+
+@contextlib.contextmanager
+def packing(module, call: PackedCall):
+    """The packed attention selected for the calls inside, on this thread."""
+    from flowrl.engines.forward import _innermost
+
+    config = _innermost(module).config
+    before = config._attn_implementation
+    config._attn_implementation, _current.call = NAME, call
+    try:
+        yield
+    finally:
+        config._attn_implementation, _current.call = before, None

@@ -1,0 +1,141 @@
+"""Packed model calls (flowrl/engines/packed.py): decoding rows and a request back from its
+tools in one call, on the tiny random Llama. A packed call computes what the two separate
+calls compute, and what the model computes on the whole conversation without a cache; in the
+engine a returning request joins the decoding row's call, and the rollout is the one the
+engine makes without packing."""
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.models.llama import modeling_llama
+
+from flowrl.engines import HFRollout
+from flowrl.engines.packed import can_pack
+from flowrl.engines.rollout import Request, Sampling, run_sync
+from flowrl.models.tiny import tiny_model, tiny_tokenizer
+
+A_PROMPT, B_PROMPT = [5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=3).eval()
+
+
+def primed(model):
+    """An engine whose cache holds A's prompt in slot 0 and B's in slot 1."""
+    engine = HFRollout(model, tiny_tokenizer())
+    engine.scheduler.cache = engine._new_cache(3, 32)
+    ids = torch.tensor([A_PROMPT + [2, 2], B_PROMPT])
+    with torch.inference_mode():
+        engine._forward(ids, torch.tensor([0, 0]), torch.tensor([4, 6]), 0, 2)
+    return engine
+
+
+def test_a_packed_call_computes_what_two_calls_and_the_whole_conversation_compute(model):
+    packed, apart = primed(model), primed(model)
+    assert packed.packs
+    with torch.inference_mode():
+        # A decodes its next token (20) while B feeds three new ids after its prompt
+        logits = packed._forward_packed([[20], [30, 31, 32]], [5, 7], 0)
+        a = apart._forward(torch.tensor([[20]]), torch.tensor([5]), torch.tensor([0]), 0, 1)
+        b = apart._forward(torch.tensor([[30, 31, 32]]), torch.tensor([7]), torch.tensor([2]), 1, 2)
+        whole_a = model(input_ids=torch.tensor([A_PROMPT + [20]])).logits[0, -1]
+        whole_b = model(input_ids=torch.tensor([B_PROMPT + [30, 31, 32]])).logits[0, -1]
+    assert logits.shape == (2, model.config.vocab_size)
+    torch.testing.assert_close(logits, torch.cat([a, b]))
+    torch.testing.assert_close(logits, torch.stack([whole_a, whole_b]))
+    for mine, theirs in zip(packed.cache.layers, apart.cache.layers, strict=True):
+        torch.testing.assert_close(mine.key_buffer[:2, :, :10], theirs.key_buffer[:2, :, :10])
+        torch.testing.assert_close(mine.value_buffer[:2, :, :10], theirs.value_buffer[:2, :, :10])
+    # the packed attention is selected for the packed call only
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_only_models_whose_attention_layers_call_the_registered_functions_with_sdpa_pack():
+    assert can_pack(tiny_model())
+    eager = tiny_model()
+    eager.config._attn_implementation = "eager"
+    assert not can_pack(eager)
+    assert not can_pack(torch.nn.Linear(2, 2))
+
+
+def test_a_model_that_claims_the_attention_functions_but_bypasses_them_is_refused(
+    model, monkeypatch
+):
+    engine = primed(model)
+    monkeypatch.setattr(
+        modeling_llama.ALL_ATTENTION_FUNCTIONS,
+        "get_interface",
+        lambda name, default: sdpa_attention_forward,
+    )
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="0 of 2 did"):
+        engine._forward_packed([[20], [30, 31, 32]], [5, 7], 0)
+
+
+def rollout(model, packs: bool):
+    """A ends its first turn and goes to its tool; B decodes alone meanwhile. A's tool
+    answers during B's model call 4, which waits until A's next request has reached the
+    engine: A's new ids then ride in B's next decode call. Returns (A's two results, B's,
+    the input shape of every model call)."""
+    engine = HFRollout(model, tiny_tokenizer())
+    engine.packs = packs
+    shapes, back, state = [], threading.Event(), {}
+    hand_over = engine.scheduler._hand_over
+    engine.scheduler._hand_over = lambda loop: (hand_over(loop), back.set())
+
+    def gate(module, args, kwargs):  # in the engine's thread before each call
+        k = len(shapes)
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        if k == 0:  # both first requests are in: from now on `back` means A's second
+            back.clear()
+        if k == 4:
+            state["loop"].call_soon_threadsafe(state["tool"].set)
+            assert back.wait(10)
+
+    hook = model.register_forward_pre_hook(gate, with_kwargs=True)
+    greedy = Sampling(do_sample=False)
+
+    async def run():
+        state["loop"], state["tool"] = asyncio.get_running_loop(), asyncio.Event()
+
+        async def a():
+            first = await engine.generate(Request(A_PROMPT, 2, greedy, request_id="a", keep=True))
+            await state["tool"].wait()
+            ids = A_PROMPT + first.ids + [40, 41, 42]  # the tool's answer follows the turn
+            second = await engine.generate(Request(ids, 3, greedy, request_id="a", keep=True))
+            return first, second
+
+        async def b():
+            return await engine.generate(Request(B_PROMPT, 12, greedy, request_id="b"))
+
+        (first, second), result_b = await asyncio.gather(a(), b())
+        engine.release("a")
+        return first, second, result_b
+
+    try:
+        results = run_sync(run())
+    finally:
+        hook.remove()
+    engine.idle()
+    assert engine.cache is None
+    return results, shapes, engine.scheduler.counts
+
+
+def test_a_request_back_from_its_tools_joins_the_decoding_call_and_changes_no_token(model):
+    (first, second, b), shapes, counts = rollout(model, packs=True)
+    (first_, second_, b_), shapes_, counts_ = rollout(model, packs=False)
+    assert [len(first.ids), len(second.ids), len(b.ids)] == [2, 3, 12]
+    assert (first.ids, second.ids, b.ids) == (first_.ids, second_.ids, b_.ids)
+    for mine, theirs in ((first, first_), (second, second_), (b, b_)):
+        torch.testing.assert_close(torch.tensor(mine.logprobs), torch.tensor(theirs.logprobs))
+    # A's return: its last sampled id (never fed) and the tool's 3, packed after B's token
+    assert shapes[:6] == [(2, 7), (2, 1), (1, 1), (1, 1), (1, 1), (1, 5)]
+    assert shapes[6] == (2, 1)  # then A and B decode together
+    assert counts["packed_calls"] == 1 and counts_["packed_calls"] == 0
+    # without packing, A's new ids are a prefill call of their own before B's decode call
+    assert shapes_[:7] == [(2, 7), (2, 1), (1, 1), (1, 1), (1, 1), (1, 4), (2, 1)]
+    assert len(shapes_) == len(shapes) + 1
