@@ -77,6 +77,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, **
     """query (1, heads, t, d) of the packed sequence -> (1, t, heads, d), each group attending
     over its slots' cached keys and values (this call's already written by the cache)."""
     call = _current.call
+    kwargs.pop("is_causal", None)  # each group's mask says it
     layer = call.cache.layers[module.layer_idx]
     call.layers_seen += 1
     out = []
@@ -88,8 +89,8 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, **
         keys = layer.key_buffer[g.lo : g.hi, :, :columns]
         values = layer.value_buffer[g.lo : g.hi, :, :columns]
         o, _ = sdpa_attention_forward(
-            module, q, keys, values, g.mask, scaling=scaling, is_causal=False
-        )  # (rows, w, heads, d)
+            module, q, keys, values, g.mask, scaling=scaling, is_causal=False, **kwargs
+        )  # (rows, w, heads, d); sdpa's refusals (softcap) stand
         out.append(o.flatten(0, 1))
     return torch.cat(out)[None], None
 

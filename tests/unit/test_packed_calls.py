@@ -35,7 +35,26 @@ def primed(model):
     return engine
 
 
-def test_a_packed_call_computes_what_two_calls_and_the_whole_conversation_compute(model):
+def qwen2():
+    """A random Qwen2 (biased q/k/v projections, 4 heads sharing 2 KV heads)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tiny_tokenizer()),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        return Qwen2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_packed_call_computes_what_two_calls_and_the_whole_conversation_compute(family):
+    model = tiny_model(seed=3).eval() if family == "llama" else qwen2()
     packed, apart = primed(model), primed(model)
     assert packed.packs
     with torch.inference_mode():
