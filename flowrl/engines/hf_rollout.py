@@ -23,6 +23,9 @@ is bound by reading the weights, so every request that can decode should be in i
 
 from __future__ import annotations
 
+import itertools
+import warnings
+
 import torch
 
 from flowrl.engines.forward import cache_argument
@@ -112,23 +115,21 @@ class HFRollout:
         """One model call over slots lo..lo+len(chunks)-1 with their tokens packed into one
         sequence (packed.py): row k feeds chunks[k] at columns offsets[k]..; -> the logits
         after each row's last id, in float32 (a, v)."""
-        device = self.device
-        lengths = [len(c) for c in chunks]
-        ids = torch.tensor([t for c in chunks for t in c], device=device)[None]  # (1, t)
-        slots = torch.repeat_interleave(
-            torch.arange(lo, lo + len(chunks), device=device),
-            torch.tensor(lengths, device=device),
-        )
-        cols = torch.cat(
-            [torch.arange(o, o + n, device=device) for o, n in zip(offsets, lengths, strict=True)]
+        device, lengths = self.device, [len(c) for c in chunks]
+        slots = [lo + k for k, n in enumerate(lengths) for _ in range(n)]
+        cols = [o + j for o, n in zip(offsets, lengths, strict=True) for j in range(n)]
+        ends = list(itertools.accumulate(lengths, initial=-1))[1:]  # each row's last id
+        width = max(cols) + 1
+        ids, slots, cols, last = (
+            torch.tensor(x, device=device)
+            for x in ([t for c in chunks for t in c], slots, cols, ends)
         )
         cache = self.scheduler.cache
-        cache.select_packed(slots, cols)
+        cache.select_packed(slots, cols, lo, lo + len(chunks), width)
         call = PackedCall(cache, groups_of(lengths, offsets, lo, device))
-        last = torch.tensor(lengths, device=device).cumsum(0) - 1  # (a,) sorted
         with packing(self.module, call):
             out = self.module(
-                input_ids=ids,
+                input_ids=ids[None],
                 # 4D: taken as it is by the model, and not read (the groups carry the masks)
                 attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
                 position_ids=cols[None],
@@ -136,14 +137,30 @@ class HFRollout:
                 use_cache=True,
                 logits_to_keep=last,
             )
-        layers = len(cache.layers)
-        if call.layers_seen != layers:
-            raise RuntimeError(
-                f"{type(self.module).__name__} says its attention layers call transformers' "
-                f"attention functions, but {call.layers_seen} of {layers} did: flowrl cannot "
-                "pack its calls (set engine.packs = False)"
-            )
-        return out.logits[0].float()
+        if call.layers_seen == len(cache.layers):
+            return out.logits[0].float()
+        # the model's layers did not all attend here: its cache writes are at the right
+        # columns, so computing the same rows unpacked overwrites them with the right values
+        self.packs = False
+        warnings.warn(
+            f"{type(self.module).__name__} says its attention layers call transformers' "
+            f"attention functions, but {call.layers_seen} of {len(cache.layers)} did: this "
+            "engine no longer packs a returning request into the decode call",
+            stacklevel=2,
+        )
+        return self._forward_apart(chunks, offsets, lo)
+
+    def _forward_apart(self, chunks: list[list[int]], offsets: list[int], lo: int):
+        """What `_forward_packed` computes, in a call per group (packed.py `groups_of`)."""
+        out, k = [], 0
+        for g in groups_of([len(c) for c in chunks], offsets, lo, "cpu"):
+            rows = list(range(k, k + g.hi - g.lo))
+            ids = torch.tensor([chunks[r] for r in rows], device=self.device)
+            at = torch.tensor([offsets[r] for r in rows], device=self.device)
+            last = torch.full((len(rows),), g.width - 1, device=self.device)
+            out.append(self._forward(ids, at, last, g.lo, g.hi))
+            k += len(rows)
+        return torch.cat(out)
 
     def offload(self, parts: tuple[str, ...]) -> None:
         """With the kv_cache part: wait for the engine to go idle, dropping anything still

@@ -94,11 +94,11 @@ class SlotCache(Cache):
         self.lo, self.hi, self.cols, self.packed = lo, hi, cols, None
         self.width = int(cols.max()) + 1
 
-    def select_packed(self, slots: torch.Tensor, cols: torch.Tensor) -> None:
+    def select_packed(self, slots, cols, lo: int, hi: int, width: int) -> None:
         """The next call is one packed sequence (packed.py): token j writes slot slots[j] at
-        column cols[j]."""
+        column cols[j] ((t,) each), within slots lo..hi-1 and the first `width` columns."""
         self.packed = (slots, cols)
-        self.lo, self.hi, self.width = int(slots.min()), int(slots.max()) + 1, int(cols.max()) + 1
+        self.lo, self.hi, self.width = lo, hi, width
 
     def reserve(self, slots: int, columns: int) -> None:
         """Room for `slots` rows of `columns` columns, at least doubling what grows, so that

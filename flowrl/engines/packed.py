@@ -17,7 +17,13 @@ sdpa, runs every other call, and computes each group here). It needs a model who
 layers call the registered functions: transformers marks those `_supports_attention_backend`
 (Llama, Qwen2/3, Mistral, Gemma and most other decoders of transformers 5). For any other
 model the scheduler makes the two calls; a model marked so whose layers do not call it is
-caught after the call (every layer must have come through here) with an error.
+caught after the call (every layer must have come through here): the engine computes that
+call again unpacked, warns, and packs no more.
+
+The implementation is swapped on the model's config for the duration of the call, which other
+threads see: a forward of the same module on another thread meanwhile (a shared module) gets
+plain sdpa from this function, and overlapping packed calls restore the implementation once
+the last one ends (a count per config, under a lock).
 """
 
 from __future__ import annotations
@@ -29,11 +35,14 @@ import attrs
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from flowrl.engines.kv_cache import attention_mask
 
 NAME = "flowrl_packed"
 _current = threading.local()  # the packed call running on this thread
+_lock = threading.Lock()
+_swapped: dict[int, list] = {}  # id(config) -> [packed calls running, implementation before]
 
 
 @attrs.frozen
@@ -56,7 +65,8 @@ class PackedCall:
 
 
 def groups_of(lengths: list[int], offsets: list[int], lo: int, device) -> list[Group]:
-    """Rows of one token next to each other form one group; a longer row is a group alone."""
+    """Rows of one token next to each other form one group; a longer row is a group alone
+    (slots lo.., row k feeding lengths[k] ids at columns offsets[k]..)."""
     out, start, k = [], 0, 0
     while k < len(lengths):
         end = k + 1
@@ -64,8 +74,8 @@ def groups_of(lengths: list[int], offsets: list[int], lo: int, device) -> list[G
             while end < len(lengths) and lengths[end] == 1:
                 end += 1
         width = lengths[k]
+        columns = max(offsets[k:end]) + width
         offs = torch.tensor(offsets[k:end], dtype=torch.long, device=device)
-        columns = int(offs.max()) + width
         mask = attention_mask(offs, width, columns, torch.float32, eager=False)
         out.append(Group(start, lo + k, lo + end, width, mask))
         start += (end - k) * width
@@ -76,7 +86,11 @@ def groups_of(lengths: list[int], offsets: list[int], lo: int, device) -> list[G
 def packed_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """query (1, heads, t, d) of the packed sequence -> (1, t, heads, d), each group attending
     over its slots' cached keys and values (this call's already written by the cache)."""
-    call = _current.call
+    call = getattr(_current, "call", None)
+    if call is None:  # another thread's forward of the module while this one packs
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, **kwargs
+        )
     kwargs.pop("is_causal", None)  # each group's mask says it
     layer = call.cache.layers[module.layer_idx]
     call.layers_seen += 1
@@ -96,6 +110,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, **
 
 
 AttentionInterface.register(NAME, packed_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)  # masks of other threads' calls meanwhile
 
 
 def can_pack(module) -> bool:
@@ -117,9 +132,19 @@ def packing(module, call: PackedCall):
     from flowrl.engines.forward import _innermost
 
     config = _innermost(module).config
-    before = config._attn_implementation
-    config._attn_implementation, _current.call = NAME, call
+    with _lock:
+        entry = _swapped.get(id(config))
+        if entry is None:
+            entry = _swapped[id(config)] = [0, config._attn_implementation]
+            config._attn_implementation = NAME
+        entry[0] += 1
+    _current.call = call
     try:
         yield
     finally:
-        config._attn_implementation, _current.call = before, None
+        _current.call = None
+        with _lock:
+            entry[0] -= 1
+            if entry[0] == 0:
+                config._attn_implementation = entry[1]
+                del _swapped[id(config)]

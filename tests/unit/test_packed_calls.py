@@ -13,7 +13,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama import modeling_llama
 
 from flowrl.engines import HFRollout
-from flowrl.engines.packed import can_pack
+from flowrl.engines.packed import PackedCall, can_pack, packing
 from flowrl.engines.rollout import Request, Sampling, run_sync
 from flowrl.models.tiny import tiny_model, tiny_tokenizer
 
@@ -82,17 +82,87 @@ def test_only_models_whose_attention_layers_call_the_registered_functions_with_s
     assert not can_pack(torch.nn.Linear(2, 2))
 
 
-def test_a_model_that_claims_the_attention_functions_but_bypasses_them_is_refused(
+def test_several_decoding_rows_and_returning_rows_of_every_length_in_one_call(model):
+    """Decoding rows at different columns (their mask differs row by row), then returning
+    rows of 3, 1 and 2 ids: each row's logits are the model's own on its whole sequence."""
+    engine = HFRollout(model, tiny_tokenizer())
+    engine.scheduler.cache = engine._new_cache(6, 32)
+    prompts = [[5, 6], [7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18], [19], [20, 21]]
+    ids = torch.tensor([p + [2] * (5 - len(p)) for p in prompts])
+    lengths = torch.tensor([len(p) for p in prompts])
+    chunks = [[30], [31], [32], [40, 41, 42], [43], [44, 45]]
+    with torch.inference_mode():
+        engine._forward(ids, torch.zeros(6, dtype=torch.long), lengths - 1, 0, 6)
+        logits = engine._forward_packed(chunks, lengths.tolist(), 0)
+        whole = [
+            model(input_ids=torch.tensor([p + c])).logits[0, -1]
+            for p, c in zip(prompts, chunks, strict=True)
+        ]
+    torch.testing.assert_close(logits, torch.stack(whole))
+
+
+def test_a_model_that_claims_the_attention_functions_but_bypasses_them_is_computed_apart(
     model, monkeypatch
 ):
-    engine = primed(model)
+    """Its packed call is computed again a group at a time, with a warning, and the engine
+    packs no more."""
+    engine, apart = primed(model), primed(model)
     monkeypatch.setattr(
         modeling_llama.ALL_ATTENTION_FUNCTIONS,
         "get_interface",
         lambda name, default: sdpa_attention_forward,
     )
-    with torch.inference_mode(), pytest.raises(RuntimeError, match="0 of 2 did"):
-        engine._forward_packed([[20], [30, 31, 32]], [5, 7], 0)
+    with torch.inference_mode(), pytest.warns(UserWarning, match="0 of 2 did"):
+        logits = engine._forward_packed([[20], [30, 31, 32]], [5, 7], 0)
+    assert not engine.packs
+    with torch.inference_mode():
+        a = apart._forward(torch.tensor([[20]]), torch.tensor([5]), torch.tensor([0]), 0, 1)
+        b = apart._forward(torch.tensor([[30, 31, 32]]), torch.tensor([7]), torch.tensor([2]), 1, 2)
+    torch.testing.assert_close(logits, torch.cat([a, b]))
+    for mine, theirs in zip(engine.cache.layers, apart.cache.layers, strict=True):
+        torch.testing.assert_close(mine.key_buffer[:2, :, :10], theirs.key_buffer[:2, :, :10])
+
+
+def test_another_threads_forward_during_a_packed_call_runs_plain_sdpa(model):
+    """The implementation is swapped on the shared config while a packed call runs: a forward
+    of the same module on another thread meanwhile (started and joined inside the call)
+    computes what it computes outside it."""
+    engine = primed(model)
+    x = torch.tensor([[3, 4, 5, 6]])
+    with torch.inference_mode():
+        expected = model(input_ids=x).logits
+    seen = {}
+
+    def other():
+        with torch.inference_mode():
+            seen["logits"] = model(input_ids=x).logits
+
+    def during(module, args):
+        if "implementation" not in seen:  # once, in the packed call's thread
+            seen["implementation"] = model.config._attn_implementation
+            thread = threading.Thread(target=other)
+            thread.start()
+            thread.join()
+
+    hook = model.model.layers[1].register_forward_pre_hook(during)
+    try:
+        with torch.inference_mode():
+            engine._forward_packed([[20], [30, 31, 32]], [5, 7], 0)
+    finally:
+        hook.remove()
+    assert seen["implementation"] == "flowrl_packed"
+    torch.testing.assert_close(seen["logits"], expected)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_overlapping_packed_calls_restore_the_implementation_when_the_last_ends(model):
+    first, second = packing(model, PackedCall(None, [])), packing(model, PackedCall(None, []))
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # the first ends while the second still runs
+    assert model.config._attn_implementation == "flowrl_packed"
+    second.__exit__(None, None, None)
+    assert model.config._attn_implementation == "sdpa"
 
 
 def rollout(model, packs: bool):
