@@ -9,7 +9,6 @@ parsed file and validated like it.
 No torch or ray here.
 """
 
-import errno
 import importlib.util
 import re
 from pathlib import Path
@@ -18,7 +17,7 @@ import attrs
 
 from flowrl.backends import ROLLOUT_BACKENDS, multi_turn_names
 from flowrl.errors import Collector, GraphErrors, Problem, did_you_mean, one_of
-from flowrl.front import registry, schema
+from flowrl.front import registry, schema, sections
 from flowrl.front.overrides import TOP_LEVEL, addressable, apply_overrides, said
 from flowrl.front.schema import DEFAULT_POOL, GraphSpec, NodeDecl
 from flowrl.front.typed_toml import build_attrs, read_toml
@@ -77,12 +76,14 @@ def _build(file, raw, errors: Collector, overridden: dict[str, str], root="") ->
         for name, table in _tables(raw, "models", errors).items()
     }
     # a model whose table is wrong stays, as None: its nodes are not told it is unknown
-    models = {name: m and _place(name, m, pools, errors, overridden) for name, m in models.items()}
+    models = {
+        name: m and sections.place(name, m, pools, errors, overridden) for name, m in models.items()
+    }
     folder = Path(root) if root else Path(file).parent
-    models = {name: m and _model_path(m, folder) for name, m in models.items()}
+    models = {name: m and sections.model_path(m, folder) for name, m in models.items()}
     for name, pool in pools.items():
         if pool:
-            _check_pool(name, pool, errors)
+            sections.check_pool(name, pool, errors)
     for name, model in models.items():  # LoRA adapters are not sharded yet
         pool = pools.get(model.pool) if model else None
         if model and model.lora and pool and pool.strategy == "fsdp":
@@ -92,12 +93,12 @@ def _build(file, raw, errors: Collector, overridden: dict[str, str], root="") ->
                 f'set strategy = "ddp" on [pools.{model.pool}] (an adapter is small), or drop lora',
             )
     if run:
-        _check_loggers(run, errors)
+        sections.check_loggers(run, errors)
     if any(m and m.lora for m in models.values()) and importlib.util.find_spec("peft") is None:
         errors.add("[models] lora", "LoRA needs the package peft", "pip install peft")
     base_dir = Path(root) if root else Path(file).parent
     if data:
-        _check_data(data, base_dir, errors, overridden)
+        sections.check_data(data, base_dir, errors, overridden)
     nodes, tables = {}, _tables(raw, "nodes", errors)
     for node_id, table in tables.items():
         decl = _node(node_id, table, models, base_dir, errors, overridden)
@@ -118,20 +119,6 @@ def _build(file, raw, errors: Collector, overridden: dict[str, str], root="") ->
     return GraphSpec(file, run, data, models, pools, nodes, raw, root)
 
 
-def _model_path(model: schema.ModelConfig, folder: Path) -> schema.ModelConfig:
-    """The one rule for a model path (docs/graph-file.md): "tiny" and the embedded alias are
-    themselves; an absolute path is that directory; a relative path is a directory relative
-    to the graph file's folder when one exists there (or when it starts with ./ or ../),
-    else a Hugging Face hub name. Resolved here, so loading and sizing read the same path."""
-    path = model.path
-    if path == "tiny" or path in schema.KNOWN_SIZES or Path(path).is_absolute():
-        return model
-    candidate = folder / path
-    if candidate.exists() or path.startswith(("./", "../")):
-        return attrs.evolve(model, path=str(candidate.resolve()))
-    return model
-
-
 def _checks_above_the_first_failed_node(spec: GraphSpec, order: list[str], errors) -> None:
     """A node table that could not be built leaves no spec to wire; the nodes above it in the
     file still get their own checks (an agent's tools, a scorer that does not import), since
@@ -146,61 +133,6 @@ def _checks_above_the_first_failed_node(spec: GraphSpec, order: list[str], error
         batching.unwired_findings(attrs.evolve(spec, nodes=above), errors)
     except Exception:  # a hook tripping over a problem already reported
         pass
-
-
-def _check_data(data: schema.DataConfig, base_dir: Path, errors: Collector, overridden) -> None:
-    """A data file must exist and have a format the loader reads (its rows are read at run);
-    validation must not be the training file itself (docs/data.md)."""
-    files = [
-        Path(s) if Path(s).is_absolute() else base_dir / s for s in (data.source, data.val_source)
-    ]
-    if (
-        data.val_source
-        and data.source not in schema.BUILTIN_SOURCES
-        and files[0].resolve() == files[1].resolve()
-    ):
-        errors.add(
-            "[data] val_source",
-            f'val_source names the training file "{data.source}": validation would measure '
-            "prompts the policy trains on",
-            "leave val_source out (run.val_size rows of the file are then held out of training), "
-            "or name a file of other rows",
-        )
-    for key in ("source", "val_source"):
-        source = getattr(data, key)
-        if not source or source in schema.BUILTIN_SOURCES:
-            continue
-        path = Path(source) if Path(source).is_absolute() else base_dir / source
-        origin = said(overridden, f"data.{key}")
-        if path.suffix not in schema.DATA_SUFFIXES:
-            errors.add(
-                f"[data] {key}",
-                f'{origin}"{source}" is neither a built-in source nor a data file',
-                f"use {one_of(schema.BUILTIN_SOURCES)} or a "
-                f"{' / '.join(schema.DATA_SUFFIXES)} file in verl's format",
-            )
-        elif not path.is_file():
-            errors.add(
-                f"[data] {key}",
-                f"{origin}{path}: {_not_a_file(path)}",
-                "data paths are relative to the graph file's folder; name one .parquet or "
-                ".jsonl file",
-            )
-
-
-def _not_a_file(path: Path) -> str:
-    """Why an existing-looking data path is no file (the loader says the same at run)."""
-    try:
-        if path.is_dir():
-            return "a directory, not a data file"
-        path.stat()
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            return "a loop of symbolic links"
-        if path.is_symlink():
-            return "a symbolic link to a file that does not exist"
-        return "no such data file" if isinstance(e, FileNotFoundError) else str(e.strerror)
-    return "not a regular file"
 
 
 def _check_id(head: str, name: str, errors: Collector) -> None:
@@ -234,104 +166,6 @@ def _tables(raw, name, errors) -> dict[str, dict]:
                 f"write it as [{name}.{key}] with its keys below",
             )
     return out
-
-
-def _place(name, model: schema.ModelConfig, pools, errors, overridden) -> schema.ModelConfig:
-    """Fill in the pool of a model that names none, when there is only one pool."""
-    pools = {p: c for p, c in pools.items() if addressable(p)}  # suggest only valid ids
-    if not model.pool:
-        if len(pools) == 1:
-            model = attrs.evolve(model, pool=next(iter(pools)))
-        else:
-            errors.add(
-                f"[models.{name}]",
-                "no pool given and the graph has several pools",
-                f"set pool to one of {one_of(pools)}",
-            )
-    elif model.pool not in pools:
-        errors.add(
-            f"[models.{name}]",
-            f'{said(overridden, f"models.{name}.pool")}pool "{model.pool}" is not defined'
-            f"{did_you_mean(model.pool, pools)}",
-            f"pools: {one_of(pools)}",
-        )
-    if model.rollout_pool and model.rollout_pool not in pools:
-        errors.add(
-            f"[models.{name}] rollout_pool",
-            f'{said(overridden, f"models.{name}.rollout_pool")}pool "{model.rollout_pool}" is '
-            f"not defined{did_you_mean(model.rollout_pool, pools)}",
-            f'pools: {one_of(pools)}; or leave rollout_pool out to generate on "{model.pool}"',
-        )
-    _check_rollout_device(name, model, pools, errors, overridden)
-    _check_rollout_dtype(name, model, errors, overridden)
-    return model
-
-
-def _check_rollout_device(name, model: schema.ModelConfig, pools, errors, overridden) -> None:
-    """A rollout backend that runs on one kind of device only (sglang: "cuda") needs its
-    rollout pool to be one."""
-    record = ROLLOUT_BACKENDS.get(model.rollout)
-    need, pool = record.device if record else None, model.rollout_pool or model.pool
-    if need is None or pool not in pools or pools[pool].device == need:
-        return
-    override = said(overridden, f"models.{name}.rollout") or said(
-        overridden, f"pools.{pool}.device"
-    )
-    errors.add(
-        f"[models.{name}] rollout",
-        f'{override}rollout = "{model.rollout}" runs on "{need}" only, but its pool "{pool}" has '
-        f'device = "{pools[pool].device}"',
-        f'set device = "{need}" in [pools.{pool}], or rollout = "hf" (CPU and GPU)',
-    )
-
-
-def _check_rollout_dtype(name, model: schema.ModelConfig, errors, overridden) -> None:
-    """SGLang's attention kernels (flashinfer, fa3) are bf16 / fp16: a float32 model is refused
-    here, before any model loads, not handed to them."""
-    if model.rollout != "sglang" or model.dtype in ("bfloat16", "float16"):
-        return
-    override = said(overridden, f"models.{name}.dtype") or said(
-        overridden, f"models.{name}.rollout"
-    )
-    errors.add(
-        f"[models.{name}] dtype",
-        f'{override}rollout = "sglang" serves 16-bit weights, but dtype = "{model.dtype}"',
-        f'set dtype = "bfloat16" in [models.{name}] (or "float16"), or rollout = "hf"',
-    )
-
-
-def _check_pool(name: str, pool: schema.PoolConfig, errors: Collector) -> None:
-    """A pool spanning nodes splits its ranks evenly over them, one placement bundle each."""
-    where = f"[pools.{name}]"
-    if pool.nodes > pool.workers:
-        errors.add(
-            where, f"nodes = {pool.nodes} but only {pool.workers} workers", "set nodes <= workers"
-        )
-    elif pool.workers % pool.nodes:
-        errors.add(
-            where,
-            f"workers = {pool.workers} do not split evenly over nodes = {pool.nodes}",
-            "make workers a multiple of nodes",
-        )
-    if pool.nodes > 1 and pool.placement in ("PACK", "STRICT_PACK"):
-        errors.add(
-            f"{where} placement",
-            f"{pool.placement} puts the pool's bundles on one node, but nodes = {pool.nodes}",
-            'use "STRICT_SPREAD" (one node per bundle) or "SPREAD", or leave placement out',
-        )
-
-
-def _check_loggers(run: schema.RunConfig, errors: Collector) -> None:
-    """A logger whose package is missing fails here, not after the models have loaded."""
-    for name in run.loggers:
-        package = schema.LOGGER_PACKAGES[name]
-        if package and importlib.util.find_spec(package) is None:
-            errors.add(
-                "[run] loggers",
-                f'"{name}" needs the package {package}, which is not installed',
-                f"pip install {package}  (or pip install 'flowrl[{name}]'); "
-                f'or remove "{name}" from loggers',
-            )
 
 
 def _node(node_id, table, models, base_dir, errors: Collector, overridden) -> NodeDecl | None:
