@@ -22,6 +22,8 @@ from flowrl.engines.sampling import sample_rows
 # a prefix shared by new prompts is prefilled once when that saves this many prompt tokens:
 # below it, the extra model call (a read of all weights, ~65 ms for SmolLM2 on CPU) costs more
 MIN_SAVED_PREFIX_TOKENS = 64
+# a new prompt copies the prefix another request's slot holds (no model call) from this length
+MIN_COPIED_PREFIX_TOKENS = 16
 
 
 @attrs.define(eq=False)
@@ -58,6 +60,7 @@ class Batch:
             "prefill_calls": 0,
             "packed_calls": 0,
             "prefill_tokens": 0,
+            "copied_prefix_tokens": 0,
         }
         self.turn_columns = 0  # the columns the admitted requests' turns need
 
@@ -109,7 +112,7 @@ class Batch:
         for k, row in enumerate(computed + [c for c, _ in copies]):  # into the decoding slots
             self._swap(row.slot, self.decoding + k)
         self._reserve(rows)
-        self._shared_prefix(leaders)
+        self._shared_prefix(self._cached_prefix(leaders))
         logits = self._prefill(computed, self.decoding)  # (m, v)
         for row, leader in copies:
             self.cache.move([leader.slot], [row.slot], len(leader.tokens))
@@ -164,6 +167,30 @@ class Batch:
             self.slots.append(None)
         self.slots[row.slot] = row
         row.tokens, row.new = [], ids
+
+    def _cached_prefix(self, leaders: list[Row]) -> list[Row]:
+        """Copy into each new prompt's slot the longest prefix of it that another request's
+        slot already holds (the system prompt of requests admitted earlier), from
+        MIN_COPIED_PREFIX_TOKENS on: a copy of columns, no model call. -> the prompts that
+        found none."""
+        if self.cache is None:
+            return leaders
+        new = {id(r) for r in leaders}
+        held = [r for r in self.slots if r is not None and r.tokens and id(r) not in new]
+        rest = []
+        for row in leaders:
+            best, source = 0, None
+            for other in held:
+                n = _common_prefix(other.tokens, row.new, len(row.new) - 1)
+                if n > best:
+                    best, source = n, other
+            if best < MIN_COPIED_PREFIX_TOKENS:
+                rest.append(row)
+                continue
+            self.cache.move([source.slot], [row.slot], best)
+            row.tokens, row.new = row.new[:best], row.new[best:]
+            self.counts["copied_prefix_tokens"] += best
+        return rest
 
     def _shared_prefix(self, leaders: list[Row]) -> None:
         """Prefill the prefix all new prompts share once (a chat template's system prompt) and
@@ -300,8 +327,16 @@ class Batch:
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    for k in range(n):
-        if a[k] != b[k]:
-            return k
-    return max(n, 0)
+    """The length of the longest common prefix of a and b, at most `limit` (list slices are
+    compared in C: a binary search over them, not a loop over tokens)."""
+    n = max(min(len(a), len(b), limit), 0)
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

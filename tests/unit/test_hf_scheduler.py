@@ -408,3 +408,64 @@ def test_run_while_another_caller_holds_the_loop_joins_it():
         (1, 1, [0]),  # b's prompt prefilled in the running loop
         (2, 1, [2, 1]),  # a and b decode in one call
     ]  # fmt: skip
+
+
+# -- a new prompt copies the prefix another request's slot holds ------------------------------
+
+PREFIX = list(range(10, 30))  # 20 ids: the system prompt of both requests
+
+
+def staggered(model, tokenizer):
+    """A arrives alone; B, sharing A's first 20 ids, arrives during A's prefill call, so the
+    two are admitted one after the other. -> (A's result, B's, the engine)."""
+    engine = HFRollout(model, tokenizer)
+    arrived, hand_over, state = threading.Event(), engine.scheduler._hand_over, {}
+    engine.scheduler._hand_over = lambda loop: (hand_over(loop), arrived.set())
+
+    def gate(k):  # in the engine's thread before model call k
+        if k == 0:
+            arrived.clear()
+            state["loop"].call_soon_threadsafe(state["go"].set)
+            assert arrived.wait(10)
+
+    async def run():
+        state["loop"], state["go"] = asyncio.get_running_loop(), asyncio.Event()
+
+        async def b():
+            await state["go"].wait()
+            return await engine.generate(greedy(PREFIX + [50, 51], 3, "b"))
+
+        return await asyncio.gather(engine.generate(greedy(PREFIX + [40], 3, "a")), b())
+
+    return gate, run, engine
+
+
+def test_a_prompt_arriving_later_copies_the_prefix_a_running_request_holds():
+    model = CountingLM()
+    gate, run, engine = staggered(model, FakeTokenizer())
+    model.before_call = gate
+    a, b = run_sync(run())
+    assert a.ids == [41, 42, 43] and b.ids == [52, 53, 54]
+    # A is prefilled and decodes once; B's first 20 ids are then copied from A's slot, so its
+    # prefill feeds only 50, 51, at columns 20 and 21; then both decode together
+    assert model.calls[:4] == [(1, 21, [0]), (1, 1, [21]), (1, 2, [20]), (2, 1, [22, 22])]
+    assert engine.scheduler.counts["copied_prefix_tokens"] == 20
+    engine.release("a"), engine.release("b")
+
+
+def test_a_copied_prefix_gives_the_tokens_and_log_probs_of_a_prompt_prefilled_alone(model):
+    tokenizer = tiny_tokenizer()
+    gate, run, engine = staggered(model, tokenizer)
+    hook = model.register_forward_pre_hook(lambda m, args, kw: gate(calls.pop()), with_kwargs=True)
+    calls = list(range(50, -1, -1))  # pop() gives each model call its number: 0, 1, 2, ...
+    try:
+        a, b = run_sync(run())
+    finally:
+        hook.remove()
+    engine.release("a"), engine.release("b")
+    assert engine.scheduler.counts["copied_prefix_tokens"] == 20
+    alone = HFRollout(model, tokenizer)
+    only_b = run_sync(alone.generate(greedy(PREFIX + [50, 51], 3, "b")))
+    assert b.ids == only_b.ids
+    torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(only_b.logprobs))
+    alone.release("b")
