@@ -6,9 +6,11 @@ conversation turn, from any number of concurrent callers. A scheduler loop (sche
 the caller's thread when the caller is synchronous, `run`) batches every request ready to
 decode into one model call per token; new requests, and requests back from their tools, join
 with a prefill of their new tokens only (a request held by id keeps its earlier turns' keys
-and values in its cache slot); finished requests leave at once and free their slot. What
-`generate` kept for `generate`'s own savings stays: a prompt's n samples share one prefill,
-and a prefix all new prompts share (the chat template's system prompt) is prefilled once.
+and values in its cache slot; one back while others decode rides in their decode call,
+packed.py); finished requests leave at once and free their slot. What `generate` kept for
+`generate`'s own savings stays: a prompt's n samples share one prefill, a prefix all new
+prompts share (the chat template's system prompt) is prefilled once, and a prompt arriving
+later copies the prefix another request's slot holds (slots.py).
 Sampling runs in torch (temperature, top-k, top-p; sampling.py), each request from its own
 stream seeded by (seed, turn).
 

@@ -133,7 +133,7 @@ class Batch:
     def joining(self, arrivals: list[Row]) -> list[Row]:
         """The arrivals whose new tokens ride in the next decode call: requests back for a next
         turn (their slot held), when the engine packs calls and a request decodes."""
-        if not (self.decoding and getattr(self.engine, "packs", False)):
+        if not (self.decoding and self.engine.packs):
             return []
         held = self.held
         return [r for r in arrivals if not r.stopped and r.request.request_id in held]
@@ -176,11 +176,11 @@ class Batch:
         if self.cache is None:
             return leaders
         new = {id(r) for r in leaders}
-        held = [r for r in self.slots if r is not None and r.tokens and id(r) not in new]
+        cached = [r for r in self.slots if r is not None and r.tokens and id(r) not in new]
         rest = []
         for row in leaders:
             best, source = 0, None
-            for other in held:
+            for other in cached:
                 n = _common_prefix(other.tokens, row.new, len(row.new) - 1)
                 if n > best:
                     best, source = n, other
