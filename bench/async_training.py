@@ -4,6 +4,13 @@ side: median step time, samples per second, validation accuracy at steps 0, 10 a
     python bench/async_training.py                        # 20 steps each, the embedded model
     python bench/async_training.py --max-new-tokens 64 --out bench/results/async_training_64.json
     python bench/async_training.py --staleness 0 1 --steps 4 --tiny   # checks the script
+    python bench/async_training.py --long-tail --staleness 0 1 1:32 --out bench/results/lt.json
+
+A run is `k` (run.staleness = k) or `k:L` (with run.partial_rollout = L: partial rollouts).
+--long-tail is the simulated long-tail workload: a prompt file where one prompt in four asks
+for a long list ("List the numbers from 1 to 87, separated by commas.", 40 to 100) and the
+others for a number ("What is 12 + 30?"), so a batch's responses run from a few tokens to the
+cap (--max-new-tokens, 160 with --long-tail); 4 samples per prompt, no validation.
 
 Each run is a fresh `flowrl run` process on the Ray executor: the train pool and the gen pool
 one CPU and one torch thread each (the graph's cpus_per_worker = 1, num_cpus = 2), so on a
@@ -16,6 +23,7 @@ bench/results/async_training.json (and the per-step metrics of each run under "r
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -27,11 +35,14 @@ ROOT = Path(__file__).resolve().parents[1]
 GRAPH = ROOT / "graphs" / "grpo_disaggregated.toml"
 CORRECTION = ["nodes.generate.return_logprobs=true", "nodes.update_policy.tis_cap=2.0"]
 PER_STEP = ("time_s", "async/wait_s", "async/staleness", "reward/score", "response_length/mean")
+PER_STEP += ("response_length/max", "async/token_staleness_mean", "partial/split_rows")
 
 
-def run(staleness: int, steps: int, tiny: bool, out_dir: Path, more: list) -> dict:
-    """One `flowrl run` at `staleness`; its metrics.jsonl summarised."""
+def run(setting: str, steps: int, tiny: bool, out_dir: Path, more: list) -> dict:
+    """One `flowrl run` at `setting` ("k" or "k:L"); its metrics.jsonl summarised."""
+    staleness, _, partial = setting.partition(":")
     overrides = [f"run.staleness={staleness}", f"run.steps={steps}", f'run.out_dir="{out_dir}"']
+    overrides.append(f"run.partial_rollout={partial or 0}")
     overrides += ["run.val_every=10", "run.save_every=0", *CORRECTION, *more]
     command = [sys.executable, "-m", "flowrl.cli", "run", str(GRAPH), *overrides]
     if tiny:
@@ -46,7 +57,8 @@ def run(staleness: int, steps: int, tiny: bool, out_dir: Path, more: list) -> di
     samples = step_rows[0]["rows"]  # prompts x samples: every row is a sample
     median = statistics.median(times)
     return {
-        "staleness": staleness,
+        "staleness": int(staleness),
+        "partial_rollout": int(partial or 0),
         "steps": len(step_rows),
         "rows_per_step": samples,
         "median_step_s": median,
@@ -69,7 +81,8 @@ def run(staleness: int, steps: int, tiny: bool, out_dir: Path, more: list) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--staleness", nargs="+", default=["0", "1", "2"], help="k or k:L")
+    parser.add_argument("--long-tail", action="store_true", help="the long-tail prompt file")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tiny", action="store_true", help="the tiny random model (a check)")
     parser.add_argument("--max-new-tokens", type=int, default=0, help="0: the graph's (20)")
@@ -77,6 +90,11 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "async_training.json"))
     args = parser.parse_args()
     results, more = [], []
+    if args.long_tail:
+        data = Path(tempfile.mkdtemp()) / "long_tail.jsonl"
+        long_tail(data)
+        more += [f'data.source="{data}"', "run.val_size=0", "nodes.generate.n=4"]
+        args.max_new_tokens = args.max_new_tokens or 160
     if args.max_new_tokens:
         more.append(f"nodes.generate.max_new_tokens={args.max_new_tokens}")
     more += args.set
@@ -87,6 +105,25 @@ def main() -> None:
         print(json.dumps({k: v for k, v in result.items() if k != "per_step"}), flush=True)
         write(args, more, results)  # after each run: a stopped bench keeps what it measured
     print(f"wrote {args.out}")
+
+
+def long_tail(path: Path, rows: int = 400) -> None:
+    """The long-tail prompts (verl rows): one in four a long list, the others a sum."""
+    rng, lines = random.Random(0), []
+    for i in range(rows):
+        if i % 4 == 3:
+            k = rng.randint(40, 100)
+            text, answer = f"List the numbers from 1 to {k}, separated by commas.", str(k)
+        else:
+            a, b = rng.randint(1, 50), rng.randint(1, 50)
+            text, answer = f"What is {a} + {b}?", str(a + b)
+        prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
+        row = {"prompt": prompt, "data_source": "arithmetic"}
+        lines.append(json.dumps(row | {"reward_model": {"ground_truth": answer}}))
+    path.write_text("\n".join(lines) + "\n")
+
+
+SYSTEM = "Answer with just the number, or the list asked for."
 
 
 def write(args, more: list, results: list) -> None:

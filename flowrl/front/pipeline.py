@@ -37,6 +37,14 @@ class PipelinePlan:
     sync_item: int  # the cross-pool sync: run by the pipeline, not by either walk
     rows: int  # rows of a queued batch
     correction: str  # the off-policy correction the graph applies, in words ("" = none)
+    partial: int = 0  # run.partial_rollout: tokens a response samples per round (0 = off)
+    generate_items: tuple[int, ...] = ()  # partial rollouts: the rollout items of the round's
+    # generate call (its dispatch, call, collect and the rollout pool's transitions) ...
+    after_items: tuple[int, ...] = ()  # ... and the rest, run on the groups that finished
+    generate_node: str = ""
+    samples: int = 1  # the generate node's n
+    max_new_tokens: int = 0  # the generate node's cap on a whole response
+    logprobs: bool = False  # the generate node writes rollout_logprobs
 
     @property
     def queue_size(self) -> int:
@@ -57,6 +65,20 @@ class PipelinePlan:
             f"  sync: after update s pool {self.train_pools[0]} exports {self.model}; "
             f"pool {self.rollout_pool} loads it before generating step s+{k + 1}",
             f"  off-policy correction: {self.correction or 'none'}",
+            *self._partial_lines(),
+        ]
+
+    def _partial_lines(self) -> list[str]:
+        if not self.partial:
+            return []
+        return [
+            f"  partial rollouts: run.partial_rollout = {self.partial}: each round "
+            f"{self.generate_node} samples at most {self.partial} tokens of every response in "
+            "flight (new prompts and unfinished responses); a group of "
+            f"{self.samples} goes to {', '.join(self.rollout_nodes[1:]) or 'the queue'} when "
+            f"its last response ends, an unfinished one continues next round on the newer "
+            f"weights (each token stamped with its version); step s trains on the next "
+            f"{self.rows // self.samples} finished groups",
         ]
 
 
@@ -65,6 +87,14 @@ def split(graph, pools: dict, items: list, rows: int, refill, errors: Collector,
     the problems go to `errors`)."""
     spec, k = graph.spec, graph.spec.run.staleness
     if not k:
+        if spec.run.partial_rollout:
+            errors.add(
+                "[run]",
+                f"partial_rollout = {spec.run.partial_rollout} continues unfinished responses "
+                "in the next round on newer weights, which only the asynchronous pipeline runs",
+                "set run.staleness = 1 (with a rollout pool of its own, as "
+                "graphs/grpo_disaggregated.toml) or run.partial_rollout = 0",
+            )
         return None
     rollout = [n for n in graph.order if spec.nodes[n].mode == "rollout"]
     if not rollout:
@@ -88,6 +118,9 @@ def split(graph, pools: dict, items: list, rows: int, refill, errors: Collector,
     correction = _correction(graph, model, stage["train"])
     if not correction:
         warnings.append(_no_correction(graph, model, k))
+    partial = _partial(graph, rollout, items, in_stage["rollout"], errors)
+    if errors.problems:
+        return None
     return PipelinePlan(
         staleness=k,
         model=model,
@@ -100,7 +133,48 @@ def split(graph, pools: dict, items: list, rows: int, refill, errors: Collector,
         sync_item=sync[0],
         rows=rows,
         correction=correction,
+        **partial,
     )
+
+
+def _partial(graph, rollout: list[str], items: list, stage_items: tuple, errors) -> dict:
+    """run.partial_rollout's fields of the PipelinePlan ({} when off); refuses what a round
+    cannot continue: a rollout node other than one `generate`, a segment as long as the
+    response cap."""
+    spec, tokens = graph.spec, graph.spec.run.partial_rollout
+    if not tokens:
+        return {}
+    node = rollout[0]
+    decl = spec.nodes[node]
+    if len(rollout) > 1 or decl.uses != "generate":
+        errors.add(
+            "[run]",
+            f"partial_rollout = {tokens} continues single-turn responses of one "
+            f'`uses = "generate"` node; this graph generates with '
+            + ", ".join(f'[nodes.{n}] (uses = "{spec.nodes[n].uses}")' for n in rollout),
+            "set run.partial_rollout = 0",
+        )
+        return {}
+    cap = decl.params.max_new_tokens
+    if tokens >= cap:
+        errors.add(
+            "[run]",
+            f"partial_rollout = {tokens} is not below nodes.{node}.max_new_tokens = {cap}: "
+            "no response would ever be split across rounds",
+            f"set run.partial_rollout below {cap} (e.g. {max(cap // 4, 1)}), or 0",
+        )
+        return {}
+    by_id = {i.id: i for i in items}
+    ours = tuple(i for i in stage_items if by_id[i].node in (node, None))
+    return {
+        "partial": tokens,
+        "generate_items": ours,
+        "after_items": tuple(i for i in stage_items if i not in ours),
+        "generate_node": node,
+        "samples": decl.params.n,
+        "max_new_tokens": cap,
+        "logprobs": bool(getattr(decl.params, "return_logprobs", False)),
+    }
 
 
 def _refusals(graph, first_rollout: str, stage: dict, refill, errors: Collector) -> None:

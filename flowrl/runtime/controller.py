@@ -32,6 +32,7 @@ from flowrl.runtime import run_dir as run_dirs
 from flowrl.runtime.executor import StepResult
 from flowrl.runtime.inputs import Recording
 from flowrl.runtime.loggers import Loggers
+from flowrl.runtime.partial import PartialPipeline
 from flowrl.runtime.refill import refilled_step
 from flowrl.runtime.trace import Trace
 
@@ -106,7 +107,7 @@ class Trainer:
         )
         self.executor = make_executor(backend, plan, num_cpus=spec.run.num_cpus or None)
         self.trace = Trace()
-        self.pipeline, self.queued = None, []  # run.staleness > 0: the stages' queue
+        self.pipeline, self.queued = None, None  # run.staleness > 0: the stages' queue
 
     def close(self) -> None:
         from flowrl.rewards.pool import close_all
@@ -142,14 +143,20 @@ class Trainer:
                 scores = self.validate(0)
                 with self._writing("metrics.jsonl"):
                     loggers.log({"step": 0, **scores})
-            if self.plan.pipeline is not None:  # the rollout stage starts running ahead
-                self.pipeline = pipelines.Pipeline(
+            stages, steps = self.plan.pipeline, self.spec.run.steps
+            if stages is not None and stages.partial:  # rounds of partial rollouts
+                self.pipeline = PartialPipeline(
                     self.executor,
-                    self.plan.pipeline,
-                    self._rollout,
+                    stages,
+                    self._round,
+                    self.tokenizer,
                     start_step,
-                    self.spec.run.steps,
+                    steps,
                     self.queued,
+                )
+            elif stages is not None:  # the rollout stage starts running ahead
+                self.pipeline = pipelines.Pipeline(
+                    self.executor, stages, self._rollout, start_step, steps, self.queued
                 )
             self._loop(start_step, loggers, samples_file)
 
@@ -303,6 +310,13 @@ class Trainer:
         ids = self.plan.pipeline.rollout_items
         return self.executor.run_stage(batch, ids, record, "controller/rollout stage"), loader
 
+    def _round(self, r: int) -> tuple:
+        """Round r of partial rollouts: its prompts, the loader's state after them and where
+        its node calls keep their inputs (in the rollout stage's thread, as `_rollout`)."""
+        batch = self._prompts(r)
+        record = self._record(r, r - 1, keep=tuple(self.spec.run.save_inputs))
+        return batch, self.loader.state_dict(), record
+
     def _prompts(self, step: int, round_: int = 0):
         """The next prompt batch, with the meta that seeds its sampling."""
         batch = next(self.loader)
@@ -349,11 +363,11 @@ class Trainer:
             "node_state": self.executor.node_state,
             "rng": rng.state(),
         }
-        queued = []
+        queued = pipelines.Queued()
         if self.pipeline is not None:  # the loader has run ahead: its state after the queue
-            queued, loader = self.pipeline.queued(step)
-            state["loader"] = loader or state["loader"]
-            state["queue"] = [pipelines.entry(r) for r in queued]
+            queued = self.pipeline.queued(step)
+            state["loader"] = queued.loader or state["loader"]
+            state.update(pipelines.entries(queued))
         keep, graph = self.spec.run.keep_checkpoints, self.spec.raw
         with self._writing(f"the checkpoint of step {step}", step=step):
             with checkpoint.writing(self.run_dir, step, keep, graph) as out:
@@ -373,7 +387,7 @@ class Trainer:
         self.executor.broadcast("load", str(directory))
         self.executor.sync_rollout_pools()  # a separate rollout copy gets the loaded weights
         self.loader.load_state_dict(state["loader"])
-        self.queued = pipelines.load_queue(directory, state.get("queue", []))
+        self.queued = pipelines.load_queue(directory, state)
         self.executor.node_state.update(state["node_state"])
         rng.set_state(state["rng"])
         with self._writing("metrics.jsonl and samples.jsonl"):

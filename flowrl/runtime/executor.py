@@ -132,15 +132,20 @@ class Executor(abc.ABC):
         return self._walk(walk, param_changes or {})
 
     def run_stage(
-        self, batch: DataProto, ids, record: Recording | None = None, track: str = "controller"
+        self,
+        batch: DataProto,
+        ids,
+        record: Recording | None = None,
+        track: str = "controller",
+        param_changes: dict | None = None,
     ) -> StepResult:
         """Run the items `ids` (a stage of run.staleness's pipeline, flowrl/front/pipeline.py)
         on `batch`, passing the others over; `track`: the trace track of its controller items
-        (the stages run at once, each on its own)."""
+        (the stages run at once, each on its own); `param_changes` as in `run_step`."""
         keep = set(ids)
         skip = {i.id for i in self.plan.items if i.id not in keep}
         walk = _Walk(list(self.plan.items), batch, record, skip=skip, track=track)
-        return self._walk(walk, {})
+        return self._walk(walk, param_changes or {})
 
     def _walk(self, walk: "_Walk", param_changes: dict) -> StepResult:
         while len(walk.done) < len(walk.items):

@@ -34,6 +34,19 @@ VERSION_KEY = "weight_version"  # (b,) int64: the update whose weights generated
 
 
 @attrs.define
+class Queued:
+    """What a checkpoint after a step keeps of the pipeline: the batches generated for later
+    steps, the loader's state after the last prompts read (None: nothing read ahead), and for
+    partial rollouts the rounds' counters (`rounds`, JSON) and rows (`rows`: name -> DataProto,
+    the finished groups not yet in a batch and the responses in flight)."""
+
+    batches: list = attrs.Factory(list)
+    loader: dict | None = None
+    rounds: dict | None = None
+    rows: dict = attrs.Factory(dict)
+
+
+@attrs.define
 class Rollout:
     """One queued batch: the rollout stage's walk of step `step`, generated with the weights of
     update `version`; `loader`: the prompt loader's state right after its prompts."""
@@ -55,15 +68,18 @@ class Pipeline:
         start: the steps done (the checkpoint's step when resuming); the rollout pool holds
             their weights.
         steps: the last step (run.steps).
-        queued: the batches a checkpoint kept, steps start+1 ..
+        queued: what a checkpoint kept (`Queued`), or None.
     """
 
-    def __init__(self, executor, stages, produce: Callable, start: int, steps: int, queued=()):
+    def __init__(
+        self, executor, stages, produce: Callable, start: int, steps: int, queued: Queued | None
+    ):
         self.executor, self.stages, self.produce = executor, stages, produce
         self.k, self.start, self.steps = stages.staleness, start, steps
-        self.ready = {r.step: r for r in queued}  # the queue: step -> Rollout
+        batches = queued.batches if queued else []
+        self.ready = {r.step: r for r in batches}  # the queue: step -> Rollout
         self.next = start + 1 + len(self.ready)  # the next step to generate
-        self.loaders = {r.step: r.loader for r in queued}
+        self.loaders = {r.step: r.loader for r in batches}
         self.weights: dict[int, object] = {}  # version -> exported weights (a Ray ref on Ray)
         self.latest = self.loaded = start  # newest version exported; version the pool holds
         self.cond = threading.Condition()
@@ -86,17 +102,24 @@ class Pipeline:
         try:
             while True:
                 with self.cond:
-                    r, need = self.next, self.version_for(self.next)
-                    if r > self.steps:
+                    need = self._need()
+                    if need is None:
                         return
                     self.cond.wait_for(lambda: self.latest >= need or self.stopping)  # noqa: B023
                     if self.stopping:
                         return
-                self._produce(r, need)
+                self._produce_next(need)
         except BaseException as e:  # the train stage raises it when it takes the batch
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
+
+    def _need(self) -> int | None:
+        """The version the next batch is generated with (None: every batch is generated)."""
+        return None if self.next > self.steps else self.version_for(self.next)
+
+    def _produce_next(self, version: int) -> None:
+        self._produce(self.next, version)
 
     def _produce(self, r: int, version: int) -> None:
         with self.gen:
@@ -129,8 +152,8 @@ class Pipeline:
 
     def _catch_up(self, step: int) -> None:
         """Without a thread: generate every batch whose weights exist (up to step + k)."""
-        while self.next <= self.steps and self.version_for(self.next) <= self.latest:
-            self._produce(self.next, self.version_for(self.next))
+        while (need := self._need()) is not None and need <= self.latest:
+            self._produce_next(need)
 
     # -- the train stage ------------------------------------------------------------------
     def take(self, step: int) -> tuple[Rollout, dict]:
@@ -172,7 +195,7 @@ class Pipeline:
             self._load(version)
             yield
 
-    def queued(self, step: int) -> tuple[list[Rollout], dict | None]:
+    def queued(self, step: int) -> Queued:
         """For a checkpoint after `step`: the batches of steps step+1 .. step+k (waiting for
         them) and the loader's state after the last of them (None: nothing generated yet)."""
         last = min(step + self.k, self.steps)
@@ -185,7 +208,7 @@ class Pipeline:
             kept = [self.ready[r] for r in range(step + 1, last + 1)]
             loader = self.loaders.get(last)
             self.loaders = {r: s for r, s in self.loaders.items() if r >= last}
-        return kept, loader
+        return Queued(kept, loader)
 
     def drain_slices(self) -> list[Slice]:
         """The weight loads on the rollout pool since the last call, for the trace."""
@@ -202,23 +225,37 @@ class Pipeline:
 
 
 # -- the queue in a checkpoint ------------------------------------------------------------
-def entry(rollout: Rollout) -> dict:
-    """A queued batch's line in controller.json (its rows go to queue/step_NNNNNN.pt)."""
+def entries(queued: Queued) -> dict:
+    """The queue's lines in controller.json (its rows go to queue/*.pt): each batch's step,
+    version and rollout metrics, and the rounds' counters of partial rollouts."""
+    out = {"queue": [_entry(r) for r in queued.batches]}
+    if queued.rounds is not None:
+        out["rounds"] = {**queued.rounds, "rows": sorted(queued.rows)}
+    return out
+
+
+def _entry(rollout: Rollout) -> dict:
     return {"step": rollout.step, "version": rollout.version, "metrics": rollout.result.metrics}
 
 
-def save_queue(directory, queued: list[Rollout]) -> None:
-    """Each queued batch's rows, tensors and JSON (DataProto.save: nothing to unpickle)."""
-    for rollout in queued:
-        folder = Path(directory) / "queue"
+def save_queue(directory, queued: Queued) -> None:
+    """Each queued batch's rows (and the rounds' rows), tensors and JSON (DataProto.save:
+    nothing to unpickle)."""
+    folder = Path(directory) / "queue"
+    parts = {f"step_{r.step:06d}": r.result.batch for r in queued.batches} | queued.rows
+    for name, rows in parts.items():
         folder.mkdir(exist_ok=True)
-        rollout.result.batch.save(folder / f"step_{rollout.step:06d}.pt")
+        rows.save(folder / f"{name}.pt")
 
 
-def load_queue(directory, entries: list[dict]) -> list[Rollout]:
-    """The batches `save_queue` wrote, in step order, as the checkpoint's step left them."""
-    out = []
-    for e in entries:
-        batch = DataProto.load(Path(directory) / "queue" / f"step_{e['step']:06d}.pt")
-        out.append(Rollout(e["step"], e["version"], StepResult(batch, e["metrics"], [])))
+def load_queue(directory, state: dict) -> Queued:
+    """What `save_queue` wrote, as the checkpoint's step left it (controller.json's `state`)."""
+    folder, out = Path(directory) / "queue", Queued()
+    for e in state.get("queue", []):
+        batch = DataProto.load(folder / f"step_{e['step']:06d}.pt")
+        out.batches.append(Rollout(e["step"], e["version"], StepResult(batch, e["metrics"], [])))
+    if "rounds" in state:
+        rounds = dict(state["rounds"])
+        out.rows = {name: DataProto.load(folder / f"{name}.pt") for name in rounds.pop("rows")}
+        out.rounds = rounds
     return out

@@ -77,16 +77,9 @@ def test_sigkill_then_resume(tmp_path, kill_at, save_every):
     assert {"event": "resume", "step": 2} in events
 
 
-@pytest.mark.parametrize("backend", ["local", "ray"])
-def test_sigkill_then_resume_with_staleness_one(tmp_path, backend):
-    """run.staleness = 1: the checkpoint of step 2 keeps the queued batch of step 3 (generated
-    with the weights of update 1, which no checkpoint holds); the resumed run trains on it and
-    equals an uninterrupted run, step for step."""
-    from test_async import comparable
-
-    extra = {"run.steps": STEPS, "run.save_every": 2, "run.keep_checkpoints": 10}
-    extra |= {"run.staleness": 1, "run.num_cpus": 2}
-    graph = "grpo_disaggregated.toml"
+def starter(tmp_path, graph: str, backend: str, extra: dict):
+    """start(folder, *more args, **env): `flowrl run` of the tiny `graph` with `extra`, its run
+    directory under tmp_path / folder."""
     command = [sys.executable, "-m", "flowrl.cli", "run", str(ROOT / "graphs" / graph)]
     command += ["--backend", backend]
 
@@ -97,11 +90,31 @@ def test_sigkill_then_resume_with_staleness_one(tmp_path, backend):
             [*command, *more, *overrides], cwd=tmp_path, env=environment, capture_output=True
         )
 
+    return start
+
+
+def whole_and_killed(start, tmp_path) -> Path:
+    """Run it whole (in "whole"), then killed once step 3 is logged (in "killed"); the killed
+    run's directory."""
     whole = start("whole")
     assert whole.returncode == 0, whole.stderr[-2000:]
     killed = start("killed", FLOWRL_KILL_AT="logged:3")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     (run_dir,) = (tmp_path / "killed").glob("grpo_disaggregated-*")
+    return run_dir
+
+
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_sigkill_then_resume_with_staleness_one(tmp_path, backend):
+    """run.staleness = 1: the checkpoint of step 2 keeps the queued batch of step 3 (generated
+    with the weights of update 1, which no checkpoint holds); the resumed run trains on it and
+    equals an uninterrupted run, step for step."""
+    from test_async import comparable
+
+    extra = {"run.steps": STEPS, "run.save_every": 2, "run.keep_checkpoints": 10}
+    extra |= {"run.staleness": 1, "run.num_cpus": 2}
+    start = starter(tmp_path, "grpo_disaggregated.toml", backend, extra)
+    run_dir = whole_and_killed(start, tmp_path)
     kept = run_dir / "checkpoints/step_000002"
     assert [p.name for p in (kept / "queue").iterdir()] == ["step_000003.pt"]
     queue = json.loads((kept / "controller.json").read_text())["queue"]
