@@ -9,8 +9,10 @@ side: median step time, samples per second, validation accuracy at steps 0, 10 a
 A run is `k` (run.staleness = k) or `k:L` (with run.partial_rollout = L: partial rollouts).
 --long-tail is the simulated long-tail workload: a prompt file where one prompt in four asks
 for a long list ("List the numbers from 1 to 87, separated by commas.", 40 to 100) and the
-others for a number ("What is 12 + 30?"), so a batch's responses run from a few tokens to the
-cap (--max-new-tokens, 160 with --long-tail); 4 samples per prompt, no validation.
+others for a number ("What is 12 + 30?"); sampled at temperature 1, SmolLM2's responses to
+either run from a few tokens to the cap (--max-new-tokens, 128 with --long-tail), so nearly
+every batch has a tail. 2 prompts x 4 samples per step, no KL term (a cheap update: generation
+is the larger stage, where the tail matters), no validation.
 
 Each run is a fresh `flowrl run` process on the Ray executor: the train pool and the gen pool
 one CPU and one torch thread each (the graph's cpus_per_worker = 1, num_cpus = 2), so on a
@@ -93,8 +95,9 @@ def main() -> None:
     if args.long_tail:
         data = Path(tempfile.mkdtemp()) / "long_tail.jsonl"
         long_tail(data)
-        more += [f'data.source="{data}"', "run.val_size=0", "nodes.generate.n=4"]
-        args.max_new_tokens = args.max_new_tokens or 160
+        more += [f'data.source="{data}"', "run.val_size=0", "data.batch_size=2"]
+        more += ["nodes.generate.n=4", "nodes.update_policy.kl_loss_coef=0"]
+        args.max_new_tokens = args.max_new_tokens or 128
     if args.max_new_tokens:
         more.append(f"nodes.generate.max_new_tokens={args.max_new_tokens}")
     more += args.set
@@ -114,16 +117,15 @@ def long_tail(path: Path, rows: int = 400) -> None:
         if i % 4 == 3:
             k = rng.randint(40, 100)
             text, answer = f"List the numbers from 1 to {k}, separated by commas.", str(k)
+            system = "Answer with the list only."
         else:
             a, b = rng.randint(1, 50), rng.randint(1, 50)
             text, answer = f"What is {a} + {b}?", str(a + b)
-        prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
+            system = "Answer with just the number."
+        prompt = [{"role": "system", "content": system}, {"role": "user", "content": text}]
         row = {"prompt": prompt, "data_source": "arithmetic"}
         lines.append(json.dumps(row | {"reward_model": {"ground_truth": answer}}))
     path.write_text("\n".join(lines) + "\n")
-
-
-SYSTEM = "Answer with just the number, or the list asked for."
 
 
 def write(args, more: list, results: list) -> None:

@@ -54,9 +54,18 @@ class PipelinePlan:
     def lines(self) -> list[str]:
         """The pipeline's summary for `flowrl plan`."""
         k = self.staleness
-        return [
+        rule = (
             f"async: run.staleness = {k}: step s trains on a batch generated with the weights "
-            f"of update s-{k + 1} (the first {k + 1} steps: the initial weights)",
+            f"of update s-{k + 1} (the first {k + 1} steps: the initial weights)"
+        )
+        if self.partial:
+            rule = (
+                f"async: run.staleness = {k}: a round uses the weights of update c-{k}, c the "
+                "steps with a full batch so far; a response continued over rounds keeps its "
+                "older tokens"
+            )
+        return [
+            rule,
             f"  rollout stage on pool {self.rollout_pool}, runs up to {k} step(s) ahead: "
             + ", ".join(self.rollout_nodes),
             f"  queue: at most {self.queue_size} batch(es) of {self.rows} rows, every row "

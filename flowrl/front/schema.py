@@ -116,9 +116,7 @@ class RunConfig:
     loggers: list[str] = checked([], _loggers())  # jsonl (always), tensorboard, wandb
     critic_warmup: int = checked(0, count(0, MAX_STEPS))  # first N steps train only the critic
     staleness: int = checked(0, count(0, MAX_STEPS))  # k > 0: generate k steps ahead (async)
-    # > 0 (with staleness > 0): partial rollouts, a response samples at most this many tokens a
-    # round and an unfinished one goes on in the next round, on newer weights; 0 = off
-    partial_rollout: int = checked(0, count(0, MAX_TOKENS))
+    partial_rollout: int = checked(0, count(0, MAX_TOKENS))  # tokens a round; 0 = off (async)
 
 
 @attrs.frozen
