@@ -54,40 +54,45 @@ class PipelinePlan:
     def lines(self) -> list[str]:
         """The pipeline's summary for `flowrl plan`."""
         k = self.staleness
-        rule = (
-            f"async: run.staleness = {k}: step s trains on a batch generated with the weights "
-            f"of update s-{k + 1} (the first {k + 1} steps: the initial weights)"
-        )
         if self.partial:
-            rule = (
-                f"async: run.staleness = {k}: a round uses the weights of update c-{k}, c the "
-                "steps with a full batch so far; a response continued over rounds keeps its "
-                "older tokens"
-            )
+            return self._partial_lines()
         return [
-            rule,
+            f"async: run.staleness = {k}: step s trains on a batch generated with the weights "
+            f"of update s-{k + 1} (the first {k + 1} steps: the initial weights)",
             f"  rollout stage on pool {self.rollout_pool}, runs up to {k} step(s) ahead: "
             + ", ".join(self.rollout_nodes),
             f"  queue: at most {self.queue_size} batch(es) of {self.rows} rows, every row "
             "stamped with weight_version",
-            f"  train stage on pool {', '.join(self.train_pools)}: " + ", ".join(self.train_nodes),
+            *self._common_lines(),
             f"  sync: after update s pool {self.train_pools[0]} exports {self.model}; "
             f"pool {self.rollout_pool} loads it before generating step s+{k + 1}",
             f"  off-policy correction: {self.correction or 'none'}",
-            *self._partial_lines(),
+        ]
+
+    def _common_lines(self) -> list[str]:
+        return [
+            f"  train stage on pool {', '.join(self.train_pools)}: " + ", ".join(self.train_nodes)
         ]
 
     def _partial_lines(self) -> list[str]:
-        if not self.partial:
-            return []
+        k, groups = self.staleness, self.rows // self.samples
         return [
-            f"  partial rollouts: run.partial_rollout = {self.partial}: each round "
-            f"{self.generate_node} samples at most {self.partial} tokens of every response in "
-            "flight (new prompts and unfinished responses); a group of "
-            f"{self.samples} goes to {', '.join(self.rollout_nodes[1:]) or 'the queue'} when "
-            f"its last response ends, an unfinished one continues next round on the newer "
-            f"weights (each token stamped with its version); step s trains on the next "
-            f"{self.rows // self.samples} finished groups",
+            f"async: run.staleness = {k}, run.partial_rollout = {self.partial}: the rollout "
+            f"stage runs in rounds; a round uses the weights of update c-{k}, c the steps with "
+            "a full batch so far",
+            f"  rollout stage on pool {self.rollout_pool}: each round {self.generate_node} "
+            f"samples at most {self.partial} tokens of every response in flight (the next "
+            "prompts and the unfinished responses, continued on the round's weights; every "
+            "token stamped with its version, so a response continued over rounds keeps older "
+            f"tokens); a group of {self.samples} is finished when its last response ends",
+            f"  queue: the finished groups, in the order they finish; every {groups} make the "
+            "batch of the next step, on which "
+            + (", ".join(self.rollout_nodes[1:]) or "nothing more")
+            + " run; batches wait for their step",
+            *self._common_lines(),
+            f"  sync: after update s pool {self.train_pools[0]} exports {self.model}; "
+            f"pool {self.rollout_pool} loads it before the first round that uses it",
+            f"  off-policy correction: {self.correction or 'none'}",
         ]
 
 
@@ -174,7 +179,11 @@ def _partial(graph, rollout: list[str], items: list, stage_items: tuple, errors)
         )
         return {}
     by_id = {i.id: i for i in items}
-    ours = tuple(i for i in stage_items if by_id[i].node in (node, None))
+    ours = tuple(  # the node's items and the transitions of its model on the rollout pool
+        i
+        for i in stage_items
+        if by_id[i].node == node or (by_id[i].node is None and by_id[i].model == decl.model)
+    )
     return {
         "partial": tokens,
         "generate_items": ours,

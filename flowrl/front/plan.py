@@ -193,8 +193,9 @@ class ExecutionPlan:
             if self.pipeline:
                 p = self.pipeline
                 ahead = "s+1" if p.staleness == 1 else f"s+1 .. s+{p.staleness}"
+                ahead = "its rounds" if p.partial else f"step {ahead}"
                 lines.append(
-                    f"  the rollout stage (step {ahead}) || the train stage (step s): every "
+                    f"  the rollout stage ({ahead}) || the train stage (step s): every "
                     "item of one with every item of the other"
                 )
         lines.extend(f"warning: {w}" for w in self.warnings)
@@ -205,12 +206,17 @@ class ExecutionPlan:
         if not self.pipeline:
             return [("step", list(self.items))]
         p, by_id = self.pipeline, {i.id: i for i in self.items}
+        heading = (
+            f"rollout stage (pool {p.rollout_pool}): step s+{p.staleness}, with the weights of "
+            "update s-1"
+        )
+        if p.partial:
+            ids = ", ".join(map(str, p.generate_items))
+            after = ", ".join(map(str, p.after_items))
+            heading = f"rollout stage (pool {p.rollout_pool}): items {ids} every round; {after}"
+            heading += " on each batch"
         return [
-            (
-                f"rollout stage (pool {p.rollout_pool}): step s+{p.staleness}, with the weights "
-                f"of update s-1",
-                [by_id[i] for i in p.rollout_items],
-            ),
+            (heading, [by_id[i] for i in p.rollout_items]),
             (
                 f"queue -> train stage (pool {', '.join(p.train_pools)}): step s",
                 [by_id[i] for i in sorted((*p.train_items, p.sync_item))],

@@ -310,11 +310,12 @@ class Trainer:
         ids = self.plan.pipeline.rollout_items
         return self.executor.run_stage(batch, ids, record, "controller/rollout stage"), loader
 
-    def _round(self, r: int) -> tuple:
-        """Round r of partial rollouts: its prompts, the loader's state after them and where
-        its node calls keep their inputs (in the rollout stage's thread, as `_rollout`)."""
+    def _round(self, r: int, version: int) -> tuple:
+        """Round r of partial rollouts, on the weights of update `version`: its prompts, the
+        loader's state after them and where its node calls keep their inputs (in the rollout
+        stage's thread, as `_rollout`)."""
         batch = self._prompts(r)
-        record = self._record(r, r - 1, keep=tuple(self.spec.run.save_inputs))
+        record = self._record(r, version, keep=tuple(self.spec.run.save_inputs))
         return batch, self.loader.state_dict(), record
 
     def _prompts(self, step: int, round_: int = 0):

@@ -8,9 +8,9 @@ The rollout stage works in rounds instead of whole batches. Round r:
     every unfinished row samples at most L more tokens on the weights of update v, from its
         prompt and its response so far (its KV computed again on these weights)
     a row ends at its stop token or at max_new_tokens; a group (the n rows of a prompt) whose
-        rows have all ended runs the rest of the rollout stage (reward, advantage) and joins the
-        finished groups; the other groups carry over to round r + 1
-    while batch_size groups are finished, the first batch_size are the batch of step complete+1
+        rows have all ended joins the finished groups; the other groups carry over to round r+1
+    while batch_size groups are finished, the first batch_size are the batch of step complete+1,
+        and the rest of the rollout stage (reward, advantage) runs on it, as on a whole batch
 
 So a weight sync waits for at most L tokens of decoding, never for the longest response, and a
 long response is spread over rounds that also decode new prompts. Every token keeps the version
@@ -54,6 +54,7 @@ class Rounds:
     carry: DataProto | None = None  # rows of the groups in flight
     pool: DataProto | None = None  # finished groups not yet in a batch
     loader: dict | None = None  # the loader's state after the last round's prompts
+    metrics: list = attrs.Factory(list)  # the generate metrics of rounds since the last batch
 
 
 @attrs.define
@@ -66,8 +67,8 @@ class PartialPipeline(Pipeline):
     """`Pipeline` with rounds of at most `stages.partial` tokens per response.
 
     Args:
-        prompts: round -> (the next prompt batch with its meta, the loader's state after it,
-            the round's Recording); called in the rollout thread (or inline, locally).
+        prompts: (round, its version) -> (the next prompt batch with its meta, the loader's
+            state after it, the round's Recording); called in the rollout thread (or inline).
         tokenizer: the policy's: its eos ends a response, it decodes response_text.
         The others: see `Pipeline`.
     """
@@ -78,6 +79,11 @@ class PartialPipeline(Pipeline):
         self.tokenizer = tokenizer
         self.stop_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        if queued is not None and queued.batches and queued.rounds is None:
+            raise ValueError(
+                "the checkpoint's queue holds whole batches (run.partial_rollout was 0 when it "
+                "was written): resume it with run.partial_rollout = 0"
+            )
         saved = (queued.rounds if queued else None) or {}
         rows = queued.rows if queued else {}
         self.rounds = Rounds(
@@ -87,6 +93,7 @@ class PartialPipeline(Pipeline):
             carry=rows.get("carry"),
             pool=rows.get("pool"),
             loader=saved.get("loader"),
+            metrics=saved.get("metrics", []),
         )
         self.assembled = {r.step: r for r in (queued.batches if queued else [])}
         self.pending_slices: list = []  # the rounds' slices not yet given to a batch
@@ -117,7 +124,7 @@ class PartialPipeline(Pipeline):
     # -- one round ------------------------------------------------------------------------
     def _round(self, state: Rounds, version: int) -> tuple[Rounds, list[Rollout]]:
         stages, r = self.stages, state.done + 1
-        batch, loader, record = self.produce(r)
+        batch, loader, record = self.produce(r, version)
         new = self._admitted(batch, state.groups, r)
         rows = new if state.carry is None else _concat([state.carry, new])
         active = torch.nonzero(rows[ENDED] == 0).flatten()
@@ -130,34 +137,33 @@ class PartialPipeline(Pipeline):
             changes,
         )
         rows = self._extended(rows, active, walked.batch, version)
-        slices, metrics = walked.slices, dict(walked.metrics)
         ended = _groups_ended(rows)
         finished, carry = rows.index(ended), rows.index(~ended)
-        parts = []
-        for group_rows in _by_round(finished):  # a batch of the after-walk: one round's prompts
-            after = self.executor.run_stage(
-                self._completed(group_rows, batch.meta), stages.after_items, record, TRACK
-            )
-            parts.append(after.batch)
-            slices, metrics = slices + after.slices, {**metrics, **after.metrics}
-        pool = _concat([state.pool, *parts]) if parts else state.pool
-        metrics["partial/in_flight"] = float(len(carry))  # rows of unfinished groups
-        metrics["partial/finished"] = float(len(finished))  # rows that ended this round
-        self.pending_slices += slices
+        pool = _concat([state.pool, self._completed(finished, batch.meta)])
+        if not len(pool):
+            pool = None
+        generated = [*state.metrics, {**walked.metrics, "partial/in_flight": float(len(carry))}]
+        self.pending_slices += walked.slices
         complete, out = state.complete, []
         while pool is not None and len(pool) >= stages.rows and complete < self.steps:
             complete += 1
             chosen = _trimmed(pool.index(slice(0, stages.rows)))
             pool = pool.index(slice(stages.rows, None))
+            # reward, advantage: on the step's batch, as with whole batches (an estimator that
+            # normalises over the batch sees the batch it trains on)
+            after = self.executor.run_stage(chosen, stages.after_items, record, TRACK)
             segments = chosen[SEGMENTS].float()
-            batch_metrics = {
-                **metrics,
+            metrics = {
+                **_mean(generated),  # the rounds since the last batch (generate/*: per round)
+                **after.metrics,
                 "partial/segments_mean": float(segments.mean()),
                 "partial/split_rows": float((segments > 1).float().mean()),
             }
-            slices, self.pending_slices = self.pending_slices, []
+            slices, self.pending_slices = self.pending_slices + after.slices, []
             oldest = int(chosen[VERSION_KEY].min())
-            out.append(Rollout(complete, oldest, StepResult(chosen, batch_metrics, slices)))
+            out.append(Rollout(complete, oldest, StepResult(after.batch, metrics, slices)))
+        if out:
+            generated = []
         rounds = Rounds(
             done=r,
             complete=complete,
@@ -165,6 +171,7 @@ class PartialPipeline(Pipeline):
             carry=carry if len(carry) else None,
             pool=pool if pool is not None and len(pool) else None,
             loader=loader,
+            metrics=generated,
         )
         return rounds, out
 
@@ -281,6 +288,7 @@ class PartialPipeline(Pipeline):
         state = snapshot.rounds
         batches = [self.assembled[s] for s in range(step + 1, state.complete + 1)]
         counters = {"done": state.done, "complete": state.complete, "groups": state.groups}
+        counters["metrics"] = state.metrics
         rows = {name: v for name in ("carry", "pool") if (v := getattr(state, name)) is not None}
         return Queued(batches, state.loader, {**counters, "loader": state.loader}, rows)
 
@@ -311,28 +319,22 @@ def _groups_ended(rows: DataProto) -> torch.Tensor:
     return ~torch.isin(groups, open_groups)
 
 
-def _by_round(rows: DataProto) -> list[DataProto]:
-    """Finished rows split by the prompt batch they came in (a batch's uids are distinct; two
-    batches may share a prompt across an epoch), in order."""
-    if not len(rows):
-        return []
-    origin = rows[ORIGIN]
-    return [rows.index(origin == r) for r in origin.unique().tolist()]
+def _mean(rows: list[dict]) -> dict:
+    """Each key's mean over the dicts that have it."""
+    keys = {k for row in rows for k in row}
+    return {k: sum(r[k] for r in rows if k in r) / sum(k in r for r in rows) for k in keys}
 
 
 def _trimmed(batch: DataProto) -> DataProto:
-    """A batch cut out of the pool, without the padding only other rows needed: response
-    columns cut to its longest response, prompts to its longest prompt."""
+    """A batch cut out of the pool, without the padding only other rows needed: the response
+    columns cut to its longest response, the prompts to its longest prompt."""
     response = int(batch["response_mask"].sum(-1).max()) if len(batch) else 0
     prompt = int(batch["prompt_mask"].sum(-1).max()) if len(batch) else 0
-    rwidth, pwidth = batch["response_mask"].shape[1], batch["prompt_mask"].shape[1]
-    columns = {}
-    for key in batch.keys():
-        value = batch[key]
-        if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            if key in LEFT_PADDED and value.shape[1] == pwidth:
-                value = value[:, pwidth - prompt :]
-            elif key not in LEFT_PADDED and value.shape[1] == rwidth:
-                value = value[:, :response]
-        columns[key] = value
+    width = batch["prompt_mask"].shape[1]
+    columns = {key: batch[key] for key in batch.keys()}
+    for key in (*RESPONSE, "response_attention"):
+        if key in columns:
+            columns[key] = columns[key][:, :response]
+    for key in LEFT_PADDED:
+        columns[key] = columns[key][:, width - prompt :]
     return DataProto.from_columns(columns, batch.meta)

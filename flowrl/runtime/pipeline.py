@@ -74,6 +74,11 @@ class Pipeline:
     def __init__(
         self, executor, stages, produce: Callable, start: int, steps: int, queued: Queued | None
     ):
+        if queued is not None and queued.rounds is not None and not stages.partial:
+            raise ValueError(
+                "the checkpoint holds rounds of partial rollouts (run.partial_rollout was set "
+                "when it was written): resume it with the same run.partial_rollout"
+            )
         self.executor, self.stages, self.produce = executor, stages, produce
         self.k, self.start, self.steps = stages.staleness, start, steps
         batches = queued.batches if queued else []

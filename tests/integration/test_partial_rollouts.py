@@ -80,7 +80,8 @@ def test_partial_rollouts_on_ray_equal_local(tiny_plan, tmp_path):
     train(plan, tmp_path / "ray", "ray")
     local, ray = comparable(tmp_path / "local"), comparable(tmp_path / "ray")
     assert ray == local  # the rounds read counts, never timing
-    assert [r.get("partial/split_rows") for r in ray][1:] and ray[-1]["async/staleness"] >= 1
+    assert any(r.get("partial/split_rows", 0) > 0 for r in ray)  # responses were continued
+    assert ray[-1]["async/staleness"] >= 1
 
 
 def test_sigkill_then_resume_with_partial_rollouts(tmp_path):

@@ -7,6 +7,7 @@ The same on the tiny model: tests/integration/test_partial_rollouts.py."""
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -39,10 +40,30 @@ def test_the_plan_splits_the_rollout_stage_at_generate():
     ]
     assert [names[i] for i in p.after_items] == ["reward", "advantage"]
     assert (p.partial, p.samples, p.max_new_tokens, p.logprobs) == (8, 8, 20, True)
-    assert "partial rollouts: run.partial_rollout = 8: each round generate samples at most 8" in (
-        plan.text()
+    text = plan.text()
+    assert (
+        "async: run.staleness = 1, run.partial_rollout = 8: the rollout stage runs in rounds"
+        in (text)
     )
+    assert "each round generate samples at most 8 tokens of every response in flight" in text
+    assert "rollout stage (pool gen): items 1, 2, 3 every round; 4, 8 on each batch" in text
     assert compile_file(DISAGGREGATED, list(ASYNC)).pipeline.partial == 0
+
+
+def test_the_rounds_move_only_the_generating_model():
+    """With the reference on the rollout pool too and offloading on, the round's walk reloads
+    and offloads the policy alone; the reference moves with its own node, on each batch."""
+    overrides = ["run.partial_rollout=8", 'models.ref.pool="gen"', 'pools.gen.offload="always"']
+    plan = compile_file(DISAGGREGATED, [*ASYNC, *overrides])
+    p, names = plan.pipeline, {i.id: i.name for i in plan.items}
+    assert [names[i] for i in p.generate_items] == [
+        "reload:policy:1",
+        "dispatch:generate",
+        "generate",
+        "collect:generate",
+        "offload:policy:5",
+    ]
+    assert "reload:ref:7" in [names[i] for i in p.after_items]
 
 
 def test_refuses_partial_rollouts_without_the_pipeline():
@@ -134,7 +155,7 @@ class Executor:
         return StepResult(batch.union(DataProto.from_dict(out)), {}, [])
 
 
-def stages(staleness=1):
+def stages(staleness=1, cap=CAP):
     return PipelinePlan(
         staleness=staleness,
         model="policy",
@@ -152,7 +173,7 @@ def stages(staleness=1):
         after_items=(2,),
         generate_node="generate",
         samples=N,
-        max_new_tokens=CAP,
+        max_new_tokens=cap,
         logprobs=True,
     )
 
@@ -160,7 +181,7 @@ def stages(staleness=1):
 WANTS = [3, 10, 2, 12, 5, 9, 4, 4, 11, 3, 6, 8, 2, 2, 12, 7]  # the responses' lengths
 
 
-def prompts(r: int):
+def prompts(r: int, version: int):
     """Round r's prompts: two, each asking for the next length of WANTS (cycling)."""
     wants = [WANTS[(2 * (r - 1) + i) % len(WANTS)] for i in range(PROMPTS)]
     ids = torch.tensor([[w, 5, 6] for w in wants])
@@ -198,6 +219,7 @@ def test_groups_stream_into_batches_and_responses_continue_across_versions():
             assert int(batch[VERSION_KEY][row]) == versions[0]
             # a segment of 4 tokens is sampled by one version
             assert all(len(set(versions[i : i + SEGMENT])) == 1 for i in range(0, want, SEGMENT))
+        assert batch["scores"].shape == (len(batch),)  # the rest of the stage ran on the batch
         groups = batch["group"].tolist()
         assert all(groups.count(g) == N for g in groups)  # whole groups only
         assert metrics["async/staleness"] == step - 1 - rollout.version
@@ -253,6 +275,7 @@ def test_a_checkpoint_resumes_the_rounds_exactly(tmp_path, saved):
     train(pipeline, saved)
     queued = pipeline.queued(saved)
     assert all(b.step > saved for b in queued.batches)
+    assert queued.loader == {"read": 2 * queued.rounds["done"]}  # the loader of its round
     save_queue(tmp_path, queued)
     state = json.loads(json.dumps(entries(queued)))  # as controller.json keeps it
     restored = load_queue(tmp_path, state)
@@ -265,3 +288,41 @@ def test_a_checkpoint_resumes_the_rounds_exactly(tmp_path, saved):
         assert s == t and a.version == b.version
         for key in ("responses", "response_mask", TOKEN_VERSION, "group", "prompts"):
             assert torch.equal(a.result.batch[key], b.result.batch[key]), (s, key)
+
+
+def test_a_response_is_cut_at_max_new_tokens_within_a_round():
+    """max_new_tokens = 10 with rounds of 4: a response that would go on is cut to 10 tokens in
+    its third round (2 of the 4 sampled kept) and ends there, without a stop token."""
+
+    def long_and_short(r: int, version: int):
+        ids = torch.tensor([[14, 5, 6], [3, 5, 6]])
+        batch = DataProto.from_dict({"prompts": ids, "prompt_mask": torch.ones_like(ids)})
+        return batch, {"read": r}, None
+
+    pipeline = PartialPipeline(Executor(), stages(cap=10), long_and_short, Tokenizer(), 0, 3, None)
+    taken = train(pipeline, 3)
+    long_rows = 0
+    for _, rollout, _ in taken:
+        batch = rollout.result.batch
+        for row in range(len(batch)):
+            length = int(batch["response_mask"][row].sum())
+            ids = batch["responses"][row, :length].tolist()
+            if int(batch["prompts"][row, -3]) == 14:
+                long_rows += 1
+                assert ids == [TOKEN] * 10 and int(batch["segments"][row]) == 3
+            else:
+                assert ids == [TOKEN, TOKEN, EOS]
+    assert long_rows
+
+
+def test_a_queue_of_the_other_kind_is_refused():
+    """A checkpoint's queue resumes only with the setting that wrote it."""
+    from flowrl.runtime.pipeline import Pipeline, Queued, Rollout
+
+    whole = Queued([Rollout(2, 0, StepResult(DataProto.from_dict({}), {}, []))], {"read": 4})
+    with pytest.raises(ValueError, match="resume it with run.partial_rollout = 0"):
+        PartialPipeline(Executor(), stages(), prompts, Tokenizer(), 1, 6, whole)
+    rounds = Queued([], {"read": 4}, {"done": 2, "complete": 1, "groups": 4}, {})
+    plain = attrs.evolve(stages(), partial=0)
+    with pytest.raises(ValueError, match="resume it with the same run.partial_rollout"):
+        Pipeline(Executor(), plain, lambda r: None, 1, 6, rounds)
