@@ -63,16 +63,17 @@ class PipelinePlan:
             + ", ".join(self.rollout_nodes),
             f"  queue: at most {self.queue_size} batch(es) of {self.rows} rows, every row "
             "stamped with weight_version",
-            *self._common_lines(),
+            self._train_line,
             f"  sync: after update s pool {self.train_pools[0]} exports {self.model}; "
             f"pool {self.rollout_pool} loads it before generating step s+{k + 1}",
             f"  off-policy correction: {self.correction or 'none'}",
         ]
 
-    def _common_lines(self) -> list[str]:
-        return [
-            f"  train stage on pool {', '.join(self.train_pools)}: " + ", ".join(self.train_nodes)
-        ]
+    @property
+    def _train_line(self) -> str:
+        return f"  train stage on pool {', '.join(self.train_pools)}: " + ", ".join(
+            self.train_nodes
+        )
 
     def _partial_lines(self) -> list[str]:
         k, groups = self.staleness, self.rows // self.samples
@@ -89,7 +90,7 @@ class PipelinePlan:
             "batch of the next step, on which "
             + (", ".join(self.rollout_nodes[1:]) or "nothing more")
             + " run; batches wait for their step",
-            *self._common_lines(),
+            self._train_line,
             f"  sync: after update s pool {self.train_pools[0]} exports {self.model}; "
             f"pool {self.rollout_pool} loads it before the first round that uses it",
             f"  off-policy correction: {self.correction or 'none'}",

@@ -192,8 +192,8 @@ class ExecutionPlan:
                 lines.append(f"  {name} || {', '.join(others)}")
             if self.pipeline:
                 p = self.pipeline
-                ahead = "s+1" if p.staleness == 1 else f"s+1 .. s+{p.staleness}"
-                ahead = "its rounds" if p.partial else f"step {ahead}"
+                ahead = "step s+1" if p.staleness == 1 else f"step s+1 .. s+{p.staleness}"
+                ahead = "its rounds" if p.partial else ahead
                 lines.append(
                     f"  the rollout stage ({ahead}) || the train stage (step s): every "
                     "item of one with every item of the other"

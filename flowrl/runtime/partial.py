@@ -40,8 +40,8 @@ from flowrl.runtime.pipeline import VERSION_KEY, Pipeline, Queued, Rollout
 TRACK = "controller/rollout stage"
 TOKEN_VERSION = "token_version"  # (b, t) int64: the update whose weights sampled each token
 RESPONSE = ("responses", "response_mask", "rollout_logprobs", TOKEN_VERSION)  # right-padded
-# a row's bookkeeping: its group, the round it came in, whether it ended, the rounds it sampled
-GROUP, ORIGIN, ENDED, SEGMENTS = "group", "admitted_round", "ended", "segments"
+# a row's bookkeeping: its group, whether it ended, the rounds it sampled in
+GROUP, ENDED, SEGMENTS = "group", "ended", "segments"
 
 
 @attrs.define
@@ -92,20 +92,17 @@ class PartialPipeline(Pipeline):
             groups=saved.get("groups", 0),
             carry=rows.get("carry"),
             pool=rows.get("pool"),
-            loader=saved.get("loader"),
+            loader=queued.loader if queued else None,
             metrics=saved.get("metrics", []),
         )
         self.assembled = {r.step: r for r in (queued.batches if queued else [])}
         self.pending_slices: list = []  # the rounds' slices not yet given to a batch
-        first = self.rounds.complete - stages.staleness  # the version of the next round
-        need = None if self.rounds.complete >= steps else max(first, start)
+        need = _version(self.rounds.complete, stages.staleness, start, steps)
         self.snapshots = [_Snapshot(need, self.rounds)]  # before the rollout thread starts
         super().__init__(executor, stages, prompts, start, steps, queued)
 
     def _need(self) -> int | None:
-        if self.rounds.complete >= self.steps:
-            return None
-        return max(self.rounds.complete - self.k, self.start)
+        return _version(self.rounds.complete, self.k, self.start, self.steps)
 
     def _produce_next(self, version: int) -> None:
         with self.gen:
@@ -125,7 +122,7 @@ class PartialPipeline(Pipeline):
     def _round(self, state: Rounds, version: int) -> tuple[Rounds, list[Rollout]]:
         stages, r = self.stages, state.done + 1
         batch, loader, record = self.produce(r, version)
-        new = self._admitted(batch, state.groups, r)
+        new = self._admitted(batch, state.groups)
         rows = new if state.carry is None else _concat([state.carry, new])
         active = torch.nonzero(rows[ENDED] == 0).flatten()
         changes = {stages.generate_node: {"n": 1, "max_new_tokens": stages.partial}}
@@ -175,14 +172,13 @@ class PartialPipeline(Pipeline):
         )
         return rounds, out
 
-    def _admitted(self, batch: DataProto, groups: int, r: int) -> DataProto:
-        """Round r's prompt batch as rows in flight: n per prompt, each group numbered, no
+    def _admitted(self, batch: DataProto, groups: int) -> DataProto:
+        """A round's prompt batch as rows in flight: n per prompt, each group numbered, no
         tokens yet."""
         n = self.stages.samples
         rows = batch.repeat(n, interleave=True)
         b = len(rows)
         rows[GROUP] = torch.arange(groups, groups + len(batch)).repeat_interleave(n)
-        rows[ORIGIN] = torch.full((b,), r, dtype=torch.long)
         rows[ENDED] = torch.zeros(b, dtype=torch.long)
         rows[SEGMENTS] = torch.zeros(b, dtype=torch.long)
         for key in RESPONSE:
@@ -290,13 +286,19 @@ class PartialPipeline(Pipeline):
         counters = {"done": state.done, "complete": state.complete, "groups": state.groups}
         counters["metrics"] = state.metrics
         rows = {name: v for name in ("carry", "pool") if (v := getattr(state, name)) is not None}
-        return Queued(batches, state.loader, {**counters, "loader": state.loader}, rows)
+        return Queued(batches, state.loader, counters, rows)
 
     def _snapshot(self, step: int) -> _Snapshot | None:
         for snapshot in self.snapshots:
             if not _before(snapshot.need, step):
                 return snapshot
         return None
+
+
+def _version(complete: int, k: int, start: int, steps: int) -> int | None:
+    """The version of the next round, `complete` steps with a full batch (None: no round
+    is left to generate)."""
+    return None if complete >= steps else max(complete - k, start)
 
 
 def _before(need: int | None, step: int) -> bool:

@@ -255,7 +255,7 @@ def save_queue(directory, queued: Queued) -> None:
 
 def load_queue(directory, state: dict) -> Queued:
     """What `save_queue` wrote, as the checkpoint's step left it (controller.json's `state`)."""
-    folder, out = Path(directory) / "queue", Queued()
+    folder, out = Path(directory) / "queue", Queued(loader=state.get("loader"))
     for e in state.get("queue", []):
         batch = DataProto.load(folder / f"step_{e['step']:06d}.pt")
         out.batches.append(Rollout(e["step"], e["version"], StepResult(batch, e["metrics"], [])))

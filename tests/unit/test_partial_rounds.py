@@ -277,9 +277,11 @@ def test_a_checkpoint_resumes_the_rounds_exactly(tmp_path, saved):
     assert all(b.step > saved for b in queued.batches)
     assert queued.loader == {"read": 2 * queued.rounds["done"]}  # the loader of its round
     save_queue(tmp_path, queued)
-    state = json.loads(json.dumps(entries(queued)))  # as controller.json keeps it
+    state = {"loader": queued.loader, **entries(queued)}  # as controller.json keeps it
+    state = json.loads(json.dumps(state))
     restored = load_queue(tmp_path, state)
     assert restored.rounds["done"] == queued.rounds["done"]
+    assert restored.loader == queued.loader
     executor = Executor(first=saved)
     resumed = PartialPipeline(executor, stages(), prompts, Tokenizer(), saved, steps, restored)
     rest = train(resumed, steps, start=saved)
