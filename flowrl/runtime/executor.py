@@ -34,6 +34,17 @@ class Slice:
     rows: int = 0
 
 
+def sync_slices(model: str, pool: str, to_pool: str, loads: list) -> list[Slice]:
+    """A sync to another pool as slices: the export on the train pool's rank 0 (its times come
+    back with each load's `Timed.value`) and every rollout rank's load. The gap between them
+    is the transfer."""
+    exported = Slice(f"export:{model}", "sync", f"{pool}/rank0", *loads[0].value)
+    return [exported] + [
+        Slice(f"sync:{model}", "sync", f"{to_pool}/rank{rank}", t.start, t.end)
+        for rank, t in enumerate(loads)
+    ]
+
+
 @attrs.frozen
 class StepResult:
     """What a walk of the plan gives back (`Executor.run_step`, `refilled_step`,
@@ -216,6 +227,9 @@ class Executor(abc.ABC):
                 raise NodeFailure(f"{item.kind} {item.name} failed on pool {item.pool}: {e}") from e
             del walk.pending[item.id]
             walk.done.add(item.id)
+            if item.kind == "sync" and item.to_pool:
+                walk.slices += sync_slices(item.model, item.pool, item.to_pool, results)
+                continue
             for rank, result in enumerate(results):  # CallResult for a call, else Timed
                 rows = len(result.writes) if item.kind == "call" else 0
                 track = f"{item.to_pool or item.pool}/rank{rank}"

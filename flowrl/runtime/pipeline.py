@@ -28,7 +28,7 @@ import attrs
 import torch
 
 from flowrl.protocol import DataProto
-from flowrl.runtime.executor import Slice, StepResult
+from flowrl.runtime.executor import Slice, StepResult, sync_slices
 
 VERSION_KEY = "weight_version"  # (b,) int64: the update whose weights generated the row
 
@@ -147,10 +147,8 @@ class Pipeline:
         pool, model = self.stages.rollout_pool, self.stages.model
         ranks = self.executor.ranks(pool)
         handle = self.executor.submit(pool, "import_weights", [(model, weights)] * ranks)
-        slices = [
-            Slice(f"sync:{model}", "sync", f"{pool}/rank{rank}", timed.start, timed.end)
-            for rank, timed in enumerate(self.executor.results(handle))
-        ]
+        train_pool = self.executor.spec.models[model].pool
+        slices = sync_slices(model, train_pool, pool, self.executor.results(handle))
         with self.cond:
             self.sync_slices += slices
         self.loaded = version

@@ -14,8 +14,9 @@ pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loa
 ray = pytest.importorskip("ray")
 
 
-def calls_by_track(run_dir) -> dict:
-    """trace.json -> {track name: [(item name, start us, end us)]} for the pools' call slices."""
+def calls_by_track(run_dir, kind: str = "call") -> dict:
+    """trace.json -> {track name: [(item name, start us, end us)]} for the pools' slices of a
+    kind (calls, by default)."""
     trace = json.loads((run_dir / "trace.json").read_text())
     names = {
         (e["pid"], e["tid"]): e["args"]["name"]
@@ -24,7 +25,7 @@ def calls_by_track(run_dir) -> dict:
     }
     out = {}
     for e in trace["traceEvents"]:
-        if e["ph"] == "X" and e["cat"] == "call":
+        if e["ph"] == "X" and e["cat"] == kind:
             track = names[(e["pid"], e["tid"])]
             out.setdefault(track, []).append((e["name"], e["ts"], e["ts"] + e["dur"]))
     return out
@@ -77,6 +78,19 @@ def test_disaggregated_rollout_generates_with_the_synced_weights(tiny_plan, tmp_
         assert "optimizer" not in plan.pools["gen"].memory_bytes["policy"]
         tracks = calls_by_track(tmp_path / "run")
         assert [n for n, *_ in tracks["gen/rank0"]] == ["generate"] * 2
+        # each sync is timed whole: the export on the train pool after its update, then the
+        # gen pool's load (the transfer between them), before the next generate
+        syncs = calls_by_track(tmp_path / "run", "sync")
+        exports, loads = syncs["train/rank0"], syncs["gen/rank0"]
+        assert [n for n, *_ in exports] == ["export:policy"] * 2
+        assert [n for n, *_ in loads] == ["sync:policy"] * 2
+        updates = [(s, e) for n, s, e in tracks["train/rank0"] if n == "update_policy"]
+        generates = [s for n, s, _ in tracks["gen/rank0"]]
+        later = generates[1:] + [float("inf")]
+        for update, export, load, after in zip(updates, exports, loads, later, strict=True):
+            assert update[1] <= export[1] <= export[2] <= load[1] <= load[2] <= after
+        logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").open()]
+        assert all(r["timing_s/export:policy"] > 0 for r in logged if "time_s" in r)
     finally:
         trainer.close()
 

@@ -3,6 +3,7 @@ each node's engine and params itself, so a call with changed params (validation'
 decoding) and the optional writes those params decide never read attributes of the user's
 worker; every rank method answers with a record."""
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from flowrl.front import schema
 from flowrl.protocol import DataProto
 from flowrl.runtime.node_call import CallResult, Timed
-from flowrl.runtime.pool_worker import PoolWorker
+from flowrl.runtime.pool_worker import PoolWorker, Weights
 from flowrl.runtime.setup import NodeSetup, PoolSetup
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,3 +81,32 @@ def test_transitions_answer_with_their_wall_time(tmp_path):
     worker = rank(tmp_path)
     moved = worker.transition("offload", "policy", ("weights",))
     assert isinstance(moved, Timed) and moved.value is None and moved.start <= moved.end
+
+
+def test_exported_weights_pickle_their_bytes_out_of_band_and_load_back_equal(tmp_path):
+    worker = rank(tmp_path)
+    exported = worker.export_weights("policy")
+    state = exported.value
+    assert isinstance(state, Weights)
+    # odd tensors too: bfloat16 (which numpy lacks), a scalar, a non-contiguous view
+    state = Weights({**state, "bf16": torch.randn(3, 5).bfloat16(), "scalar": torch.tensor(7)})
+    state["strided"] = torch.arange(24.0).reshape(4, 6)[:, ::2]
+    buffers = []
+    stream = pickle.dumps(state, protocol=5, buffer_callback=buffers.append)
+    size = sum(v.numel() * v.element_size() for v in state.values())
+    # every tensor's bytes travel beside the stream (a buffer each), not in it
+    assert len(buffers) == len(state) and sum(b.raw().nbytes for b in buffers) == size
+    assert len(stream) < size / 20  # names, dtypes and shapes
+    back = pickle.loads(stream, buffers=buffers)
+    assert isinstance(back, Weights) and back.keys() == state.keys()
+    for name, tensor in state.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    # loaded into a rank whose weights differ, they make its weights those exported
+    other = rank(tmp_path)
+    with torch.no_grad():
+        for p in other.train["policy"].module.parameters():
+            p.zero_()
+    arrived = pickle.loads(pickle.dumps(exported, protocol=5))
+    other.import_weights("policy", arrived)
+    for name, tensor in other.train["policy"].module.state_dict().items():
+        assert torch.equal(tensor, exported.value[name]), name

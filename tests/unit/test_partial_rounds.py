@@ -100,6 +100,7 @@ class Tokenizer:
 
 class Timed:
     start = end = 0.0
+    value = (0.0, 0.0)  # an import's answer: when its weights were exported
 
 
 class Executor:
