@@ -232,7 +232,7 @@ class Executor(abc.ABC):
                 continue
             for rank, result in enumerate(results):  # CallResult for a call, else Timed
                 rows = len(result.writes) if item.kind == "call" else 0
-                track = f"{item.to_pool or item.pool}/rank{rank}"
+                track = f"{item.pool}/rank{rank}"
                 walk.slices.append(
                     Slice(item.name, item.kind, track, result.start, result.end, rows)
                 )

@@ -80,6 +80,7 @@ class Pipeline:
                 "when it was written): resume it with the same run.partial_rollout"
             )
         self.executor, self.stages, self.produce = executor, stages, produce
+        self.train_pool = executor.spec.models[stages.model].pool  # where the model trains
         self.k, self.start, self.steps = stages.staleness, start, steps
         batches = queued.batches if queued else []
         self.ready = {r.step: r for r in batches}  # the queue: step -> Rollout
@@ -147,8 +148,7 @@ class Pipeline:
         pool, model = self.stages.rollout_pool, self.stages.model
         ranks = self.executor.ranks(pool)
         handle = self.executor.submit(pool, "import_weights", [(model, weights)] * ranks)
-        train_pool = self.executor.spec.models[model].pool
-        slices = sync_slices(model, train_pool, pool, self.executor.results(handle))
+        slices = sync_slices(model, self.train_pool, pool, self.executor.results(handle))
         with self.cond:
             self.sync_slices += slices
         self.loaded = version
@@ -181,8 +181,7 @@ class Pipeline:
 
     def export(self, version: int) -> None:
         """After update `version`: its weights, for the rollout pool to load when due."""
-        model = self.stages.model
-        pool = self.executor.spec.models[model].pool  # where it trains
+        model, pool = self.stages.model, self.train_pool
         ranks = self.executor.ranks(pool)
         handle = self.executor.submit(pool, "export_weights", [(model,)] * ranks)
         weights = self.executor.rank0_output(handle)  # on Ray a reference: not waited for
