@@ -29,8 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, SAMPLES, NEW_TOKENS, LR, THREADS = 2, 8, 32, 2e-5, 2
-# flowrl-<backend>[-noskip]: -noskip computes every row's forward and backward, also rows
-# whose advantage is zero (which add nothing to the gradient), i.e. TRL's arithmetic
+# flowrl-<backend>[-noskip][-nice0]: -noskip computes every row's forward and backward, also
+# rows whose advantage is zero (which add nothing to the gradient), i.e. TRL's arithmetic;
+# -nice0 runs Ray's worker processes at nice 0, the driver's (Ray's own default is 15)
 SIDES = ("trl", "flowrl-ray", "flowrl-local", "flowrl-ray-noskip")
 FLOWRL_OVERRIDES = [
     f"data.batch_size={PROMPTS}",
@@ -69,7 +70,8 @@ def run_flowrl(variant: str, steps: int, out_dir: str) -> dict:
         f"run.out_dir={out_dir}",
         *(["nodes.update_policy.skip_zero_rows=false"] if "noskip" in flags else []),
     ]
-    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    env = os.environ | ({"RAY_worker_niceness": "0"} if "nice0" in flags else {})
+    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env=env)
     (run_dir,) = Path(out_dir).iterdir()
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     lines = [m for m in lines if "time_s" in m]
@@ -273,16 +275,18 @@ def summarise(runs: dict, args) -> dict:
     for side in median:
         if side != "trl" and "trl" in median:
             out[f"{side} / trl"] = median[side] / median["trl"]
-    if "flowrl-local" in median and "flowrl-ray" in median:
-        out["flowrl-ray / flowrl-local"] = median["flowrl-ray"] / median["flowrl-local"]
+    for ray_side in [s for s in median if s.startswith("flowrl-ray") and "noskip" not in s]:
+        if "flowrl-local" not in median:
+            break
+        out[f"{ray_side} / flowrl-local"] = median[ray_side] / median["flowrl-local"]
         # both sample the same responses (seeded by step), so step k is the same work on both:
         # the median of the per-step ratios is the fairer comparison on a noisy machine
         pairs = [
             a / b
-            for ray, local in zip(runs["flowrl-ray"], runs["flowrl-local"], strict=True)
+            for ray, local in zip(runs[ray_side], runs["flowrl-local"], strict=True)
             for a, b in zip(ray["step_s"], local["step_s"], strict=True)
         ]
-        out["flowrl-ray / flowrl-local, median of per-step ratios"] = statistics.median(pairs)
+        out[f"{ray_side} / flowrl-local, median of per-step ratios"] = statistics.median(pairs)
     return out
 
 

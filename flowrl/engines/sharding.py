@@ -80,11 +80,12 @@ class Replicated:
             return None
         return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
-    def move_weights(self, scorer: torch.nn.Module, device) -> None:
+    def move_weights(self, scorer: torch.nn.Module, device, host) -> None:
         # through `.data`, tensor by tensor: `module.to` would move the grads along with the
-        # weights, and the `.grad` setter refuses a grad on another device than its weight
-        for tensor in [*scorer.parameters(), *scorer.buffers()]:
-            tensor.data = tensor.data.to(device)
+        # weights, and the `.grad` setter refuses a grad on another device than its weight;
+        # `host` (host_copies.HostCopies) keeps their page-locked host buffers
+        for i, tensor in enumerate([*scorer.parameters(), *scorer.buffers()]):
+            tensor.data = host.move(("weights", i), tensor.data, device)
 
 
 class FullyShard(Replicated):
@@ -151,9 +152,9 @@ class FullyShard(Replicated):
             return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
         return state if rank == 0 else None
 
-    def move_weights(self, scorer: torch.nn.Module, device) -> None:
+    def move_weights(self, scorer: torch.nn.Module, device, host) -> None:
         # FSDP2's Module._apply re-registers the moved shards; gradients, which exist only
-        # inside an update, move along
+        # inside an update, move along (pageable: `host` is not used for the shards)
         scorer.to(device)
 
 

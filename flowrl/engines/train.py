@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from flowrl.engines import sharding
 from flowrl.engines.forward import ResponseForward, checkpoint_layers, decoder_layers
+from flowrl.engines.host_copies import HostCopies
 from flowrl.engines.update_loop import UpdateLoop
 from flowrl.math import ops
 from flowrl.models import lora
@@ -69,6 +70,7 @@ class TrainEngine(UpdateLoop):
         self.forward_module = ResponseForward(module)
         compute = sharding.compute_dtype(param_dtype)
         self.sharding = sharding.make_sharding(strategy, group, world_size, device, compute)
+        self.host_copies = HostCopies()  # where offloaded tensors wait (CUDA: page-locked)
         self.sharding.wrap(self.forward_module, decoder_layers(module))
         self.optimizer = self.scheduler = None
         self.resident = {"weights"}  # the parts now on `device` (see offload / reload)
@@ -245,17 +247,19 @@ class TrainEngine(UpdateLoop):
         unknown = set(parts) - set(PARTS)
         if unknown:
             raise ValueError(f"unknown model parts {sorted(unknown)}; parts are {PARTS}")
+        host = self.host_copies
         if "weights" in parts:
-            self.sharding.move_weights(self.forward_module, device)
+            self.sharding.move_weights(self.forward_module, device, host)
         if "grads" in parts:
-            for p in self.module.parameters():
+            for i, p in enumerate(self.module.parameters()):
                 if p.grad is not None:
-                    p.grad.data = p.grad.data.to(device)
+                    p.grad.data = host.move(("grad", i), p.grad.data, device)
         if "optimizer" in parts and self.optimizer is not None:
-            for state in self.optimizer.state.values():
+            for i, state in enumerate(self.optimizer.state.values()):
                 for key, value in state.items():
                     if torch.is_tensor(value) and key != "step":  # a scalar, placed on load
-                        state[key] = value.to(device)  # a DTensor moves its shard
+                        state[key] = host.move(("optimizer", i, key), value, device)
+        host.wait()
 
     # -- checkpoints (ddp; fsdp checkpoints are sharding.save / load) --------------------------
     def state_dict(self) -> dict:

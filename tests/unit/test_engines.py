@@ -636,6 +636,37 @@ def test_cuda_offload_frees_device_memory_and_reload_restores_every_bit():
 
 @pytest.mark.gpu
 @cuda
+def test_cuda_offloads_reuse_page_locked_buffers_and_carry_each_update_back():
+    model = tiny_model(hidden=256).cuda()
+    engine = TrainEngine(model, tiny_tokenizer(), lr=1e-2, device="cuda")
+    parts = ("weights", "grads", "optimizer")
+
+    def update_leaving_grads(seed):
+        loss_step(engine, seed)
+        engine.backward(engine.forward(ragged_rows(seed + 1), grad=True)["logprobs"].sum())
+
+    update_leaving_grads(0)
+    engine.offload(parts)
+    assert all(p.is_pinned() and p.grad.is_pinned() for p in model.parameters())
+    buffers = {k: b.data_ptr() for k, b in engine.host_copies.buffers.items()}
+    assert len(buffers) >= 4 * len(list(model.parameters()))  # weights, grads, 2 moments
+    engine.reload(parts)
+    update_leaving_grads(2)  # the weights change on the device between two offloads
+    updated = snapshot(engine)
+    engine.offload(parts)
+    # the second offload wrote into the first one's buffers, and they hold the new values
+    assert {k: b.data_ptr() for k, b in engine.host_copies.buffers.items()} == buffers
+    assert all(torch.equal(p, updated[0][n].cpu()) for n, p in model.named_parameters())
+    engine.reload(parts)
+    again = snapshot(engine)
+    assert all(torch.equal(v, again[0][k]) for k, v in updated[0].items())
+    assert all(torch.equal(v, again[1][k]) for k, v in updated[1].items())
+    for s, t in zip(updated[2], again[2], strict=True):
+        assert all(torch.equal(v, t[k]) for k, v in s.items())
+
+
+@pytest.mark.gpu
+@cuda
 def test_cuda_rollout_samples_on_the_device():
     engine = HFRollout(tiny_model().cuda(), tiny_tokenizer(), "cuda")
     batch = ragged_rows(5, b=3)
