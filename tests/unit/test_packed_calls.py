@@ -5,6 +5,7 @@ engine a returning request joins the decoding row's call, and the rollout is the
 engine makes without packing."""
 
 import asyncio
+import copy
 import threading
 
 import pytest
@@ -165,12 +166,12 @@ def test_overlapping_packed_calls_restore_the_implementation_when_the_last_ends(
     assert model.config._attn_implementation == "sdpa"
 
 
-def rollout(model, packs: bool):
+def rollout(model, packs: bool, device="cpu"):
     """A ends its first turn and goes to its tool; B decodes alone meanwhile. A's tool
     answers during B's model call 4, which waits until A's next request has reached the
     engine: A's new ids then ride in B's next decode call. Returns (A's two results, B's,
     the input shape of every model call)."""
-    engine = HFRollout(model, tiny_tokenizer())
+    engine = HFRollout(model, tiny_tokenizer(), device)
     engine.packs = packs
     shapes, back, state = [], threading.Event(), {}
     hand_over = engine.scheduler._hand_over
@@ -228,3 +229,35 @@ def test_a_request_back_from_its_tools_joins_the_decoding_call_and_changes_no_to
     # without packing, A's new ids are a prefill call of their own before B's decode call
     assert shapes_[:7] == [(2, 7), (2, 1), (1, 1), (1, 1), (1, 1), (1, 4), (2, 1)]
     assert len(shapes_) == len(shapes) + 1
+
+
+# -- CUDA (skipped without a GPU) -----------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_packed_calls_compute_the_whole_conversations_and_the_cpus_rollout(model):
+    gpu = copy.deepcopy(model).cuda()
+    engine = HFRollout(gpu, tiny_tokenizer(), "cuda")
+    engine.scheduler.cache = engine._new_cache(3, 32)
+    prompts, chunks = [[5, 6], [7, 8, 9, 10], [11, 12, 13]], [[30], [40, 41, 42], [43]]
+    ids = torch.tensor([p + [2] * (4 - len(p)) for p in prompts], device="cuda")
+    lengths = torch.tensor([len(p) for p in prompts], device="cuda")
+    with torch.inference_mode():
+        engine._forward(ids, torch.zeros_like(lengths), lengths - 1, 0, 3)
+        logits = engine._forward_packed(chunks, lengths.tolist(), 0)
+        whole = [
+            gpu(input_ids=torch.tensor([p + c], device="cuda")).logits[0, -1]
+            for p, c in zip(prompts, chunks, strict=True)
+        ]
+    assert logits.device.type == "cuda"
+    torch.testing.assert_close(logits, torch.stack(whole))
+    # a request back from its tools joins the decoding call on the GPU too, same tokens
+    (first, second, b), shapes, counts = rollout(gpu, packs=True, device="cuda")
+    (first_, second_, b_), shapes_, _ = rollout(model, packs=True)
+    assert counts["packed_calls"] == 1 and shapes == shapes_
+    assert (first.ids, second.ids, b.ids) == (first_.ids, second_.ids, b_.ids)
+    for mine, theirs in ((first, first_), (second, second_), (b, b_)):
+        torch.testing.assert_close(
+            torch.tensor(mine.logprobs), torch.tensor(theirs.logprobs), atol=1e-4, rtol=1e-4
+        )
