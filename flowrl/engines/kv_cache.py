@@ -68,10 +68,20 @@ class SlotLayer(DynamicLayer):
             new[: old.shape[0], :, : old.shape[2]] = old
             setattr(self, name, new)
 
-    def move_rows(self, src: torch.Tensor, dst: torch.Tensor, columns: int) -> None:
-        """Copy rows `src` (k,) onto rows `dst` (k,), their first `columns` columns."""
+    def move_rows(self, src: list[int], dst: list[int], columns: int) -> None:
+        """Copy rows `src` onto rows `dst`, their first `columns` columns: a source that is
+        also a destination is read out before any row is written. Plain slice copies: an
+        assignment through index tensors gathers into a temporary and scatters, 2-3x slower
+        for SmolLM2's rows on one CPU thread (a swap of two rows of 150 columns in all 30
+        layers: 7-9 ms against 3-6 ms)."""
+        written = set(dst)
         for buffer in (self.key_buffer, self.value_buffer):
-            buffer[dst, :, :columns] = buffer[src, :, :columns]
+            rows = [
+                buffer[s, :, :columns].clone() if s in written else buffer[s, :, :columns]
+                for s in src
+            ]
+            for d, row in zip(dst, rows, strict=True):
+                buffer[d, :, :columns] = row
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("the slot cache is rewound per row, by its offsets")
@@ -117,10 +127,8 @@ class SlotCache(Cache):
         dst is src reversed: the right-hand side is read before it is written)."""
         if not src or columns <= 0 or not self.layers[0].is_initialized:
             return
-        device = self.layers[0].key_buffer.device
-        s, d = torch.tensor(src, device=device), torch.tensor(dst, device=device)
         for layer in self.layers:
-            layer.move_rows(s, d, columns)
+            layer.move_rows(src, dst, columns)
 
 
 def attention_mask(offsets: torch.Tensor, w: int, width: int, dtype, eager: bool):
