@@ -275,9 +275,8 @@ def summarise(runs: dict, args) -> dict:
     for side in median:
         if side != "trl" and "trl" in median:
             out[f"{side} / trl"] = median[side] / median["trl"]
-    for ray_side in [s for s in median if s.startswith("flowrl-ray") and "noskip" not in s]:
-        if "flowrl-local" not in median:
-            break
+    ray_sides = [s for s in median if s.startswith("flowrl-ray") and "noskip" not in s]
+    for ray_side in ray_sides if "flowrl-local" in median else []:
         out[f"{ray_side} / flowrl-local"] = median[ray_side] / median["flowrl-local"]
         # both sample the same responses (seeded by step), so step k is the same work on both:
         # the median of the per-step ratios is the fairer comparison on a noisy machine
