@@ -16,6 +16,9 @@ the slowest tool is also among the most called); the parser calls the tool on ea
 request's first turns, whatever the text (the number of calls is the workload's, not the
 model's choice); greedy (`--sample`: temperature 1), at most 24 tokens a turn. Both paths run
 the same episodes (the state machine of flowrl/agent/episode.py); wall time per rollout.
+Each rollout's model calls are timed (forward hooks): `bound_same_calls` is the waves' wall
+time over their time in model calls, the most any engine making the same calls can gain by
+overlapping tool waits with decoding.
 single_turn: sampled responses (temperature 1, up to --new tokens; `--greedy`: greedy, the
 same tokens on both paths) of uneven lengths; tokens per second of the old batch decode loop
 and of `generate_batch` on the new engine.
@@ -190,25 +193,63 @@ def describe(episodes) -> dict:
     }
 
 
+class CallClock:
+    """The model calls of a rollout and the seconds spent in them (forward hooks: on the CPU a
+    call is synchronous, so its wall time is its compute)."""
+
+    def __init__(self, model):
+        self.calls, self.seconds, self.started = 0, 0.0, 0.0
+        self.hooks = [
+            model.register_forward_pre_hook(self._pre),
+            model.register_forward_hook(self._post),
+        ]
+
+    def _pre(self, module, args):
+        self.started = time.perf_counter()
+
+    def _post(self, module, args, out):
+        self.calls += 1
+        self.seconds += time.perf_counter() - self.started
+
+    def take(self) -> tuple[int, float]:
+        out, self.calls, self.seconds = (self.calls, round(self.seconds, 3)), 0, 0.0
+        return out
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
 def multi_turn(model, tokenizer, args) -> dict:
     ids = prompts_of(tokenizer, args.rows)
     old, new, last, tokens = [], [], {}, {"waves": [], "requests": []}
+    clock, calls = CallClock(model), {"waves": [], "requests": []}
     for rep in range(args.repeats):
         seconds, episodes = waves(model, tokenizer, ids, seed=rep)
         old.append(seconds)
+        calls["waves"].append(clock.take())
         last["waves"] = episodes
         tokens["waves"].append(sum(sum(e.mask) for e in episodes))
         seconds, episodes, counts = requests(model, tokenizer, ids, seed=rep)
         new.append(seconds)
+        calls["requests"].append(clock.take())
         last["requests"] = episodes
         tokens["requests"].append(sum(sum(e.mask) for e in episodes))
+    clock.close()
     same = sum(a.ids == b.ids for a, b in zip(last["waves"], last["requests"], strict=True))
+    compute = {k: statistics.median(s for _, s in v) for k, v in calls.items()}
     return {
         "waves_s": old,
         "requests_s": new,
         "waves_median_s": statistics.median(old),
         "requests_median_s": statistics.median(new),
         "speedup": round(statistics.median(old) / statistics.median(new), 2),
+        # (model calls, seconds in them) per repetition; the rest of a wave rollout is its
+        # waiting for tools (and bookkeeping), which is all an engine that makes the same
+        # model calls can save: its bound over waves is waves_s / waves' model seconds
+        "model_calls_s": calls,
+        "median_model_s": compute,
+        "bound_same_calls": round(statistics.median(old) / compute["waves"], 2),
         "identical_rows": f"{same}/{len(ids)}",
         "policy_tokens_per_repeat": tokens,
         "workload_calls_latency": workload(len(ids), ASSIGN["value"]),

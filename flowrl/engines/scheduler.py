@@ -3,15 +3,18 @@ batch at every decode step.
 
     while there is work:                                  (a thread of its own)
         take the requests that arrived; each gets a slot of the KV cache (a returning
-            request keeps its slot and the prefix it holds)
-        prefill the new requests' tokens in one model call (n samples of one prompt: once,
-            then copied; a prefix all new prompts share: once, then copied)
+            request keeps its slot and the prefix it holds; a new prompt copies the longest
+            prefix of it another slot holds)
+        if nothing decodes, or many new prompts arrived: prefill their tokens in one model
+            call (n samples of one prompt: once, then copied; a prefix all new prompts share:
+            once, then copied)
         sample one token for every decoding request, each from its own random stream
         requests that finished leave at once: their result goes back to the caller's event
             loop; their slot is freed, or held for their next turn (keep)
         one model call feeds the sampled token of every request still decoding and the new
-            tokens of the requests back from their tools (packed.py: one sequence, so the
-            weights are read once; a model that cannot be packed gets a prefill call first)
+            tokens of the requests back from their tools, and of a few new prompts (packed.py:
+            one sequence, so the weights are read once; a model that cannot be packed gets a
+            prefill call first)
 
 The model calls are blocking torch, so they run on one thread while the callers' event loop
 runs tools and interactions on another. A synchronous caller (`HFRollout.run`: the generate

@@ -24,6 +24,10 @@ from flowrl.engines.sampling import sample_rows
 MIN_SAVED_PREFIX_TOKENS = 64
 # a new prompt copies the prefix another request's slot holds (no model call) from this length
 MIN_COPIED_PREFIX_TOKENS = 16
+# new prompts (distinct) that ride in a decode call, packed; more get a prefill call of their
+# own: a packed call attends per row (a kernel call per row and layer), a prefill call reads
+# the weights once more (~65 ms) but computes a shared prefix once
+MAX_PACKED_NEW = 8
 
 
 @attrs.define(eq=False)
@@ -98,30 +102,48 @@ class Batch:
             if row.stopped:
                 row.deliver(Result([], [], "abort"))
                 continue
-            self._place(row)
             rows.append(row)
         if not rows:
             return
+        fed, leaders, copies = self._seat(rows)
+        self._shared_prefix(self._cached_prefix(leaders))
+        logits = self._prefill(fed, self.decoding)  # (m, v)
+        self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
+        self.decoding += len(fed)
+        self._copy_rows(copies)
+
+    def _seat(self, rows: list[Row]) -> tuple[list[Row], list[Row], list[tuple[Row, Row]]]:
+        """Place `rows` in the slots after the decoding ones, in the order they are fed: the
+        requests back for a next turn (each keeps what its slot holds), one of each distinct
+        new prompt (its leader), then the prompt's other samples, which copy the leader's
+        slot once it is fed. -> (the rows fed, the leaders, [(a copy, its leader)])"""
+        if not rows:
+            return [], [], []
+        for row in rows:
+            self._place(row)
         fresh = [r for r in rows if not r.tokens]
         firsts: dict = {}  # a prompt's n samples: the first is prefilled, the others copy it
         for row in fresh:
             firsts.setdefault(tuple(row.new), row)
         leaders = list(firsts.values())
         copies = [(r, firsts[tuple(r.new)]) for r in fresh if firsts[tuple(r.new)] is not r]
-        computed = [r for r in rows if r.tokens] + leaders
-        for k, row in enumerate(computed + [c for c, _ in copies]):  # into the decoding slots
+        fed = [r for r in rows if r.tokens] + leaders
+        self._reserve(rows)  # a slot appended by `_place` may be past the cache's
+        for k, row in enumerate(fed + [c for c, _ in copies]):  # into the decoding slots
             self._swap(row.slot, self.decoding + k)
-        self._reserve(rows)
-        self._shared_prefix(self._cached_prefix(leaders))
-        logits = self._prefill(computed, self.decoding)  # (m, v)
+        return fed, leaders, copies
+
+    def _copy_rows(self, copies: list[tuple[Row, Row]]) -> None:
+        """Each (copy, leader), the leader just fed and decoding: the copy's slot (the next
+        after the decoding ones, in order) gets the leader's columns, tokens and logits."""
+        if not copies:
+            return
         for row, leader in copies:
             self.cache.move([leader.slot], [row.slot], len(leader.tokens))
             row.tokens, row.new = list(leader.tokens), []
-        if copies:
-            index = {id(r): k for k, r in enumerate(computed)}
-            logits = torch.cat([logits, logits[[index[id(leader)] for _, leader in copies]]])
-        self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
-        self.decoding += len(rows)
+        logits = self.logits[[leader.slot for _, leader in copies]]  # row k: slot k
+        self.logits = torch.cat([self.logits, logits])
+        self.decoding += len(copies)
 
     def _reserve(self, rows: list[Row]) -> None:
         """Room for every admitted request's whole turn now, not by doublings as it decodes."""
@@ -131,21 +153,19 @@ class Batch:
         self.turn_columns = max(self.turn_columns, turn)
 
     def joining(self, arrivals: list[Row]) -> list[Row]:
-        """The arrivals whose new tokens ride in the next decode call: requests back for a next
-        turn (their slot held), when the engine packs calls and a request decodes."""
+        """The arrivals whose new tokens ride in the next decode call, when the engine packs
+        calls and a request decodes: requests back for a next turn (their slot held), and new
+        prompts while they are few (MAX_PACKED_NEW distinct ones): a prompt arriving while
+        others decode then costs no weight read of its own. A larger batch of new prompts
+        gets a prefill call of its own, where the prefix they share is computed once."""
         if not (self.decoding and self.engine.packs):
             return []
-        held = self.held
-        return [r for r in arrivals if not r.stopped and r.request.request_id in held]
-
-    def _join(self, rows: list[Row]) -> list[Row]:
-        """Returning requests into the slots after the decoding ones (fed by `_step`)."""
-        for k, row in enumerate(rows):
-            self._place(row)
-            self._swap(row.slot, self.decoding + k)
-        if rows:
-            self._reserve(rows)
-        return rows
+        live = [r for r in arrivals if not r.stopped]
+        back = [r for r in live if r.request.request_id in self.held]
+        new = [r for r in live if r.request.request_id not in self.held]
+        if len({tuple(r.request.ids) for r in new}) > MAX_PACKED_NEW:
+            new = []
+        return back + new
 
     def _place(self, row: Row) -> None:
         """A slot and the ids to feed: a held request keeps its slot and the longest prefix of
@@ -219,14 +239,16 @@ class Batch:
     # -- decoding ----------------------------------------------------------------------------
     def step(self, joining: list[Row]) -> None:
         """Sample a token for every decoding row; then one call feeds them, with the new tokens
-        of `joining` (returning requests) packed beside them."""
+        of `joining` (returning requests, new prompts) packed beside them."""
         if self.decoding:
             self._sample()
-        if not self.decoding:  # nothing decodes: the returning requests get a prefill call
+        if not self.decoding:  # nothing decodes: the joining requests get a prefill call
             self.logits = None
             self.admit(joining)
             return
-        rows, joined = self.slots[: self.decoding], self._join(joining)
+        rows = self.slots[: self.decoding]
+        joined, leaders, copies = self._seat(joining)
+        self._cached_prefix(leaders)
         chunks = [[r.next] for r in rows] + [r.new for r in joined]
         offsets = [len(r.tokens) for r in rows + joined]
         self.logits = self._call(chunks, offsets, 0, packed=True)
@@ -236,6 +258,7 @@ class Batch:
             self.counts["prefill_tokens"] += len(row.new)
             row.tokens, row.new = row.tokens + row.new, []
         self.decoding += len(joined)
+        self._copy_rows(copies)
 
     def _sample(self) -> None:
         """Each decoding row's next token; the rows that finished leave their slots."""

@@ -166,6 +166,27 @@ def test_overlapping_packed_calls_restore_the_implementation_when_the_last_ends(
     assert model.config._attn_implementation == "sdpa"
 
 
+def gated(engine, model, call: int):
+    """Record the input shape of each model call; before call number `call` (from 0), set
+    the event state["go"] on the caller's loop (the caller's coroutine puts both in `state`)
+    and wait until the requests it lets go have reached the engine. -> (the shapes, state,
+    the hook to remove)."""
+    shapes, arrived, state = [], threading.Event(), {}
+    hand_over = engine.scheduler._hand_over
+    engine.scheduler._hand_over = lambda loop: (hand_over(loop), arrived.set())
+
+    def gate(module, args, kwargs):  # in the engine's thread before each call
+        k = len(shapes)
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        if k == 0:  # the first requests are in: from now on `arrived` means the later ones
+            arrived.clear()
+        if k == call:
+            state["loop"].call_soon_threadsafe(state["go"].set)
+            assert arrived.wait(10)
+
+    return shapes, state, model.register_forward_pre_hook(gate, with_kwargs=True)
+
+
 def rollout(model, packs: bool, device="cpu"):
     """A ends its first turn and goes to its tool; B decodes alone meanwhile. A's tool
     answers during B's model call 4, which waits until A's next request has reached the
@@ -173,28 +194,15 @@ def rollout(model, packs: bool, device="cpu"):
     the input shape of every model call)."""
     engine = HFRollout(model, tiny_tokenizer(), device)
     engine.packs = packs
-    shapes, back, state = [], threading.Event(), {}
-    hand_over = engine.scheduler._hand_over
-    engine.scheduler._hand_over = lambda loop: (hand_over(loop), back.set())
-
-    def gate(module, args, kwargs):  # in the engine's thread before each call
-        k = len(shapes)
-        shapes.append(tuple(kwargs["input_ids"].shape))
-        if k == 0:  # both first requests are in: from now on `back` means A's second
-            back.clear()
-        if k == 4:
-            state["loop"].call_soon_threadsafe(state["tool"].set)
-            assert back.wait(10)
-
-    hook = model.register_forward_pre_hook(gate, with_kwargs=True)
+    shapes, state, hook = gated(engine, model, call=4)
     greedy = Sampling(do_sample=False)
 
     async def run():
-        state["loop"], state["tool"] = asyncio.get_running_loop(), asyncio.Event()
+        state["loop"], state["go"] = asyncio.get_running_loop(), asyncio.Event()
 
         async def a():
             first = await engine.generate(Request(A_PROMPT, 2, greedy, request_id="a", keep=True))
-            await state["tool"].wait()
+            await state["go"].wait()
             ids = A_PROMPT + first.ids + [40, 41, 42]  # the tool's answer follows the turn
             second = await engine.generate(Request(ids, 3, greedy, request_id="a", keep=True))
             return first, second
@@ -229,6 +237,57 @@ def test_a_request_back_from_its_tools_joins_the_decoding_call_and_changes_no_to
     # without packing, A's new ids are a prefill call of their own before B's decode call
     assert shapes_[:7] == [(2, 7), (2, 1), (1, 1), (1, 1), (1, 1), (1, 4), (2, 1)]
     assert len(shapes_) == len(shapes) + 1
+
+
+PREFIX = list(range(10, 30))  # 20 ids: the system prompt every request below starts with
+
+
+def newcomers(model, packs: bool):
+    """A (kept by id) ends its first turn and is held away at its tools; B decodes alone.
+    Before model call 3 (from 0) two samples of one new prompt C arrive: every slot is taken
+    (A's held, B's decoding), so theirs are appended. Returns (B's result, the two samples',
+    the input shape of every model call, the engine's counts)."""
+    engine = HFRollout(model, tiny_tokenizer())
+    engine.packs = packs
+    shapes, state, hook = gated(engine, model, call=3)
+    greedy = Sampling(do_sample=False)
+
+    async def run():
+        state["loop"], state["go"] = asyncio.get_running_loop(), asyncio.Event()
+
+        async def c(name):
+            await state["go"].wait()
+            return await engine.generate(Request(PREFIX + [50, 51], 4, greedy, request_id=name))
+
+        a = Request(PREFIX + [40], 1, greedy, request_id="a", keep=True)
+        b = Request(PREFIX + [41, 42], 10, greedy, request_id="b")
+        out = await asyncio.gather(engine.generate(a), engine.generate(b), c("c1"), c("c2"))
+        engine.release("a")
+        return out[1:]
+
+    try:
+        results = run_sync(run())
+    finally:
+        hook.remove()
+    engine.idle()
+    return results, shapes, engine.scheduler.counts
+
+
+def test_new_prompts_arriving_while_another_decodes_ride_in_its_decode_call(model):
+    (b, c1, c2), shapes, counts = newcomers(model, packs=True)
+    (b_, c1_, c2_), shapes_, counts_ = newcomers(model, packs=False)
+    # C's first 20 ids are copied from a slot that holds them; its last two ride in B's decode
+    # call, fed once for both samples; then B and both samples decode together
+    assert shapes[:6] == [(2, 22), (1, 1), (1, 1), (1, 1), (1, 3), (3, 1)]
+    assert counts["packed_calls"] == 1 and counts["copied_prefix_tokens"] == 20
+    # without packing, the two ids get a prefill call of their own before B's decode call
+    assert shapes_[:6] == [(2, 22), (1, 1), (1, 1), (1, 1), (1, 2), (3, 1)]
+    assert counts_["copied_prefix_tokens"] == 20
+    alone = HFRollout(model, tiny_tokenizer())
+    only = run_sync(alone.generate(Request(PREFIX + [50, 51], 4, Sampling(do_sample=False))))
+    assert len(c1.ids) == 4 and c1.ids == c2.ids == c1_.ids == only.ids and b.ids == b_.ids
+    for mine in (c1, c2, c1_):
+        torch.testing.assert_close(torch.tensor(mine.logprobs), torch.tensor(only.logprobs))
 
 
 # -- CUDA (skipped without a GPU) -----------------------------------------------------------
