@@ -21,7 +21,8 @@ time over their time in model calls, the most any engine making the same calls c
 overlapping tool waits with decoding.
 single_turn: sampled responses (temperature 1, up to --new tokens; `--greedy`: greedy, the
 same tokens on both paths) of uneven lengths; tokens per second of the old batch decode loop
-and of `generate_batch` on the new engine.
+and of `generate_batch` on the new engine (which runs first alternates by repetition), and
+each path's model calls and the seconds in them.
 cache: the multi_turn workload without tool latency on the new engine, each request's KV kept
 between turns (its slot, by request id) against re-prefilling the whole conversation each
 turn (keep = False); prompt tokens prefilled and wall time.
@@ -266,22 +267,34 @@ def single_turn(model, tokenizer, args) -> dict:
     # two paths draw from different random streams, so their lengths differ per repetition
     kwargs = dict(n=args.n, max_new_tokens=args.new, temperature=1.0, do_sample=not args.greedy)
     old, new, lengths = [], [], {}
-    for rep in range(args.repeats):
+    clock, calls = CallClock(model), {"loop": [], "requests": []}
+
+    def old_path(rep):
         engine = LegacyRollout(model, tokenizer)
         start = time.perf_counter()
         out = engine.generate(prompts, mask, generator=torch.Generator().manual_seed(rep), **kwargs)
         old.append((time.perf_counter() - start, int(out["response_mask"].sum())))
+        calls["loop"].append(clock.take())
         lengths["loop"] = out["response_mask"].sum(-1).tolist()
-        engine = HFRollout(model, tokenizer)
+
+    def new_path(rep):
         start = time.perf_counter()
-        out = generate_batch(ENGINE["wrap"](engine), prompts, mask, seed=rep, **kwargs)
+        out = generate_batch(
+            ENGINE["wrap"](HFRollout(model, tokenizer)), prompts, mask, seed=rep, **kwargs
+        )
         new.append((time.perf_counter() - start, int(out["response_mask"].sum())))
+        calls["requests"].append(clock.take())
         lengths["requests"] = out["response_mask"].sum(-1).tolist()
+
+    for rep in range(args.repeats):  # the first path alternates, so drift falls on both
+        for run in (old_path, new_path) if rep % 2 == 0 else (new_path, old_path):
+            run(rep)
         if args.greedy:
-            same = lengths["loop"] == lengths["requests"]
-            lengths["same_lengths"] = same
+            lengths["same_lengths"] = lengths["loop"] == lengths["requests"]
+    clock.close()
     rate = [[round(t / s, 1) for s, t in runs] for runs in (old, new)]
     return {
+        "model_calls_s": calls,
         "loop_s_tokens": old,
         "requests_s_tokens": new,
         "loop_tokens_per_s": rate[0],
