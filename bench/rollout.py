@@ -1,6 +1,7 @@
 """Rollout engines side by side, in one process on SmolLM2-135M: the lockstep path before the
 request contract (bench/legacy_rollout.py: waves, a batch decode loop) against the
-continuous-batching engine (flowrl/engines/scheduler.py), repetitions alternated.
+continuous-batching engine (flowrl/engines/scheduler.py), repetitions alternated (and which
+path runs first alternates by repetition).
 
     python bench/rollout.py multi_turn [--rows 16] [--repeats 3]
     python bench/rollout.py single_turn [--prompts 16] [--n 2] [--repeats 3]
@@ -225,17 +226,25 @@ def multi_turn(model, tokenizer, args) -> dict:
     ids = prompts_of(tokenizer, args.rows)
     old, new, last, tokens = [], [], {}, {"waves": [], "requests": []}
     clock, calls = CallClock(model), {"waves": [], "requests": []}
-    for rep in range(args.repeats):
+    counts = {}
+
+    def old_path(rep):
         seconds, episodes = waves(model, tokenizer, ids, seed=rep)
         old.append(seconds)
         calls["waves"].append(clock.take())
         last["waves"] = episodes
         tokens["waves"].append(sum(sum(e.mask) for e in episodes))
-        seconds, episodes, counts = requests(model, tokenizer, ids, seed=rep)
+
+    def new_path(rep):
+        seconds, episodes, counts["last"] = requests(model, tokenizer, ids, seed=rep)
         new.append(seconds)
         calls["requests"].append(clock.take())
         last["requests"] = episodes
         tokens["requests"].append(sum(sum(e.mask) for e in episodes))
+
+    for rep in range(args.repeats):  # the first path alternates, so drift falls on both
+        for run in (old_path, new_path) if rep % 2 == 0 else (new_path, old_path):
+            run(rep)
     clock.close()
     same = sum(a.ids == b.ids for a, b in zip(last["waves"], last["requests"], strict=True))
     compute = {k: statistics.median(s for _, s in v) for k, v in calls.items()}
@@ -256,7 +265,7 @@ def multi_turn(model, tokenizer, args) -> dict:
         "workload_calls_latency": workload(len(ids), ASSIGN["value"]),
         "waves": describe(last["waves"]),
         "requests": describe(last["requests"]),
-        "requests_model_calls": counts,
+        "requests_model_calls": counts["last"],
     }
 
 
