@@ -222,6 +222,14 @@ class CallClock:
             hook.remove()
 
 
+def alternately(repeats: int, old_path, new_path) -> None:
+    """Run both paths `repeats` times, the first of each repetition alternating, so the
+    machine's drift within a repetition falls on both."""
+    for rep in range(repeats):
+        for run in (old_path, new_path) if rep % 2 == 0 else (new_path, old_path):
+            run(rep)
+
+
 def multi_turn(model, tokenizer, args) -> dict:
     ids = prompts_of(tokenizer, args.rows)
     old, new, last, tokens = [], [], {}, {"waves": [], "requests": []}
@@ -242,9 +250,7 @@ def multi_turn(model, tokenizer, args) -> dict:
         last["requests"] = episodes
         tokens["requests"].append(sum(sum(e.mask) for e in episodes))
 
-    for rep in range(args.repeats):  # the first path alternates, so drift falls on both
-        for run in (old_path, new_path) if rep % 2 == 0 else (new_path, old_path):
-            run(rep)
+    alternately(args.repeats, old_path, new_path)
     clock.close()
     same = sum(a.ids == b.ids for a, b in zip(last["waves"], last["requests"], strict=True))
     compute = {k: statistics.median(s for _, s in v) for k, v in calls.items()}
@@ -295,12 +301,10 @@ def single_turn(model, tokenizer, args) -> dict:
         calls["requests"].append(clock.take())
         lengths["requests"] = out["response_mask"].sum(-1).tolist()
 
-    for rep in range(args.repeats):  # the first path alternates, so drift falls on both
-        for run in (old_path, new_path) if rep % 2 == 0 else (new_path, old_path):
-            run(rep)
-        if args.greedy:
-            lengths["same_lengths"] = lengths["loop"] == lengths["requests"]
+    alternately(args.repeats, old_path, new_path)
     clock.close()
+    if args.greedy:  # the last repetition's
+        lengths["same_lengths"] = lengths["loop"] == lengths["requests"]
     rate = [[round(t / s, 1) for s, t in runs] for runs in (old, new)]
     return {
         "model_calls_s": calls,
