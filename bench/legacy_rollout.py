@@ -2,8 +2,8 @@
 lockstep wave driver (all requests advance one turn at a time), its KV-cache turn backend, and
 the batch decode loop where every row decodes until the longest is done (finished rows leave
 once a quarter of the batch has finished). Reconstructed verbatim from flowrl at commit
-617399a (flowrl/engines/hf_rollout.py, wave_rollout.py, kv_cache.py, flowrl/agent/driver.py);
-the product path is flowrl/engines/scheduler.py. Not imported by flowrl.
+617399a (flowrl/engines/hf/engine.py, wave_rollout.py, kv_cache.py, flowrl/agent/driver.py);
+the product path is flowrl/engines/hf/scheduler.py. Not imported by flowrl.
 """
 
 # ruff: noqa: E501
@@ -16,8 +16,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from flowrl.engines.forward import cache_argument
-from flowrl.engines.sampling import sample_tokens
+from flowrl.engines.hf.sampling import sample_tokens
+from flowrl.models.calls import cache_argument
 
 
 # -- kv_cache.py ------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Rollout engines side by side, in one process on SmolLM2-135M: the lockstep path before the
 request contract (bench/legacy_rollout.py: waves, a batch decode loop) against the
-continuous-batching engine (flowrl/engines/scheduler.py), repetitions alternated (and which
+continuous-batching engine (flowrl/engines/hf/scheduler.py), repetitions alternated (and which
 path runs first alternates by repetition).
 
     python bench/rollout.py multi_turn [--rows 16] [--repeats 3]
@@ -8,7 +8,7 @@ path runs first alternates by repetition).
     python bench/rollout.py cache [--rows 16] [--repeats 3]
     (any mode: --threads N torch threads, 1 by default; --own-thread: the new engine's loop
     on a thread of its own instead of the caller's; --no-pack: a request back from its tools
-    prefilled in a call of its own, not packed into the decode call, flowrl/engines/packed.py)
+    prefilled in a call of its own, not packed into the decode call, flowrl/engines/hf/packed.py)
 
 multi_turn: the calculator prompts; request i's tool answers after a latency fixed per row,
 uniform in 0 to 1 s, and request i makes 1 to 4 calls (uniform), both drawn independently
@@ -54,7 +54,8 @@ from flowrl.agent.tools import FunctionTool, Toolbox  # noqa: E402
 from flowrl.data.calculator import calculator_rows  # noqa: E402
 from flowrl.engines import HFRollout  # noqa: E402
 from flowrl.engines.batch import generate_batch  # noqa: E402
-from flowrl.engines.rollout import Sampling, run_on  # noqa: E402
+from flowrl.engines.rollout import Sampling  # noqa: E402
+from flowrl.engines.threads import run_sync  # noqa: E402
 from flowrl.models import load_model  # noqa: E402
 
 LIMITS = Limits(
@@ -142,10 +143,13 @@ def waves(model, tokenizer, ids, latency=True, seed=0) -> tuple[float, list]:
 
 class OwnThread:
     """The new engine with its batching loop on a thread of its own, as before the caller's
-    thread ran it (`--own-thread`): no `run`, so `run_on` falls back to a fresh event loop."""
+    thread ran it (`--own-thread`): its `run` is a fresh event loop, as `RolloutBase.run`."""
 
     def __init__(self, engine):
         self.engine, self.tokenizer = engine, engine.tokenizer
+
+    def run(self, coroutine):
+        return run_sync(coroutine)
 
     async def generate(self, request):
         return await self.engine.generate(request)
@@ -162,8 +166,7 @@ class Forgetful:
 
     def __init__(self, engine):
         self.engine = engine
-        if hasattr(engine, "run"):  # the engine's loop on the caller's thread, as without this
-            self.run = engine.run
+        self.run = engine.run  # the engine's loop on the caller's thread, as without this
 
     async def generate(self, request):
         return await self.engine.generate(attrs.evolve(request, keep=False))
@@ -180,7 +183,7 @@ def requests(model, tokenizer, ids, latency=True, keep=True, seed=0) -> tuple[fl
     backend = ENGINE["wrap"](engine)
     backend = backend if keep else Forgetful(backend)
     seeds = [seed * 1000 + k for k in range(len(episodes))]
-    run_on(backend, run_requests(episodes, backend, SAMPLING["value"], seeds))
+    backend.run(run_requests(episodes, backend, SAMPLING["value"], seeds))
     seconds = time.perf_counter() - start
     engine.idle()
     return seconds, episodes, dict(engine.scheduler.counts)

@@ -45,8 +45,8 @@ def throughput(args) -> list[dict]:
     from generation import new_tokens, prompts, timed
 
     from flowrl.engines.batch import generate_batch
-    from flowrl.engines.hf_rollout import HFRollout
-    from flowrl.engines.sglang_backend import SGLangRollout
+    from flowrl.engines.hf.engine import HFRollout
+    from flowrl.engines.sglang.backend import SGLangRollout
     from flowrl.models import load_model
 
     path = str(model_dir(args.arch)) if args.arch in ARCHS else args.arch

@@ -4,7 +4,19 @@ The modules a graph check touches (dsl, graph, compiler, render, nodespec) impor
 nor ray at module level, so `flowrl check`, `plan` and `render` start fast.
 """
 
-__version__ = "0.1.0"
+import sys
+import warnings
+
+from flowrl import compat
+
+__version__ = "0.2.0"
+
+# old module spellings (flowrl.validators, flowrl.engines.hf_rollout, ...) import, with a
+# warning naming the new one; shown by default (the import is in the user's file, where
+# Python hides DeprecationWarning), unless the user set warning options (-W, PYTHONWARNINGS)
+compat.install()
+if not sys.warnoptions:
+    warnings.filterwarnings("default", category=compat.FlowrlDeprecationWarning)
 
 
 def compile(file, overrides=()):  # noqa: A001 (the verb users expect: flowrl.compile)

@@ -11,15 +11,46 @@ says where the class is (imported only when a pool builds it: flowrl/engines/rol
 the contract and `make_rollout`), the one kind of pool device it runs on, the optional
 package it needs and how to install that, and whether it serves multi-turn rollouts (the
 agent node). `flowrl check` reads all of it here, where neither torch nor the package need be
-installed. Adding a backend is one module plus one line in `ROLLOUT_BACKENDS`
-(docs/extending.md).
+installed. A backend's own settings are an attrs record (`Backend.options`), filled from
+`[models.<m>.rollout_options]` and checked like node params. Adding a backend is a folder under
+flowrl/engines/ plus one line in `ROLLOUT_BACKENDS`; a backend in a user's own file is named by
+reference, `rollout = "my_rollout.py:MyRollout"`, and its class says the same facts as class
+attributes (`record_of`; docs/extending.md).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import attrs
+
+from flowrl import refs
+from flowrl.params import checked, interval, positive
+
+
+@attrs.frozen
+class NoOptions:
+    """The settings of a backend that has none: `rollout_options` must stay empty."""
+
+
+@attrs.frozen
+class HFOptions:
+    """flowrl's own engine (`rollout = "hf"`)."""
+
+    # lockstep: no decode step while a request held for its next turn is away at its tools, so
+    # a rollout is a function of its seeds (engines/hf/scheduler.py); decoding waits for tools
+    lockstep: bool = False  # batch bit-reproducibly (decoding waits for tools)
+
+
+@attrs.frozen
+class SGLangOptions:
+    """An in-process SGLang engine (`rollout = "sglang"`); its seed is `run.seed` (and rank)."""
+
+    # of the GPU memory free when the engine starts (engines/sglang/backend.py)
+    mem_fraction_static: float = checked(0.5, interval(0, 1, low_open=True))  # weights + KV
+    verify: bool = False  # read pushed weights back and compare
+    bucket_mb: float = checked(512.0, positive(1 << 20))  # MB pushed per update call
 
 
 @attrs.frozen
@@ -29,18 +60,23 @@ class Backend:
     Attributes:
         ref: "package.module:Class" of the class (flowrl/refs.py loads it).
         device: the only pool device it runs on ("cuda"), or None for any.
+        dtypes: the model dtypes it serves (SGLang's kernels: 16-bit); () for any.
         package: the package it imports that flowrl does not install ("" = none).
         install: the command that installs `package`.
         multi_turn: it serves a conversation turn by turn (requests with a request id,
             its earlier turns' KV reused: flowrl/engines/rollout.py), as the agent node
             needs; without it `uses = "agent"` is refused.
+        options: the attrs class of its own settings, built from the graph's
+            `[models.<m>.rollout_options]` and passed to the constructor as `options`.
     """
 
     ref: str
     device: str | None = None
+    dtypes: tuple[str, ...] = ()
     package: str = ""
     install: str = ""
     multi_turn: bool = False
+    options: type = NoOptions
 
 
 # run.backend -> "package.module:Class" of its executor, the default first
@@ -51,24 +87,51 @@ EXECUTORS = {
 
 ROLLOUT_BACKENDS = {
     # flowrl's own continuous-batching engine (CPU and CUDA)
-    "hf": Backend("flowrl.engines.hf_rollout:HFRollout", multi_turn=True),
+    "hf": Backend("flowrl.engines.hf.engine:HFRollout", multi_turn=True, options=HFOptions),
     # an in-process SGLang engine (GPU); earlier turns come from its radix prefix cache
     "sglang": Backend(
-        "flowrl.engines.sglang_backend:SGLangRollout",
+        "flowrl.engines.sglang.backend:SGLangRollout",
         device="cuda",
+        dtypes=("bfloat16", "float16"),
         package="sglang",
         install='pip install -e ".[sglang]" in a checkout, or pip install "flowrl[sglang]"',
         multi_turn=True,
+        options=SGLangOptions,
     ),
 }
 
 
-def backend(name: str) -> Backend:
-    """The record of backend `name`; ValueError naming the backends there are."""
+def is_reference(name: str) -> bool:
+    """A backend named by reference ("file.py:Class", "package.module:Class"), not by table."""
+    return ":" in name
+
+
+def backend(name: str, base_dir: str | Path = ".") -> Backend:
+    """The record of backend `name`: a line of the table, or for a reference the record its
+    class states (`record_of`; the class is imported). ValueError naming the backends there
+    are, or why the reference does not load."""
+    if is_reference(name):
+        return record_of(refs.load(name, base_dir, what="rollout backend"), name)
     if name not in ROLLOUT_BACKENDS:
         choices = ", ".join(f'"{n}"' for n in sorted(ROLLOUT_BACKENDS))
-        raise ValueError(f'unknown rollout backend "{name}"; the backends are: {choices}')
+        raise ValueError(
+            f'unknown rollout backend "{name}"; the backends are: {choices}, or your own '
+            'class by reference ("my_rollout.py:MyRollout")'
+        )
     return ROLLOUT_BACKENDS[name]
+
+
+def record_of(cls: type, ref: str) -> Backend:
+    """The record of a backend class named by reference: its class attributes `runs_on`
+    (a device kind or None), `dtypes`, `multi_turn` and `Options` (defaults: any device, any
+    dtype, single-turn, no options; flowrl.engines.rollout.RolloutBase has them)."""
+    return Backend(
+        ref,
+        device=getattr(cls, "runs_on", None),
+        dtypes=tuple(getattr(cls, "dtypes", ())),
+        multi_turn=bool(getattr(cls, "multi_turn", False)),
+        options=getattr(cls, "Options", NoOptions),
+    )
 
 
 def missing_package(name: str) -> str:

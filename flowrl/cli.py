@@ -101,6 +101,13 @@ def cmd_check(args) -> int:
         print(node_table(spec, plan.graph))
         for warning in plan.warnings:
             print(f"  warning: {warning}")
+        if args.strict and spec.renamed:
+            print(
+                f"{path}: refused by --strict: {_count(len(spec.renamed), 'old key name')} "
+                "(the warnings above say the new ones)",
+                file=sys.stderr,
+            )
+            status = 2
     return status
 
 
@@ -319,6 +326,9 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="validate graph files without loading any model")
     c.add_argument("files", nargs="+", help="graph files, then any KEY=VALUE overrides")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument(
+        "--strict", action="store_true", help="refuse old spellings of keys (CHANGELOG.md)"
+    )
     c.set_defaults(func=cmd_check)
 
     pl = sub.add_parser("plan", help="print the compiled plan of one step")

@@ -51,9 +51,17 @@ class Collector:
     def __init__(self, file: str):
         self.file = file
         self.problems: list[Problem] = []
+        self.renamed: list[str] = []  # old spellings used: warnings (`check --strict` refuses)
 
     def add(self, where: str, message: str, fix: str = "") -> None:
         self.problems.append(Problem(self.file, where, message, fix))
+
+    def rename(self, where: str, old: str, new: str, removed_in: str) -> None:
+        """Note that the file says `old`, the old spelling of `new`."""
+        self.renamed.append(
+            f'{where} "{old}" is the old name of "{new}" and goes in flowrl {removed_in}: '
+            f"write {new} = ... (CHANGELOG.md)"
+        )
 
     def raise_if_any(self) -> None:
         if self.problems:

@@ -29,14 +29,16 @@ class LazyModule:
 
 def exports(package: str, names: dict[str, str]):
     """A module-level `__getattr__` (PEP 562) for `package`: each public name, mapped to its
-    "package.module:attribute", is imported on first use (and then cached by Python's
-    module cache), so importing the package itself imports none of them."""
+    "package.module:attribute" (or "package.module" for a module itself), is imported on first
+    use (and then cached by Python's module cache), so importing the package itself imports
+    none of them."""
 
     def __getattr__(name: str):
         if name not in names:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         module, _, attribute = names[name].partition(":")
-        return getattr(importlib.import_module(module), attribute)
+        found = importlib.import_module(module)
+        return getattr(found, attribute) if attribute else found
 
     return __getattr__
 

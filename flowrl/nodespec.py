@@ -46,7 +46,7 @@ from typing import Any
 
 import attrs
 
-from flowrl.front.validators import MAX_SAMPLES, MAX_TOKENS, checked, count, interval, positive
+from flowrl.params import MAX_SAMPLES, MAX_TOKENS, checked, count, interval, positive
 
 MODES = ("rollout", "inference", "train")
 DISPATCHES = ("split", "broadcast", "rank0")

@@ -86,7 +86,7 @@ def check_start(state) -> str:
     import torch
 
     from flowrl.cli import load_plan
-    from flowrl.engines.sglang_backend import SGLangRollout
+    from flowrl.engines.sglang.backend import SGLangRollout
     from flowrl.models import load_model
 
     plan = load_plan(state["graph"])
@@ -105,7 +105,7 @@ def check_start(state) -> str:
 
 def check_greedy(state) -> str:
     from flowrl.engines.batch import generate_batch
-    from flowrl.engines.hf_rollout import HFRollout
+    from flowrl.engines.hf.engine import HFRollout
 
     module, rollout, (ids, mask) = state["module"], state["rollout"], state["prompts"]
     ours = HFRollout(module, state["tokenizer"], "cuda:0")

@@ -155,7 +155,7 @@ def rollout_parameters(worker, model: str) -> dict:
 
 def local_bytes(worker, model: str) -> dict:
     """Bytes of `model` the rank holds: {"weights", "optimizer"} (its shards under fsdp)."""
-    from flowrl.engines import sharding
+    from flowrl.engines.train import sharding
 
     return sharding.local_bytes(worker.train[model])
 
@@ -257,7 +257,7 @@ def assert_same(a: dict, b: dict) -> None:
 
 
 def tiny_engine(head: str = "lm", lr: float = 1e-2, seed: int = 0, **kwargs):
-    """A `TrainEngine` (flowrl/engines/train.py) on `tiny_model(head, seed)` and the tiny
+    """A `TrainEngine` (flowrl/engines/train/engine.py) on `tiny_model(head, seed)` and the tiny
     tokenizer, one rank, no Ray: what an update or logprob node's worker receives as `engine`.
     `kwargs` go to TrainEngine (`micro_tokens`, `grad_clip`, `trainable`, ...)."""
     from flowrl.engines import TrainEngine
@@ -320,7 +320,7 @@ def scripted_request(
     from flowrl.agent.objects import load_object
     from flowrl.agent.parsers import make_parser
     from flowrl.agent.tools import Toolbox
-    from flowrl.engines.rollout import run_sync
+    from flowrl.engines.threads import run_sync
 
     tokenizer = tiny_tokenizer()
     chat, box = ChatTokens(tokenizer), Toolbox(list(tools), base_dir)

@@ -23,8 +23,8 @@ import time
 
 import attrs
 
-from flowrl.front.validators import MAX_TOKENS, Rule, checked, count, one_of, positive
 from flowrl.nodespec import CheckContext, Finding, NodeSpec, RolloutParams
+from flowrl.params import MAX_TOKENS, Rule, checked, count, one_of, positive
 
 
 def _names() -> Rule:
@@ -33,6 +33,8 @@ def _names() -> Rule:
 
 @attrs.frozen
 class Params(RolloutParams):
+    RENAMED = {"max_calls_per_turn": "max_parallel_calls"}  # old graph keys (CHANGELOG.md)
+
     max_new_tokens: int = checked(256, count(1, MAX_TOKENS))  # whole response, sampled + tool
     tools: tuple[str, ...] = checked((), _names())  # built-in names or "file.py:name"
     tool_config: str = ""  # a verl tool YAML (tools: [{class_name, config, tool_schema}])
@@ -97,22 +99,21 @@ class AgentWorker:
     def __call__(self, batch):
         from flowrl.agent.driver import run_requests
         from flowrl.agent.rows import agent_metrics, agent_setup, assemble, episodes_for
-        from flowrl.engines.rollout import Sampling, request_seed, run_on
+        from flowrl.engines.rollout import Sampling, request_seed
         from flowrl.nodes.generate import generation_metrics, step_seed
 
         p, start = self.params, time.perf_counter()
         setup = agent_setup(p, batch.meta.get("base_dir", "."), self.engine.tokenizer)
         episodes = episodes_for(batch, setup, limits(p), p.n)
         base = step_seed(batch.meta)
-        stats = run_on(
-            self.engine,
+        stats = self.engine.run(
             run_requests(
                 episodes,
                 self.engine,
                 Sampling(p.temperature, p.top_p, p.top_k, p.do_sample),
                 seeds=[request_seed(base, k) for k in range(len(episodes))],
                 first_turn=scripted_turn(setup, p) if p.script_first_turn else (),
-                lockstep=getattr(self.engine, "lockstep", False),
+                lockstep=self.engine.lockstep,
             ),
         )
         out = assemble(episodes, self.engine.pad, p.solution)

@@ -11,9 +11,9 @@ from contextlib import nullcontext
 
 import attrs
 
-from flowrl.front.validators import checked, positive
 from flowrl.models import lora
 from flowrl.nodespec import NodeSpec
+from flowrl.params import checked, positive
 
 
 @attrs.frozen

@@ -12,17 +12,17 @@ from typing import TYPE_CHECKING
 from flowrl.lazy import exports
 
 if TYPE_CHECKING:  # for readers and type checkers; at run time __getattr__ imports them
-    from flowrl.engines.hf_rollout import HFRollout
+    from flowrl.engines.hf.engine import HFRollout
     from flowrl.engines.rollout import RolloutBackend, make_rollout
-    from flowrl.engines.train import TrainEngine
+    from flowrl.engines.train.engine import TrainEngine
 
 __getattr__ = exports(
     __name__,
     {
-        "HFRollout": "flowrl.engines.hf_rollout:HFRollout",
+        "HFRollout": "flowrl.engines.hf.engine:HFRollout",
         "RolloutBackend": "flowrl.engines.rollout:RolloutBackend",
         "make_rollout": "flowrl.engines.rollout:make_rollout",
-        "TrainEngine": "flowrl.engines.train:TrainEngine",
+        "TrainEngine": "flowrl.engines.train.engine:TrainEngine",
     },
 )
 

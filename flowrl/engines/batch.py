@@ -9,7 +9,7 @@ import asyncio
 
 import torch
 
-from flowrl.engines.rollout import Request, Sampling, request_seed, run_on
+from flowrl.engines.rollout import Request, Sampling, request_seed
 
 
 def generate_batch(
@@ -54,14 +54,14 @@ def generate_batch(
         Request(ids, max_new_tokens, sampling, seed=request_seed(seed, k), logprobs=logprobs)
         for k, ids in enumerate(ids for ids in rows for _ in range(n))
     ]
-    results = run_on(backend, _all(backend, requests)) if requests else []
+    results = backend.run(_all(backend, requests)) if requests else []
     for k, result in enumerate(results):
         if result.finish_reason == "abort":
             raise RuntimeError(
                 f"request {k} of {len(results)} was aborted after {len(result.ids)} tokens; "
                 "its short response is not used as if it were complete"
             )
-    return padded(results, len(requests), _pad_id(backend), logprobs)
+    return padded(results, len(requests), backend.pad, logprobs)
 
 
 async def _all(backend, requests: list[Request]) -> list:
@@ -81,8 +81,3 @@ def padded(results: list, rows: int, pad: int, logprobs: bool) -> dict[str, torc
         values[k, :length] = torch.tensor(result.logprobs, dtype=torch.float32)
     out = {"responses": responses, "response_mask": mask}
     return {**out, "logprobs": values} if logprobs else out
-
-
-def _pad_id(backend) -> int:
-    tokenizer = backend.tokenizer
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -31,24 +31,18 @@ the parts that move; each backend acts on those it holds (flowrl's own engine: t
 server with its own copy of the weights: both). After an update it calls
 `sync_weights(module)`, so the next step samples from the trained weights.
 
-No torch here: the front end reads this module.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from flowrl import refs
-from flowrl.backends import backend
-
-if TYPE_CHECKING:
-    import torch
+from flowrl import compat, refs
+from flowrl.backends import NoOptions, backend
+from flowrl.engines import threads
+from flowrl.lazy import torch
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -111,15 +105,25 @@ class Result:
 
 @runtime_checkable
 class RolloutBackend(Protocol):
-    """A rollout engine, built as `Backend(module, tokenizer, device)` with the model's
-    (possibly shared) torch module, its tokenizer and a device string ("cpu", "cuda:0")."""
+    """A rollout engine, built as `Backend(module, tokenizer, device, options=..., seed=...,
+    where=...)`: the model's (possibly shared) torch module, its tokenizer, a device string
+    ("cpu", "cuda:0"), its own settings (an instance of its record's `options` class, from
+    `[models.<m>.rollout_options]`), the run's seed for this rank and "pool p, rank r, model
+    m" for its messages. `RolloutBase` gives every member but `generate` a default."""
 
     device: torch.device  # where its tensors live
-    tokenizer: Any  # the model's tokenizer; its eos is the stop token, its pad the padding
+    tokenizer: Any  # the model's tokenizer; its eos is the stop token
+    pad: int  # the id that pads results into a batch (the tokenizer's pad, else its eos)
+    lockstep: bool  # requests batch as a function of their seeds (the agent starts all first)
 
     async def generate(self, request: Request) -> Result:
         """Sample one turn for `request` (see `Request`, `Result`). Requests may be issued
         concurrently from one event loop: a backend batches what runs at the same time."""
+        ...
+
+    def run(self, coroutine) -> Any:
+        """Run `coroutine` (requests to this backend) to its end from synchronous code, on
+        the loop and thread the backend needs; returns its value."""
         ...
 
     def release(self, request_id: str) -> None:
@@ -140,6 +144,54 @@ class RolloutBackend(Protocol):
         ...
 
 
+class RolloutBase:
+    """The contract's defaults: a backend subclasses this and writes `generate`, and whatever
+    else it does differently.
+
+    Class attributes, read by `flowrl check` for a backend named by reference (the table's
+    backends say the same in their `Backend` record): `runs_on` (the one device kind it runs
+    on, or None), `dtypes` (the model dtypes it serves; () for any), `multi_turn` (it keeps a
+    request's KV between turns), `Options` (the attrs class of its settings).
+
+    Defaults: `run` on a fresh event loop (`run_sync`), `pad` the tokenizer's pad id (else its
+    eos), `lockstep` False, `release`, `offload` and `reload` nothing to do, `sync_weights`
+    copies the source's weights unless it is the backend's own module.
+    """
+
+    runs_on: str | None = None
+    dtypes: tuple[str, ...] = ()
+    multi_turn: bool = False
+    Options: type = NoOptions
+    lockstep: bool = False
+
+    def __init__(self, module, tokenizer, device="cpu", *, options=None, seed=0, where=""):
+        self.module, self.tokenizer, self.device = module, tokenizer, torch.device(device)
+        self.options = self.Options() if options is None else options
+        self.seed, self.where = seed, where or f"device {device}"
+
+    @property
+    def pad(self) -> int:
+        tokenizer = self.tokenizer
+        pad = tokenizer.pad_token_id
+        return pad if pad is not None else tokenizer.eos_token_id
+
+    def run(self, coroutine):
+        return threads.run_sync(coroutine)
+
+    def release(self, request_id: str) -> None:
+        pass
+
+    def offload(self, parts: tuple[str, ...]) -> None:
+        pass
+
+    def reload(self, parts: tuple[str, ...]) -> None:
+        pass
+
+    def sync_weights(self, source) -> None:
+        if source is not self.module:
+            self.module.load_state_dict(source.state_dict())
+
+
 def request_seed(base: int, row: int) -> int:
     """The seed of row `row` of a batch whose generator seed is `base` (splitmix64 of both)."""
     return mix(base, row)
@@ -154,63 +206,38 @@ def mix(a: int, b: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-def run_on(backend, coroutine):
-    """Run `coroutine` (requests to `backend`) to its end from synchronous code, the way
-    the backend wants when it says (`backend.run`: SGLang answers on the loop its tokenizer
-    manager runs on; flowrl's own engine makes its model calls on this thread), else on a
-    fresh loop (`run_sync`)."""
-    run = getattr(backend, "run", None)
-    return run(coroutine) if run is not None else run_sync(coroutine)
-
-
-def run_sync(coroutine):
-    """Run a coroutine to its end from synchronous code, also where an event loop already
-    runs in this thread (then in a thread of its own)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    return start_thread(coroutine)()
-
-
-def start_thread(coroutine, finished: Callable[[], None] | None = None) -> Callable[[], Any]:
-    """Start `coroutine` on a fresh event loop in a thread of its own; `finished()` runs in
-    that thread once the coroutine has ended. Returns `join`: waits, then returns the
-    coroutine's value or raises its error in the caller's thread."""
-    out = {}
-
-    def target():
-        try:
-            out["value"] = asyncio.run(coroutine)
-        except BaseException as e:  # re-raised by join, in the caller's thread
-            out["error"] = e
-        finally:
-            if finished is not None:
-                finished()
-
-    thread = threading.Thread(target=target, name="flowrl-requests", daemon=True)
-    thread.start()
-
-    def join():
-        thread.join()
-        if "error" in out:
-            raise out["error"]
-        return out["value"]
-
-    return join
-
-
-def rollout_class(name: str) -> type:
-    """The class of backend `name` in flowrl.backends.ROLLOUT_BACKENDS, imported now."""
-    return refs.load(backend(name).ref, what=f'rollout backend "{name}"')
+def rollout_class(name: str, base_dir=".") -> type:
+    """The class of backend `name` (a line of flowrl.backends.ROLLOUT_BACKENDS, or a
+    reference "file.py:Class" resolved against `base_dir`), imported now."""
+    return refs.load(backend(name, base_dir).ref, base_dir, what=f'rollout backend "{name}"')
 
 
 def make_rollout(
-    name: str, module, tokenizer, device: str = "cpu", where: str = ""
+    name: str,
+    module,
+    tokenizer,
+    device: str = "cpu",
+    *,
+    options=None,
+    seed: int = 0,
+    where: str = "",
+    base_dir=".",
 ) -> RolloutBackend:
     """A rollout engine of backend `name` over `module` (shared with the train engine when
-    colocated, so a weight sync costs nothing) and `tokenizer`, on `device`. `where` ("pool p,
-    rank r, model m") goes to a backend whose constructor takes it, for its error messages."""
-    cls = rollout_class(name)
-    takes_where = "where" in inspect.signature(cls).parameters
-    return cls(module, tokenizer, device, **({"where": where} if takes_where else {}))
+    colocated, so a weight sync costs nothing) and `tokenizer`, on `device`.
+
+    Args:
+        options: an instance of the backend's options class (default: its defaults).
+        seed: the run's seed for this rank (a backend sampling with its own random state
+            seeds it from this; flowrl's own engine seeds each request instead).
+        where: "pool p, rank r, model m", for the backend's error messages.
+        base_dir: the folder a backend named by reference resolves against.
+    """
+    record = backend(name, base_dir)
+    cls = refs.load(record.ref, base_dir, what=f'rollout backend "{name}"')
+    options = record.options() if options is None else options
+    return cls(module, tokenizer, device, options=options, seed=seed, where=where)
+
+
+# names that moved to flowrl.engines.threads keep working, with a warning
+__getattr__ = compat.moved_names(__name__)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import attrs
 
-from flowrl.backends import ROLLOUT_BACKENDS, multi_turn_names
+from flowrl.backends import backend as backend_record
+from flowrl.backends import multi_turn_names
 from flowrl.errors import Collector, GraphErrors, Problem, did_you_mean, one_of
 from flowrl.front import registry, schema, sections
 from flowrl.front.overrides import TOP_LEVEL, addressable, apply_overrides, said
@@ -53,6 +54,8 @@ def load_partial(
         return None, errors.problems
     overridden = apply_overrides(raw, overrides, errors)
     spec = _build(file, raw, errors, overridden, str(base_dir))
+    if spec is not None and errors.renamed:
+        spec = attrs.evolve(spec, renamed=tuple(errors.renamed))
     return spec, errors.problems
 
 
@@ -75,11 +78,14 @@ def _build(file, raw, errors: Collector, overridden: dict[str, str], root="") ->
         name: build_attrs(schema.ModelConfig, table, f"models.{name}", errors, overridden)
         for name, table in _tables(raw, "models", errors).items()
     }
+    folder = Path(root) if root else Path(file).parent
     # a model whose table is wrong stays, as None: its nodes are not told it is unknown
     models = {
         name: m and sections.place(name, m, pools, errors, overridden) for name, m in models.items()
     }
-    folder = Path(root) if root else Path(file).parent
+    for name, m in models.items():
+        if m:
+            sections.check_rollout(name, m, pools, folder, errors, overridden)
     models = {name: m and sections.model_path(m, folder) for name, m in models.items()}
     for name, pool in pools.items():
         if pool:
@@ -202,7 +208,8 @@ def _node(node_id, table, models, base_dir, errors: Collector, overridden) -> No
         )
         return None
     model = table.get("model")
-    _check_model(where, spec, model, models, errors, said(overridden, f"nodes.{node_id}.model"))
+    said_model = said(overridden, f"nodes.{node_id}.model")
+    _check_model(where, spec, model, models, base_dir, errors, said_model)
     rename = table.get("rename", {})
     declared = set(spec.reads) | set(spec.writes) | _extra_read_names(spec)
     if not isinstance(rename, dict) or not all(isinstance(v, str) for v in rename.values()):
@@ -230,7 +237,7 @@ def _extra_read_names(spec: NodeSpec) -> set[str]:
     return set(spec.optional_reads) | set(spec.optional_writes)
 
 
-def _check_model(where, spec: NodeSpec, model, models, errors: Collector, said="") -> None:
+def _check_model(where, spec: NodeSpec, model, models, base_dir, errors, said="") -> None:
     """Problems with a node's `model`; `said` names the override that set it, if one did."""
     if not spec.uses_model:
         if model is not None:
@@ -276,7 +283,7 @@ def _check_model(where, spec: NodeSpec, model, models, errors: Collector, said="
             f'but "{model}" has head = "{config.head}"',
             f'use a model with head = "{spec.head}"',
         )
-    backend = ROLLOUT_BACKENDS.get(config.rollout)
+    backend = _record(config.rollout, base_dir)
     if spec.multi_turn and backend and not backend.multi_turn:
         errors.add(
             where,
@@ -284,3 +291,11 @@ def _check_model(where, spec: NodeSpec, model, models, errors: Collector, said="
             f'"{config.rollout}", which generates single turns only',
             f"set rollout to one of {one_of(multi_turn_names())} in [models.{model}]",
         )
+
+
+def _record(rollout: str, base_dir):
+    """A model's backend record, None when it does not load (check_rollout reported why)."""
+    try:
+        return backend_record(rollout, base_dir)
+    except Exception:
+        return None

@@ -203,7 +203,8 @@ def _check_cycles(dag: nx.DiGraph, errors: Collector) -> None:
 
 def _warnings(spec: GraphSpec, writers: dict[str, str]) -> list[str]:
     read = {k for d in spec.nodes.values() for k in d.reads} | set(CONTROLLER_READS)
-    out = [
+    out = [*spec.renamed]
+    out += [
         _unread(spec.nodes[node], key)
         for key, node in sorted(writers.items())
         if node != DATASET and key not in read and _unread(spec.nodes[node], key)

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import attrs
 
+from flowrl.backends import ROLLOUT_BACKENDS
 from flowrl.front import registry, schema
 from flowrl.front.typed_toml import toml_value
-from flowrl.front.validators import describe
+from flowrl.params import describe
 
 BEGIN = "<!-- BEGIN GENERATED: python -m flowrl.front.reference --write -->"
 END = "<!-- END GENERATED -->"
@@ -64,6 +65,14 @@ def markdown() -> str:
     ]
     for title, cls in sections:
         parts += [f"### {title}", "", *table(cls), ""]
+    for name, record in ROLLOUT_BACKENDS.items():
+        if attrs.fields(record.options):
+            parts += [
+                f'### [models.<name>.rollout_options] with rollout = "{name}"',
+                "",
+                *table(record.options),
+                "",
+            ]
     parts += [
         "### Node parameters",
         "",

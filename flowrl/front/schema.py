@@ -11,8 +11,10 @@ from typing import Any
 
 import attrs
 
-from flowrl.backends import EXECUTORS, ROLLOUT_BACKENDS  # torch-free: names, no backend
-from flowrl.front.validators import (
+from flowrl.backends import EXECUTORS, ROLLOUT_BACKENDS, is_reference  # torch-free
+from flowrl.models import lora
+from flowrl.nodespec import HEADS, NodeSpec
+from flowrl.params import (
     MAX_DATASET,
     MAX_MEMORY_GB,
     MAX_PARAMS,
@@ -32,15 +34,13 @@ from flowrl.front.validators import (
     pair,
     positive,
 )
-from flowrl.models import lora
-from flowrl.nodespec import HEADS, NodeSpec
 
 BACKENDS = tuple(EXECUTORS)  # run.backend: "ray" or "local"
 SCHEDULES = ("constant", "cosine")
 OFFLOAD = ("never", "always", "auto")
 DEVICES = ("cpu", "cuda")
 PLACEMENTS = ("", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # "" = auto
-STRATEGIES = ("ddp", "fsdp")  # training strategies (flowrl/engines/sharding.py)
+STRATEGIES = ("ddp", "fsdp")  # training strategies (flowrl/engines/train/sharding.py)
 DTYPES = ("float32", "bfloat16", "float16")
 # run.loggers: each logger's pip package ("" = none needed); flowrl/runtime/loggers.py has them
 LOGGER_PACKAGES = {"jsonl": "", "tensorboard": "tensorboard", "wandb": "wandb"}
@@ -67,8 +67,13 @@ DATASET_KEYS = (
 
 
 def _backend_name() -> Rule:
-    """A name in the one table of rollout backends, looked up when checked."""
-    return Rule(one_of(ROLLOUT_BACKENDS).text, lambda name: name in ROLLOUT_BACKENDS)
+    """A name in the one table of rollout backends, or a reference to a user's class (loaded
+    and checked with the graph, flowrl/front/sections.py)."""
+    names = one_of(ROLLOUT_BACKENDS).text
+    return Rule(
+        f'{names}, or "file.py:Class"',
+        lambda name: name in ROLLOUT_BACKENDS or is_reference(name),
+    )
 
 
 def _names() -> Rule:
@@ -84,6 +89,11 @@ def _names() -> Rule:
 def _loggers() -> Rule:
     names = one_of(LOGGER_PACKAGES)
     return Rule(f"a list, each {names.text}", lambda v: all(n in LOGGER_PACKAGES for n in v))
+
+
+def _options() -> Rule:
+    """The backend's own keys are checked against its options record (sections.py)."""
+    return Rule("a table of the backend's options (below)", lambda v: isinstance(v, dict))
 
 
 def _lora() -> Rule:
@@ -137,6 +147,7 @@ class ModelConfig:
     pool: str = ""  # which pool hosts it; may be left out when there is one pool
     rollout_pool: str = ""  # pool of its rollout engine; "" = the same (hybrid engine)
     rollout: str = checked("hf", _backend_name())  # rollout backend (flowrl/backends.py)
+    rollout_options: dict = attrs.field(factory=dict, validator=_options())  # see below
     dtype: str = checked("float32", one_of(DTYPES))  # of the weights
     lr: float = checked(1e-6, positive())  # AdamW peak learning rate
     weight_decay: float = checked(0.0, at_least(0))  # AdamW decoupled weight decay
@@ -202,6 +213,7 @@ class GraphSpec:
     nodes: dict[str, NodeDecl]  # in file order
     raw: dict  # the file's tables after overrides, for the run directory
     root: str = ""  # where relative paths resolve, when not the file's folder (replay)
+    renamed: tuple[str, ...] = ()  # a warning per old spelling of a key the file uses
 
     @property
     def base_dir(self) -> Path:

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import attrs
 
-from flowrl.backends import ROLLOUT_BACKENDS
+from flowrl.backends import backend
 from flowrl.errors import Collector, did_you_mean, one_of
 from flowrl.front import schema
 from flowrl.front.overrides import addressable, said
+from flowrl.front.typed_toml import build_attrs
 
 
 def model_path(model: schema.ModelConfig, folder: Path) -> schema.ModelConfig:
@@ -112,17 +113,46 @@ def place(name, model: schema.ModelConfig, pools, errors, overridden) -> schema.
             f"not defined{did_you_mean(model.rollout_pool, pools)}",
             f'pools: {one_of(pools)}; or leave rollout_pool out to generate on "{model.pool}"',
         )
-    check_rollout_device(name, model, pools, errors, overridden)
-    check_rollout_dtype(name, model, errors, overridden)
     return model
 
 
-def check_rollout_device(name, model: schema.ModelConfig, pools, errors, overridden) -> None:
+def check_rollout(name, model: schema.ModelConfig, pools, folder: Path, errors, overridden):
+    """A model's rollout backend: it loads (a reference), runs on the model's rollout pool's
+    device and serves its dtype, and `[models.<m>.rollout_options]` are its options."""
+    try:
+        record = backend(model.rollout, folder)
+    except Exception as e:  # a user's file may raise anything while loading
+        errors.add(
+            f"[models.{name}] rollout",
+            f"{said(overridden, f'models.{name}.rollout')}{e}",
+            'name a backend of the table ("hf", "sglang") or a class "file.py:Class" '
+            "(docs/extending.md)",
+        )
+        return
+    check_rollout_device(name, model, record, pools, errors, overridden)
+    check_rollout_dtype(name, model, record, errors, overridden)
+    build_attrs(
+        record.options, model.rollout_options, f"models.{name}.rollout_options", errors, overridden
+    )
+
+
+def rollout_options(name: str, model: schema.ModelConfig, folder: Path):
+    """The options instance of model `name`'s rollout backend, from its checked
+    `rollout_options` table (the pool worker builds the backend with it)."""
+    errors = Collector(f"[models.{name}]")
+    record = backend(model.rollout, folder)
+    options = build_attrs(
+        record.options, model.rollout_options, f"models.{name}.rollout_options", errors
+    )
+    errors.raise_if_any()
+    return options
+
+
+def check_rollout_device(name, model: schema.ModelConfig, record, pools, errors, overridden):
     """A rollout backend that runs on one kind of device only (sglang: "cuda") needs its
     rollout pool to be one."""
-    record = ROLLOUT_BACKENDS.get(model.rollout)
-    need, pool = record.device if record else None, model.rollout_pool or model.pool
-    if need is None or pool not in pools or pools[pool].device == need:
+    need, pool = record.device, model.rollout_pool or model.pool
+    if need is None or pool not in pools or pools[pool] is None or pools[pool].device == need:
         return
     override = said(overridden, f"models.{name}.rollout") or said(
         overridden, f"pools.{pool}.device"
@@ -135,18 +165,20 @@ def check_rollout_device(name, model: schema.ModelConfig, pools, errors, overrid
     )
 
 
-def check_rollout_dtype(name, model: schema.ModelConfig, errors, overridden) -> None:
-    """SGLang's attention kernels (flashinfer, fa3) are bf16 / fp16: a float32 model is refused
-    here, before any model loads, not handed to them."""
-    if model.rollout != "sglang" or model.dtype in ("bfloat16", "float16"):
+def check_rollout_dtype(name, model: schema.ModelConfig, record, errors, overridden) -> None:
+    """A backend that serves some dtypes only (SGLang's attention kernels, flashinfer and fa3,
+    are bf16 / fp16) refuses the others here, before any model loads."""
+    if not record.dtypes or model.dtype in record.dtypes:
         return
     override = said(overridden, f"models.{name}.dtype") or said(
         overridden, f"models.{name}.rollout"
     )
+    allowed = " or ".join(f'"{d}"' for d in record.dtypes)
     errors.add(
         f"[models.{name}] dtype",
-        f'{override}rollout = "sglang" serves 16-bit weights, but dtype = "{model.dtype}"',
-        f'set dtype = "bfloat16" in [models.{name}] (or "float16"), or rollout = "hf"',
+        f'{override}rollout = "{model.rollout}" serves dtype {allowed}, but dtype = '
+        f'"{model.dtype}"',
+        f'set dtype = "{record.dtypes[0]}" in [models.{name}], or rollout = "hf"',
     )
 
 

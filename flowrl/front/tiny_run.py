@@ -143,6 +143,7 @@ def cpu_fallback(spec) -> list[str]:
 
 
 def _device_bound(name: str) -> bool:
+    """A backend of the table that runs on one device kind only (a tiny run is on the CPU)."""
     record = ROLLOUT_BACKENDS.get(name)
     return bool(record and record.device)
 

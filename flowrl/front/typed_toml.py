@@ -3,7 +3,7 @@
 Each key is checked against the class's fields (unknown keys get a did-you-mean), each value
 against the field's type (TOML has no implicit conversions: `n = "4"` is an error, `lr = 1`
 becomes 1.0), against finiteness (nan and inf are refused in every float field) and against
-the field's own validator (flowrl/front/validators.py states the rule); then the class is built, so
+the field's own validator (flowrl/params.py states the rule); then the class is built, so
 checks across fields run too. Every problem goes to a `Collector`, named by table and key, with
 the rule and the default as the fix. `read_toml` reads the file itself with the standard
 library's parser, turning every way a file can be unreadable into a problem with a line and
@@ -21,9 +21,10 @@ from typing import Any
 
 import attrs
 
+from flowrl.compat import REMOVED_IN
 from flowrl.errors import Collector, did_you_mean, one_of
 from flowrl.front import overrides
-from flowrl.front.validators import describe, finite
+from flowrl.params import describe, finite
 
 
 def read_toml(path: Path, errors: Collector) -> dict:
@@ -103,6 +104,7 @@ def build_attrs(cls, table: dict, where: str, errors: Collector, overridden: Map
     overridden = overridden or {}
     attrs.resolve_types(cls)
     fields = {(f.alias or f.name): f for f in attrs.fields(cls) if f.init}
+    table = _renamed(cls, table, where, errors)
     kwargs, ok = {}, True
     for key, value in table.items():
         said = overrides.said(overridden, f"{where}.{key}")
@@ -131,6 +133,25 @@ def build_attrs(cls, table: dict, where: str, errors: Collector, overridden: Map
         message = _message(e) if isinstance(e, ValueError | TypeError) else f"{e!r}"
         errors.add(f"[{where}]", message, "see docs/graph-file.md for the allowed values")
         return None
+
+
+def _renamed(cls, table: dict, where: str, errors: Collector) -> dict:
+    """The table with the old names of keys (the class's `RENAMED`: old -> new) replaced by
+    the new ones, each noted as a warning; both names given is an error."""
+    renamed = getattr(cls, "RENAMED", {})
+    if not any(key in renamed for key in table):
+        return table
+    out = {}
+    for key, value in table.items():
+        new = renamed.get(key)
+        if new is None:
+            out[key] = value
+        elif new in table:
+            errors.add(f"[{where}]", f'"{key}" and "{new}" are both given', f"keep {new} only")
+        else:
+            errors.rename(f"[{where}]", key, new, REMOVED_IN)
+            out[new] = value
+    return out
 
 
 def check_value(value, field: attrs.Attribute) -> tuple[Any, str]:

@@ -23,7 +23,7 @@ from flowrl.runtime import checkpoint
 def export(run_dir, out, step: int | None = None, model: str | None = None) -> Path:
     """Write model `model` (default: the run's only trainable model) of checkpoint `step`
     (default: the latest) as a Hugging Face model directory `out`; returns `out`."""
-    from flowrl.engines import sharded_checkpoint
+    from flowrl.engines.train import sharded_checkpoint
     from flowrl.models import load_model
 
     run_dir, out = Path(run_dir), Path(out)

@@ -92,6 +92,8 @@ class PoolWorker:
         """Load model `name` onto this rank: its train engine, and its rollout engine when a
         rollout node uses it."""
         from flowrl.engines import TrainEngine, make_rollout
+        from flowrl.engines.rollout import mix
+        from flowrl.front.sections import rollout_options
         from flowrl.models import load_model
 
         setup, rank, world_size = self.setup, self.rank, self.world_size
@@ -129,9 +131,15 @@ class PoolWorker:
             activation_checkpointing=config.activation_checkpointing,
         )
         if name in setup.rollout_models:
-            where = f"pool {setup.pool}, rank {rank}, model {name}"
             self.rollout[name] = make_rollout(
-                config.rollout, rollout_module, tokenizer, device, where
+                config.rollout,
+                rollout_module,
+                tokenizer,
+                device,
+                options=rollout_options(name, config, Path(setup.base_dir)),
+                seed=mix(setup.seed, rank),  # a backend sampling from its own state: per rank
+                where=f"pool {setup.pool}, rank {rank}, model {name}",
+                base_dir=setup.base_dir,
             )
 
     def call(
@@ -190,7 +198,7 @@ class PoolWorker:
         """ddp: rank 0 writes the trainable models' state to pool-<name>.pt (all ranks hold the
         same after each step). fsdp: every rank writes its shards into pool-<name>/."""
         if self.setup.strategy == "fsdp":
-            from flowrl.engines import sharded_checkpoint
+            from flowrl.engines.train import sharded_checkpoint
 
             if self._trainable():
                 path = Path(directory) / f"pool-{self.setup.pool}"
@@ -204,7 +212,7 @@ class PoolWorker:
         sharded = Path(directory) / f"pool-{self.setup.pool}"
         path = sharded.with_name(sharded.name + ".pt")
         if sharded.is_dir():
-            from flowrl.engines import sharded_checkpoint
+            from flowrl.engines.train import sharded_checkpoint
 
             sharded_checkpoint.load(self._trainable(), sharded)
         elif path.exists():

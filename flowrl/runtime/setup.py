@@ -29,7 +29,7 @@ class PoolSetup:
     optimizer_steps: dict  # trainable model name -> optimizer steps in the whole run
     rollout_models: tuple  # models used in rollout mode (get a rollout engine)
     nodes: tuple  # NodeSetup for every node that runs on this pool
-    strategy: str = "ddp"  # "ddp" or "fsdp" (flowrl/engines/sharding.py)
+    strategy: str = "ddp"  # "ddp" or "fsdp" (flowrl/engines/train/sharding.py)
     sharded: tuple = ()  # the models fsdp shards here
 
 

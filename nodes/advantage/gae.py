@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl.front.validators import checked, interval
 from flowrl.math import estimators, ops
 from flowrl.nodespec import NodeSpec
+from flowrl.params import checked, interval
 
 
 @attrs.frozen

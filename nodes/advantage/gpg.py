@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl.front.validators import checked, positive
 from flowrl.math import estimators
 from flowrl.nodespec import NodeSpec
+from flowrl.params import checked, positive
 
 
 @attrs.frozen

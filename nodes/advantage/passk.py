@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl.front.validators import MAX_SAMPLES, checked, count
 from flowrl.math import estimators
 from flowrl.nodespec import Finding, NodeSpec
+from flowrl.params import MAX_SAMPLES, checked, count
 
 
 @attrs.frozen

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl.front.validators import checked, interval, one_of
 from flowrl.math import estimators, ops
 from flowrl.nodespec import Finding, NodeSpec
+from flowrl.params import checked, interval, one_of
 
 BASELINES = ("none", "group")
 

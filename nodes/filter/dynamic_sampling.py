@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl.front.validators import MAX_ROWS, checked, count
 from flowrl.lazy import torch
 from flowrl.math import ops
 from flowrl.nodespec import Finding, NodeSpec, Refill
+from flowrl.params import MAX_ROWS, checked, count
 
 
 @attrs.frozen

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl.front.validators import at_least, checked, count, one_of, positive
 from flowrl.lazy import torch
 from flowrl.math import ops
 from flowrl.nodespec import NodeSpec
+from flowrl.params import at_least, checked, count, one_of, positive
 
 # what the adaptive controller compares with target_kl: each row's mean KL per trained token,
 # averaged over rows (verl's input, so verl's target_kl = 0.1 carries over), or each row's

@@ -4,7 +4,7 @@ reads: prompts, prompt_mask, responses, response_mask, response_attention, raw_p
 response_text -> writes: scores
 
 The score is the head at the last real token of prompt + response, read exactly as
-transformers' `*ForSequenceClassification` reads it (flowrl/engines/sequence_scores.py); in a
+transformers' `*ForSequenceClassification` reads it (flowrl/engines/train/sequence_scores.py); in a
 multi-turn row that token may be tool output. The reward model has its own tokenizer and chat
 template (`tokenizer`, default: the one in its directory). When its vocabulary is the policy's,
 the policy's ids pass through; otherwise, or with `retemplate`, the conversation (prompt
@@ -86,7 +86,7 @@ class RewardModelWorker:
 
     def inputs(self, batch):
         """ids, mask (b, s) as the reward model reads them."""
-        from flowrl.engines import sequence_scores
+        from flowrl.engines.train import sequence_scores
         from flowrl.models import reward_inputs
 
         same = self._policy_vocabulary(batch)
@@ -112,7 +112,7 @@ class RewardModelWorker:
         return reward_inputs.same_vocabulary(policy, self.tokenizer)
 
     def __call__(self, batch):
-        from flowrl.engines.sequence_scores import infer_scores
+        from flowrl.engines.train.sequence_scores import infer_scores
 
         ids, mask = self.inputs(batch)
         raw = infer_scores(self.engine, ids, mask)  # (b,)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl.front.validators import MAX_TOKENS, at_least, checked, count
 from flowrl.nodespec import Finding, NodeSpec
+from flowrl.params import MAX_TOKENS, at_least, checked, count
 
 
 @attrs.frozen

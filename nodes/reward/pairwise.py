@@ -30,7 +30,7 @@ class PairwiseAccuracyWorker:
         self.engine, self.params = engine, params
 
     def __call__(self, batch):
-        from flowrl.engines.sequence_scores import infer_scores
+        from flowrl.engines.train.sequence_scores import infer_scores
         from flowrl.models import reward_inputs
 
         chats = reward_inputs.preference_chats(batch)

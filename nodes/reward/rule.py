@@ -19,9 +19,9 @@ import sys
 
 import attrs
 
-from flowrl.front.validators import checked, count, positive
 from flowrl.lazy import torch
 from flowrl.nodespec import Finding, NodeSpec
+from flowrl.params import checked, count, positive
 from flowrl.rewards import BadValue, ScorerError, resolve_scorer, score_value
 
 VERL_KEYS = ("num_turns", "tool_rewards", "turn_scores", "rollout_reward_scores")

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl.front.validators import (
+from flowrl.lazy import torch
+from flowrl.math import ops
+from flowrl.math.losses import LOSSES, Chunk, loss_params, tis_weights
+from flowrl.nodespec import MINI_BATCHES, Finding, NodeSpec
+from flowrl.params import (
     MAX_EPOCHS,
     MAX_ROWS,
     MAX_TOKENS,
@@ -27,10 +31,6 @@ from flowrl.front.validators import (
     positive,
     zero_or,
 )
-from flowrl.lazy import torch
-from flowrl.math import ops
-from flowrl.math.losses import LOSSES, Chunk, loss_params, tis_weights
-from flowrl.nodespec import MINI_BATCHES, Finding, NodeSpec
 
 # the table is read when a value is checked, so a loss added to it at run time is accepted too
 KNOWN_LOSS = Rule(one_of(LOSSES).text, lambda name: name in LOSSES)

@@ -6,7 +6,7 @@ loss = -log sigmoid(r(x, y_chosen) - r(x, y_rejected)), the reward model of Inst
 optional centring term `center` * mean((r_chosen + r_rejected)^2) (Eisenstein et al. 2023,
 arXiv 2312.09244) that keeps scores near zero. Each conversation is written with the reward
 model's chat template (flowrl/models/reward_inputs.py) and scored at its last real token, as a
-sequence classifier (flowrl/engines/sequence_scores.py). The engine's shared update loop
+sequence classifier (flowrl/engines/train/sequence_scores.py). The engine's shared update loop
 (`engine.update`) runs epochs x mini-batches (of pairs) x micro-batches, and a chosen /
 rejected pair is one of its rows, so a pair always shares a micro-batch. Rows come from a
 preference source (flowrl/data/preferences.py).
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl.front.validators import MAX_EPOCHS, MAX_ROWS, at_least, checked, count
 from flowrl.lazy import torch
 from flowrl.nodespec import MINI_BATCHES, NodeSpec
+from flowrl.params import MAX_EPOCHS, MAX_ROWS, at_least, checked, count
 
 
 @attrs.frozen
@@ -87,7 +87,7 @@ class RewardModelUpdateWorker:
     def micro_loss(self, micro, counts):
         """Scores of both conversations of each pair (one forward over 2m sequences), the
         loss summed over the pairs / the mini-batch's pairs (`counts.num_seqs`)."""
-        from flowrl.engines.sequence_scores import forward_scores
+        from flowrl.engines.train.sequence_scores import forward_scores
 
         m, p = len(micro), micro["prompts"].shape[1]
         width = max(p, micro["responses"].shape[1])

@@ -42,8 +42,8 @@ def qwen_dir() -> Path:
 
 
 def test_greedy_sglang_picks_flowrls_argmax_at_every_token(qwen_dir):
-    from flowrl.engines.hf_rollout import HFRollout
-    from flowrl.engines.sglang_backend import SGLangRollout
+    from flowrl.engines.hf.engine import HFRollout
+    from flowrl.engines.sglang.backend import SGLangRollout
     from flowrl.models import load_model
 
     module, tokenizer = load_model(str(qwen_dir), dtype="bfloat16")

@@ -206,7 +206,7 @@ def test_graph_file_reference_lists_every_rule_and_choice():
     import attrs
 
     from flowrl.front import reference
-    from flowrl.front.validators import describe
+    from flowrl.params import describe
 
     lines = reference.DOC.read_text().splitlines()
     tables = [schema.RunConfig, schema.DataConfig, schema.ModelConfig, schema.PoolConfig]

@@ -16,7 +16,7 @@ def test_reward_model_graph_trains_and_exports_a_sequence_classifier(tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from flowrl.engines import TrainEngine
-    from flowrl.engines.sequence_scores import infer_scores
+    from flowrl.engines.train.sequence_scores import infer_scores
     from flowrl.models import load_model
     from flowrl.models.reward_inputs import templated
     from flowrl.runtime.export import export

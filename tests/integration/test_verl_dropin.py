@@ -82,7 +82,7 @@ def test_verls_gsm8k_recipe_runs_as_it_is(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["build_data.py", "--out", str(example)])
     build_data.main()
     (tmp_path / "scorer.py").write_text(SCORER)
-    monkeypatch.setattr("flowrl.engines.hf_rollout.HFRollout", HermesPolicy)
+    monkeypatch.setattr("flowrl.engines.hf.engine.HFRollout", HermesPolicy)
     HermesPolicy.wrong.clear()
     overrides = [
         f'run.out_dir="{tmp_path / "runs"}"',

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flowrl.engines.sequence_scores import read_positions
+from flowrl.engines.train.sequence_scores import read_positions
 from flowrl.math import ops
 from flowrl.math.estimators import (
     discounted_returns,

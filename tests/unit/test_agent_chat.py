@@ -11,7 +11,7 @@ from flowrl.agent.driver import run_requests
 from flowrl.agent.episode import Episode, Limits
 from flowrl.agent.parsers import make_parser
 from flowrl.agent.tools import FunctionTool, Toolbox
-from flowrl.engines.rollout import run_sync
+from flowrl.engines.threads import run_sync
 from flowrl.testing import CHAT_TEMPLATE, ScriptedTurns, tiny_tokenizer
 
 

@@ -14,7 +14,7 @@ from flowrl.agent.episode import Episode, Limits
 from flowrl.agent.interactions import FunctionInteraction
 from flowrl.agent.parsers import make_parser
 from flowrl.agent.tools import FunctionTool, Toolbox
-from flowrl.engines.rollout import run_sync
+from flowrl.engines.threads import run_sync
 from flowrl.testing import ScriptedTurns, tiny_tokenizer
 
 TOKENIZER = tiny_tokenizer()

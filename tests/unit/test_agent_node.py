@@ -146,7 +146,7 @@ def test_check_accepts_a_good_node(tools_dir):
     ],
 )
 def test_check_reports_each_bad_param(tools_dir, change, says):
-    # ranges and enumerations are the params' own validators (flowrl/front/validators.py):
+    # ranges and enumerations are the params' own validators (flowrl/params.py):
     # test_params_state_their_rules below; the check hook adds what needs files and names
     findings = agent.check(attrs.evolve(PARAMS, **change), context(tools_dir))
     messages = [f.message for f in findings if not f.warning]

@@ -15,7 +15,7 @@ from flowrl.agent.parsers import make_parser
 from flowrl.agent.prompt import AgentPrompt, template_shows_tools, with_system_prompt
 from flowrl.agent.tools import Toolbox
 from flowrl.data.loader import PromptDataset
-from flowrl.engines.rollout import run_sync
+from flowrl.engines.threads import run_sync
 from flowrl.testing import ScriptedTurns, tiny_tokenizer
 
 QWEN = (Path(__file__).parents[1] / "data" / "qwen2_5_tools.jinja").read_text()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import LlamaForCausalLM
 
-from flowrl.engines.forward import cache_argument
+from flowrl.models.calls import cache_argument
 from flowrl.testing import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ def test_a_rollout_and_a_shared_prompt_forward_print_no_deprecation():
     code = """
 import torch
 from flowrl.engines import TrainEngine
-from flowrl.engines.hf_rollout import HFRollout
+from flowrl.engines.hf.engine import HFRollout
 from flowrl.engines.batch import generate_batch
 from flowrl.testing import tiny_model, tiny_tokenizer, update_batch
 

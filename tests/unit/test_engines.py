@@ -9,7 +9,7 @@ import torch
 
 from flowrl.engines import HFRollout, TrainEngine
 from flowrl.engines.batch import generate_batch
-from flowrl.engines.sampling import nucleus, sample_tokens
+from flowrl.engines.hf.sampling import nucleus, sample_tokens
 from flowrl.models import load_model
 from flowrl.nodes import generate, logprob, values
 from flowrl.nodes.reward import model as reward_model
@@ -72,7 +72,7 @@ def test_forward_logprobs_match_naive_and_trimming_and_micro_batching_keep_them(
 
 
 def test_repeated_prompts_run_once_with_the_same_outputs_and_gradients(monkeypatch):
-    from flowrl.engines import train
+    from flowrl.engines.train import engine as train
 
     model = tiny_model(seed=0)
     engine = TrainEngine(model, tiny_tokenizer(), lr=1e-3)
@@ -193,7 +193,7 @@ def test_forward_attends_to_response_attention_wider_than_response_mask(monkeypa
     # row 0 trains tokens 0, 1, 3: the untrained token 2 must still be attended to (and count
     # for positions), so token 3's log-prob is the one of the whole sequence; without the split
     # (response_mask = every real token) the trained positions get the same numbers
-    from flowrl.engines import train
+    from flowrl.engines.train import engine as train
 
     monkeypatch.setattr(train, "MIN_SAVED_PROMPT_TOKENS", min_saved)
     model = tiny_model(seed=0)
@@ -535,7 +535,7 @@ def test_sampling_frequencies_follow_the_distribution():
 
 
 def test_slot_cache_writes_each_row_at_its_own_offset_and_moves_rows():
-    from flowrl.engines.kv_cache import SlotCache, attention_mask
+    from flowrl.engines.hf.kv_cache import SlotCache, attention_mask
 
     cache = SlotCache(num_layers=1, slots=3, columns=4)
     keys = torch.arange(2 * 1 * 2 * 2, dtype=torch.float32).reshape(2, 1, 2, 2)  # (a, h, w, d)

@@ -95,24 +95,20 @@ def toml_example(first_line: str) -> str:
     return next(b for b in blocks if b.startswith(first_line) and "my_" in b)
 
 
-def test_the_rollout_backend_example_is_one_file_and_one_table_line(tmp_path, monkeypatch):
+def test_the_rollout_backend_example_runs_from_a_users_file_and_from_a_table_line(
+    tmp_path, monkeypatch
+):
     from flowrl import backends
     from flowrl.engines import HFRollout, make_rollout
     from flowrl.engines.batch import generate_batch
     from flowrl.engines.rollout import RolloutBackend
 
-    path = write_example(tmp_path, "# flowrl/engines/generate_rollout.py", "generate_rollout.py")
-    table = {}
-    exec(example("ROLLOUT_BACKENDS = {"), {"Backend": backends.Backend}, table)
-    record = table["ROLLOUT_BACKENDS"]["generate"]
-    assert record.ref == "flowrl.engines.generate_rollout:GenerateRollout"
-    # the page's file, from where this test wrote it, under the page's table line
-    local = backends.Backend(f"{path}:GenerateRollout", multi_turn=record.multi_turn)
-    monkeypatch.setitem(backends.ROLLOUT_BACKENDS, "generate", local)
+    write_example(tmp_path, "# generate_rollout.py", "generate_rollout.py")
+    ref = "generate_rollout.py:GenerateRollout"
     model, tokenizer = tiny_model(seed=0), tiny_tokenizer()
-    engine = make_rollout("generate", model, tokenizer, "cpu")
-    assert isinstance(engine, RolloutBackend)
-    for name in ("generate", "release", "offload", "reload", "sync_weights"):  # the contract's
+    engine = make_rollout(ref, model, tokenizer, "cpu", base_dir=tmp_path)
+    assert isinstance(engine, RolloutBackend) and engine.options.use_cache
+    for name in ("generate", "run", "release", "offload", "reload", "sync_weights"):
         ours = inspect.signature(getattr(type(engine), name)).parameters
         contract = inspect.signature(getattr(RolloutBackend, name)).parameters
         assert list(ours) == list(contract), name
@@ -126,8 +122,26 @@ def test_the_rollout_backend_example_is_one_file_and_one_table_line(tmp_path, mo
     assert ours.keys() == reference.keys()
     for key in ours:  # token for token, masks and padding included
         assert torch.equal(ours[key], reference[key]), key
-    graph = ROOT / "graphs/grpo.toml"
-    assert dsl.load(graph, ["models.policy.rollout=generate"]).models["policy"].rollout
+    # the page's graph lines: by reference, with its option from the graph
+    graph = (ROOT / "graphs/grpo.toml").read_text()
+    blocks = re.findall(r"```toml\n(.*?)```", PAGE, flags=re.S)
+    (models,) = [b for b in blocks if "rollout_options]" in b]
+    graph = graph.replace(graph[graph.index("[models.policy]") : graph.index("[models.ref]")], "")
+    (tmp_path / "g.toml").write_text(models + "\n" + graph)
+    config = dsl.load(tmp_path / "g.toml").models["policy"]
+    assert config.rollout == ref and config.rollout_options == {"use_cache": False}
+    bad = ["models.policy.rollout_options.use_cach=false"]
+    with pytest.raises(GraphErrors, match=r'rollout_options\].*unknown key "use_cach"'):
+        dsl.load(tmp_path / "g.toml", bad)
+    # the page's table line names the same class in a folder of flowrl's
+    table = {}
+    exec(example("ROLLOUT_BACKENDS = {"), vars(backends) | {"GenerateOptions": object}, table)
+    record = table["ROLLOUT_BACKENDS"]["generate"]
+    assert record.ref == "flowrl.engines.generate.backend:GenerateRollout" and record.multi_turn
+    path = tmp_path / "generate_rollout.py"
+    local = backends.Backend(f"{path}:GenerateRollout", multi_turn=True, options=engine.Options)
+    monkeypatch.setitem(backends.ROLLOUT_BACKENDS, "generate", local)
+    assert dsl.load(ROOT / "graphs/grpo.toml", ["models.policy.rollout=generate"])
 
 
 def test_the_tool_example_is_called_through_a_session(tmp_path):

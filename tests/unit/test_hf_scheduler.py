@@ -1,4 +1,4 @@
-"""The continuous-batching engine (flowrl/engines/scheduler.py) under the agent driver, on the
+"""The continuous-batching engine (flowrl/engines/hf/scheduler.py) under the agent driver, on the
 tiny random model: every request its own task, turns extended in its held cache slot, giving
 the same log-probs as re-running the whole conversation without a cache; the train engine's
 log-probs of the multi-turn rows equal the sampler's; a rollout is a function of its seeds.
@@ -17,8 +17,10 @@ from flowrl.agent.driver import run_requests
 from flowrl.agent.episode import Episode, Limits
 from flowrl.agent.parsers import user_parser
 from flowrl.agent.tools import FunctionTool, Toolbox
+from flowrl.backends import HFOptions
 from flowrl.engines import HFRollout, TrainEngine
-from flowrl.engines.rollout import Request, Sampling, run_on, run_sync
+from flowrl.engines.rollout import Request, Sampling
+from flowrl.engines.threads import run_sync
 from flowrl.protocol import DataProto
 from flowrl.testing import tiny_model, tiny_tokenizer
 
@@ -69,7 +71,7 @@ def rollout(model, n=2, seed=0, do_sample=True, max_turn_tokens=6, first_turn=()
         for ids in prompt_ids
         for _ in range(n)
     ]
-    engine = HFRollout(model, tokenizer, lockstep=lockstep)
+    engine = HFRollout(model, tokenizer, options=HFOptions(lockstep=lockstep))
     sampling = Sampling(do_sample=do_sample)
     seeds = [seed * 1000 + k for k in range(len(episodes))]
     stats = run_sync(
@@ -276,7 +278,7 @@ def test_a_request_back_from_its_tools_prefills_only_its_new_tokens_while_anothe
 
 def test_lockstep_runs_no_step_while_a_held_request_is_away():
     model = CountingLM()
-    engine = HFRollout(model, FakeTokenizer(), lockstep=True)
+    engine = HFRollout(model, FakeTokenizer(), options=HFOptions(lockstep=True))
 
     async def run():
         async def a():
@@ -334,7 +336,7 @@ def test_run_makes_the_model_calls_on_the_callers_thread_and_returns_the_results
         engine.release("a"), engine.release("b")
         return results
 
-    a, b = run_on(engine, run())
+    a, b = engine.run(run())
     assert threads == {threading.current_thread()}
     assert a.ids == [12, 13, 14] and b.ids == [31, 32]
     assert engine.cache is None and engine.scheduler.thread is None  # the loop has exited
@@ -349,10 +351,10 @@ def test_run_raises_the_coroutines_error_and_drops_what_it_left_held():
         raise ValueError("the caller's own error")
 
     with pytest.raises(ValueError, match="the caller's own error"):
-        run_on(engine, run())
+        engine.run(run())
     assert engine.cache is None and not engine.scheduler.held
     # the engine serves the next caller as a fresh one
-    assert run_on(engine, engine.generate(greedy([40], 2, "c"))).ids == [41, 42]
+    assert engine.run(engine.generate(greedy([40], 2, "c"))).ids == [41, 42]
 
 
 def test_a_lockstep_run_whose_caller_ends_with_a_request_away_does_not_wait_for_it():
@@ -360,7 +362,7 @@ def test_a_lockstep_run_whose_caller_ends_with_a_request_away_does_not_wait_for_
     ended, nobody can come back for A, so the loop goes on: B (cancelled with the caller's
     loop) leaves with "abort" and the loop exits instead of waiting for A forever."""
     model = CountingLM()
-    engine = HFRollout(model, FakeTokenizer(), lockstep=True)
+    engine = HFRollout(model, FakeTokenizer(), options=HFOptions(lockstep=True))
 
     async def run():
         async def b():
@@ -370,7 +372,7 @@ def test_a_lockstep_run_whose_caller_ends_with_a_request_away_does_not_wait_for_
         await engine.generate(greedy([10, 11], 1, "a"))  # A stays away, unreleased
         return task  # B still decoding when the caller ends
 
-    caller = threading.Thread(target=run_on, args=(engine, run()), daemon=True)
+    caller = threading.Thread(target=engine.run, args=(run(),), daemon=True)
     caller.start()
     caller.join(30)
     assert not caller.is_alive()
@@ -388,7 +390,7 @@ def test_run_while_another_caller_holds_the_loop_joins_it():
     threads, out = set(), {}
 
     def second_caller():
-        out["b"] = run_on(engine, engine.generate(Request([30], 2, Sampling(do_sample=False))))
+        out["b"] = engine.run(engine.generate(Request([30], 2, Sampling(do_sample=False))))
 
     def gate(k):  # in the loop's thread, before model call k
         threads.add(threading.current_thread())
@@ -399,7 +401,7 @@ def test_run_while_another_caller_holds_the_loop_joins_it():
             assert arrived.wait(10)
 
     model.before_call = gate
-    a = run_on(engine, engine.generate(Request([10], 8, Sampling(do_sample=False))))
+    a = engine.run(engine.generate(Request([10], 8, Sampling(do_sample=False))))
     out["thread"].join(10)
     assert a.ids == list(range(11, 19)) and out["b"].ids == [31, 32]
     assert threads == {threading.current_thread()}  # every call on the first caller's thread

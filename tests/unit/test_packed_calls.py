@@ -1,4 +1,4 @@
-"""Packed model calls (flowrl/engines/packed.py): decoding rows and a request back from its
+"""Packed model calls (flowrl/engines/hf/packed.py): decoding rows and a request back from its
 tools in one call, on the tiny random Llama. A packed call computes what the two separate
 calls compute, and what the model computes on the whole conversation without a cache; in the
 engine a returning request joins the decoding row's call, and the rollout is the one the
@@ -14,8 +14,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama import modeling_llama
 
 from flowrl.engines import HFRollout
-from flowrl.engines.packed import PackedCall, can_pack, packing
-from flowrl.engines.rollout import Request, Sampling, run_sync
+from flowrl.engines.hf.packed import PackedCall, can_pack, packing
+from flowrl.engines.rollout import Request, Sampling
+from flowrl.engines.threads import run_sync
 from flowrl.models.tiny import tiny_model, tiny_tokenizer
 
 A_PROMPT, B_PROMPT = [5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17]

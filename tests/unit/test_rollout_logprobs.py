@@ -9,7 +9,7 @@ import torch
 
 from flowrl.engines import HFRollout, TrainEngine
 from flowrl.engines.batch import generate_batch
-from flowrl.engines.sampling import sample_tokens
+from flowrl.engines.hf.sampling import sample_tokens
 from flowrl.front import compiler
 from flowrl.nodes import generate
 from flowrl.protocol import DataProto

@@ -15,11 +15,14 @@ import pytest
 import torch
 from fake_sglang import FakeEngine
 
-from flowrl.engines import sglang_backend, sglang_process
+from flowrl.backends import SGLangOptions
 from flowrl.engines.batch import generate_batch
 from flowrl.engines.rollout import Result, RolloutBackend, make_rollout, rollout_class
-from flowrl.engines.sglang_backend import PushRefused, SGLangRollout
-from flowrl.engines.sglang_io import request_result, weight_buckets
+from flowrl.engines.sglang import backend as sglang_backend
+from flowrl.engines.sglang import process as sglang_process
+from flowrl.engines.sglang.backend import PushRefused, SGLangRollout
+from flowrl.engines.sglang.io import request_result
+from flowrl.engines.weights import weight_buckets
 from flowrl.testing import tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,17 +57,27 @@ def kinds(calls) -> list:
     return out
 
 
-def build(module=None, **kwargs):
+def build(module=None, engine_factory=FakeEngine, **options):
     module = bf16_model() if module is None else module
-    kwargs.setdefault("engine_factory", FakeEngine)
-    kwargs.setdefault("verify", True)  # every push in these tests is read back
-    return SGLangRollout(module, tiny_tokenizer(), "cuda:0", where=WHERE, **kwargs)
+    options.setdefault("verify", True)  # every push in these tests is read back
+    return SGLangRollout(
+        module,
+        tiny_tokenizer(),
+        "cuda:0",
+        options=SGLangOptions(**options),
+        where=WHERE,
+        engine_factory=engine_factory,
+    )
 
 
 @pytest.fixture
 def backend():
     engine = SGLangRollout(
-        bf16_model(), tiny_tokenizer(), "cuda:3", engine_factory=FakeEngine, verify=True
+        bf16_model(),
+        tiny_tokenizer(),
+        "cuda:3",
+        options=SGLangOptions(verify=True),
+        engine_factory=FakeEngine,
     )
     yield engine
     engine.shutdown()
@@ -119,7 +132,7 @@ def test_weight_buckets_cover_every_parameter_once_within_the_size_and_without_c
 
 def test_push_sends_every_parameter_in_buckets_then_flushes_once():
     module = bf16_model()
-    engine = build(module, bucket_bytes=4 * 1024)
+    engine = build(module, bucket_mb=4 / 1024)  # 4 KB
     calls = engine.engine.calls
     updates = [c for c in calls if c[0] == "update"]
     assert len(updates) > 1 and kinds(calls)[-2:] == ["end", "flush"]  # one flush, last
@@ -193,7 +206,6 @@ def test_a_multi_turn_rollout_sends_each_turn_with_the_whole_conversation(backen
     from flowrl.agent.episode import Episode, Limits
     from flowrl.agent.parsers import user_parser
     from flowrl.agent.tools import FunctionTool, Toolbox
-    from flowrl.engines.rollout import run_on
 
     def echo(text: str) -> str:
         """Echo.
@@ -210,7 +222,7 @@ def test_a_multi_turn_rollout_sends_each_turn_with_the_whole_conversation(backen
     prompts = [chat.encode([{"role": "user", "content": q}], True) for q in ("hi", "yo", "ok")]
     limits = Limits(max_new_tokens=200, max_turn_tokens=5, max_assistant_turns=3)
     episodes = [Episode(ids, chat, calls, box.open({}), limits) for ids in prompts]
-    stats = run_on(backend, run_requests(episodes, backend))
+    stats = backend.run(run_requests(episodes, backend))
     assert [e.reason for e in episodes] == ["max_turns"] * 3 and stats.turns == 9
     sent = [batch[0] for batch, _, _ in backend.engine.async_requests]
     for episode in episodes:
@@ -223,10 +235,10 @@ def test_a_multi_turn_rollout_sends_each_turn_with_the_whole_conversation(backen
 
 
 def test_forced_first_turns_are_refused_with_the_backend_to_use(backend):
-    from flowrl.engines.rollout import Request, run_on
+    from flowrl.engines.rollout import Request
 
     with pytest.raises(ValueError, match='need rollout = "hf"'):
-        run_on(backend, backend.generate(Request([4, 5], 3, forced=[6])))
+        backend.run(backend.generate(Request([4, 5], 3, forced=[6])))
 
 
 def test_offload_releases_and_reload_resumes_weights_pushes_then_the_kv_cache(backend):
@@ -255,13 +267,29 @@ def test_generate_never_runs_on_released_memory(backend):
     assert kinds(backend.engine.calls) == [*RESUME_ALL, "generate"]
 
 
-def test_make_rollout_builds_it_with_the_default_factory(monkeypatch):
+def test_make_rollout_builds_it_with_the_default_factory_its_options_and_seed(monkeypatch):
     monkeypatch.setattr(sglang_backend, "sglang_engine", FakeEngine)
-    monkeypatch.setenv("FLOWRL_SGLANG_VERIFY", "1")
-    engine = make_rollout("sglang", bf16_model(), tiny_tokenizer(), "cuda:0", WHERE)
-    assert type(engine.engine) is FakeEngine and engine.where == WHERE
+    options = SGLangOptions(mem_fraction_static=0.3, verify=True)
+    engine = make_rollout(
+        "sglang", bf16_model(), tiny_tokenizer(), "cuda:0", options=options, seed=7, where=WHERE
+    )
+    assert type(engine.engine) is FakeEngine and engine.where == WHERE and engine.verify
+    # the graph's options and the run's seed reach SGLang's server args
+    assert engine.engine.server_args["mem_fraction_static"] == 0.3
+    assert engine.engine.server_args["random_seed"] == 7
     engine.shutdown()
     assert not Path(engine.engine.server_args["model_path"]).exists()
+
+
+def test_the_old_verify_variable_still_turns_verify_on_with_a_warning(monkeypatch):
+    from flowrl.compat import FlowrlDeprecationWarning
+
+    monkeypatch.setattr(sglang_backend, "sglang_engine", FakeEngine)
+    monkeypatch.setenv("FLOWRL_SGLANG_VERIFY", "1")
+    with pytest.warns(FlowrlDeprecationWarning, match=r"rollout_options\] verify = true"):
+        engine = make_rollout("sglang", bf16_model(), tiny_tokenizer(), "cuda:0")
+    assert engine.verify and engine.options.verify is False
+    engine.shutdown()
 
 
 def test_without_sglang_building_it_says_how_to_install(monkeypatch):
@@ -288,7 +316,6 @@ def sglang_trainer(tmp_path, monkeypatch):
         return engines[-1]
 
     monkeypatch.setattr(sglang_backend, "sglang_engine", factory)
-    monkeypatch.setenv("FLOWRL_SGLANG_VERIFY", "1")  # every push read back
     monkeypatch.setattr(pool_worker, "_device", lambda kind, rank: "cpu")
     monkeypatch.setattr(guards, "check_devices", lambda plan: None)
     monkeypatch.setattr(guards, "check_packages", lambda plan: None)
@@ -304,6 +331,7 @@ def sglang_trainer(tmp_path, monkeypatch):
         overrides += [f'pools.{p}.offload="{offload}"' for p in spec.pools]
         overrides += [
             'models.policy.rollout="sglang"',
+            "models.policy.rollout_options.verify=true",  # every push read back
             "run.val_size=0",
             "data.batch_size=2",
             "data.train_size=8",
@@ -432,7 +460,7 @@ BLOCKED = (
     "import sys; sys.modules['sglang'] = None  # any `import sglang` now fails\n"
     "from flowrl.cli import main\n"
     "code = main(sys.argv[1:])\n"
-    "assert 'flowrl.engines.sglang_backend' not in sys.modules\n"
+    "assert 'flowrl.engines.sglang.backend' not in sys.modules\n"
     "sys.exit(code)\n"
 )
 
@@ -552,7 +580,7 @@ def test_a_32_bit_model_is_refused_by_check_and_by_the_backend():
         dsl.load(graph, ['models.policy.dtype="float32"'])
     (problem,) = info.value.problems
     assert problem.where == "[models.policy] dtype"
-    assert 'rollout = "sglang" serves 16-bit weights' in problem.message
+    assert 'rollout = "sglang" serves dtype "bfloat16" or "float16"' in problem.message
     assert 'set dtype = "bfloat16"' in problem.fix
     built = []
     with pytest.raises(ValueError, match="SGLang serves 16-bit weights"):
@@ -589,7 +617,7 @@ sys.path.insert(0, sys.argv[2])
 from pathlib import Path
 from fake_sglang import FakeEngine
 from flowrl.cli import load_plan
-from flowrl.engines import sglang_backend
+from flowrl.engines.sglang import backend as sglang_backend
 from flowrl.runtime import controller, guards, pool_worker
 
 class Dying(FakeEngine):  # its scheduler dies while serving the second generate (an OOM)
@@ -602,13 +630,13 @@ class Dying(FakeEngine):  # its scheduler dies while serving the second generate
         return await super().async_generate(*args, **kwargs)
 
 sglang_backend.sglang_engine = Dying
-__import__("os").environ["FLOWRL_SGLANG_VERIFY"] = "1"
 pool_worker._device = lambda kind, rank: "cpu"
 guards.check_devices = guards.check_packages = lambda plan: None
 run = Path(sys.argv[1])
 overrides = [f'models.{m}.{k}={v}' for m in ("policy", "ref")
              for k, v in (("path", '"tiny"'), ("dtype", '"bfloat16"'))]
 overrides += ['models.policy.rollout="sglang"', 'pools.main.device="cuda"',
+              "models.policy.rollout_options.verify=true",
               'pools.main.offload="never"', "run.val_size=0",
               "data.batch_size=2", "data.train_size=8", "nodes.generate.n=2",
               "nodes.generate.max_new_tokens=4", "run.steps=2", "run.save_every=1",
@@ -649,14 +677,15 @@ import psutil
 sys.path.insert(0, sys.argv[1])
 import torch
 from fake_sglang import FakeEngine
-from flowrl.engines.sglang_backend import SGLangRollout
+from flowrl.backends import SGLangOptions
+from flowrl.engines.sglang.backend import SGLangRollout
 from flowrl.rewards.pool import pool_for
 from flowrl.testing import tiny_model, tiny_tokenizer
 
 scorers = pool_for("arithmetic", ".", 2, 30.0)
 assert all(child.wait_ready() for child in scorers.children)
 rollout = SGLangRollout(tiny_model().to(torch.bfloat16), tiny_tokenizer(), "cuda:0",
-                        engine_factory=FakeEngine, verify=True)
+                        options=SGLangOptions(verify=True), engine_factory=FakeEngine)
 scheduler = rollout.engine.scheduler
 pids = [c.process.pid for c in scorers.children]
 rollout.shutdown()

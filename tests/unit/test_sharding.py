@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from flowrl.cli import load_plan
 from flowrl.engines import TrainEngine
-from flowrl.engines.forward import decoder_layers
+from flowrl.engines.train.forward import decoder_layers
 from flowrl.nodes.update import policy
 from flowrl.runtime.local_executor import LocalExecutor
 from flowrl.runtime.node_call import NodeFailure

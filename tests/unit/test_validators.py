@@ -7,7 +7,7 @@ import pytest
 
 from flowrl.errors import Collector
 from flowrl.front.typed_toml import build_attrs
-from flowrl.front.validators import (
+from flowrl.params import (
     above,
     at_least,
     checked,

@@ -110,7 +110,8 @@ class EngineGuard:
             f"{self.dead} on host {self.host} ({self.where}): the engine cannot serve this "
             "model any more, so flowrl stops the run here instead of letting SGLang kill the "
             "trainer's process. Usual causes: out of GPU memory when the KV cache comes back "
-            '(set offload = "never" or a smaller mem_fraction) or a model SGLang cannot load. '
+            '(set offload = "never" or a smaller rollout_options.mem_fraction_static) or a '
+            "model SGLang cannot load. "
             "The run's last checkpoint is intact: resume with flowrl run <graph> --resume "
             "<run dir>"
         )

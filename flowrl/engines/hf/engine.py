@@ -30,28 +30,39 @@ import warnings
 
 import torch
 
-from flowrl.engines.forward import cache_argument
-from flowrl.engines.kv_cache import attention_mask, slot_cache
-from flowrl.engines.packed import PackedCall, can_pack, groups_of, packing
-from flowrl.engines.rollout import Request, Result
-from flowrl.engines.scheduler import Scheduler
+from flowrl import compat
+from flowrl.backends import HFOptions
+from flowrl.engines.hf.kv_cache import attention_mask, slot_cache
+from flowrl.engines.hf.packed import PackedCall, can_pack, groups_of, packing
+from flowrl.engines.hf.scheduler import Scheduler
+from flowrl.engines.rollout import Request, Result, RolloutBase
+from flowrl.models.calls import cache_argument
 
 
-class HFRollout:
+class HFRollout(RolloutBase):
     """Generates from a causal LM; owns only the KV cache of the requests it serves.
     Implements `flowrl.engines.rollout.RolloutBackend`.
 
     Args:
         module, tokenizer, device: the model, its tokenizer (eos = the stop token), a device.
-        lockstep: batch bit-reproducibly (scheduler.py): no step while a held request is
-            away at its tools. Off by default (it makes decoding wait for tools).
+        options: `flowrl.backends.HFOptions`, from `[models.<m>.rollout_options]`; with
+            `lockstep` it batches bit-reproducibly (scheduler.py): no step while a held
+            request is away at its tools. Off by default (it makes decoding wait for tools).
+        seed, where: the contract's (each request carries its own seed; unused here).
+        lockstep: the old spelling of `options=HFOptions(lockstep=...)`.
     """
 
-    def __init__(self, module, tokenizer, device="cpu", lockstep: bool = False):
-        self.module, self.tokenizer, self.device = module, tokenizer, torch.device(device)
+    Options = HFOptions  # its record in flowrl/backends.py says where it runs and what
+
+    def __init__(
+        self, module, tokenizer, device="cpu", *, options=None, seed=0, where="", lockstep=None
+    ):
+        if lockstep is not None:
+            compat.warn("HFRollout(lockstep=...)", "HFRollout(options=HFOptions(lockstep=...))")
+            options = HFOptions(lockstep=lockstep)
+        super().__init__(module, tokenizer, device, options=options, seed=seed, where=where)
         self.eos = tokenizer.eos_token_id
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
-        self.scheduler = Scheduler(self, self._new_cache, self.eos, lockstep)
+        self.scheduler = Scheduler(self, self._new_cache, self.eos, self.options.lockstep)
         # decoding and joining rows in one call (packed.py); else a call each
         self.packs = can_pack(module)
 
@@ -74,7 +85,7 @@ class HFRollout:
 
     def run(self, coroutine):
         """Run `coroutine` (requests to this engine) from synchronous code, the model calls on
-        this thread (`Scheduler.drive`); `flowrl.engines.rollout.run_on` calls it."""
+        this thread (`Scheduler.drive`)."""
         return self.scheduler.drive(coroutine)
 
     def release(self, request_id: str) -> None:
@@ -175,8 +186,3 @@ class HFRollout:
 
     def reload(self, parts: tuple[str, ...]) -> None:
         """Nothing to do: the next request builds the cache at the size it needs."""
-
-    def sync_weights(self, source: torch.nn.Module) -> None:
-        """Copy trained weights in, unless this engine already shares the module."""
-        if source is not self.module:
-            self.module.load_state_dict(source.state_dict())

@@ -4,7 +4,7 @@ transformers' `*ForSequenceClassification` (and so TRL's RewardTrainer and verl'
 worker) applies its `score` head to the hidden state of the last real token: the rightmost
 token whose id is not the config's `pad_token_id` (which handles left and right padding alike),
 or the last token when the config has no pad id. A critic is read differently: its value at
-response token k comes from the state *before* token k (engines/forward.py), so a reward model
+response token k comes from the state *before* token k (engines/train/forward.py), so a reward model
 must not reuse the critic's per-token values, or it never sees the final token.
 
 Sequences here are joined prompt + response rows with an attention mask that may hold holes

@@ -41,8 +41,9 @@ from collections.abc import Callable
 
 import torch
 
-from flowrl.engines.rollout import Request, Result, run_sync, start_thread
-from flowrl.engines.slots import Batch, Row
+from flowrl.engines.hf.slots import Batch, Row
+from flowrl.engines.rollout import Request, Result
+from flowrl.engines.threads import run_sync, start_thread
 
 
 class Scheduler:

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import attrs
 import torch
 
+from flowrl.engines.hf.sampling import sample_rows
 from flowrl.engines.rollout import Request, Result, mix
-from flowrl.engines.sampling import sample_rows
 
 # a prefix shared by new prompts is prefilled once when that saves this many prompt tokens:
 # below it, the extra model call (a read of all weights, ~65 ms for SmolLM2 on CPU) costs more

@@ -1,4 +1,4 @@
-"""What crosses between flowrl and an SGLang engine (flowrl/engines/sglang_backend.py): the
+"""What crosses between flowrl and an SGLang engine (flowrl/engines/sglang/backend.py): the
 weights pushed (LoRA folded in, in buckets; the few read back in verify mode), a request's
 sampling parameters, and SGLang's answer to one request as a `Result`."""
 
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import socket
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -21,47 +20,6 @@ def verify_names(module: torch.nn.Module) -> tuple[str, ...]:
     names = [n for n, _ in module.named_parameters() if "lora_" not in n]
     adapted = [n.replace(".base_layer.", ".") for n in names if n.endswith(".base_layer.weight")]
     return tuple(dict.fromkeys([names[0], *adapted[:1], names[-1]]))
-
-
-def rollout_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of what SGLang serves: the module's parameters under the base model's
-    names; with a LoRA adapter (peft) each adapted layer's base weight with its update folded
-    in (W + scale * B @ A, a new tensor; the module is not changed) and the adapter's own
-    tensors left out, as `flowrl export` folds them."""
-    adapted = {
-        name: layer
-        for name, layer in module.named_modules()
-        if hasattr(layer, "get_delta_weight") and hasattr(layer, "base_layer")
-    }
-    for name, tensor in module.named_parameters():
-        if "lora_" in name:
-            continue
-        owner, marker, rest = name.rpartition(".base_layer.")
-        if marker:
-            layer = adapted[owner]
-            if rest == "weight" and not (layer.merged or layer.disable_adapters):
-                for adapter in layer.active_adapters:
-                    tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
-            name = f"{owner}.{rest}"
-        yield name, tensor.detach()
-
-
-def weight_buckets(
-    named: Iterable[tuple[str, torch.Tensor]], limit: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive (name, tensor) groups of at most `limit` bytes each (a larger tensor alone).
-    The tensors are the module's own, detached, not copies: the engine copies them into its
-    weights (over CUDA IPC when they are on the GPU)."""
-    bucket, size = [], 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > limit:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor.detach()))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def sampling_params(max_new_tokens, temperature, top_p, top_k, do_sample, eos) -> dict:

@@ -16,12 +16,12 @@ computed with old weights is reused. Since 0.5.21 SGLang refuses `update_weights
 outside a session, and every refusal comes back as a `(success, message)` return value, never
 an exception: each one is read, and a refusal raises `PushRefused` with SGLang's message and
 the pool, rank and model. With `verify` (on in the tests and the GPU smoke command; in a run:
-FLOWRL_SGLANG_VERIFY=1) a few pushed parameters are read back (`get_weights_by_name`) and
-compared with the trainer's. A LoRA model's adapters are folded into the pushed weights, under
-the base model's names (SGLang skips names it does not know with a hidden warning). The model's
-dtype must be 16-bit (SGLang's attention kernels are; `flowrl check` refuses float32 first).
-SGLang's signal handlers and its shutdown (which kill the whole process tree) are replaced:
-flowrl/engines/sglang_process.py; the tensors crossing over: flowrl/engines/sglang_io.py.
+`[models.<m>.rollout_options] verify = true`) a few pushed parameters are read back
+(`get_weights_by_name`) and compared with the trainer's. A LoRA model's adapters are folded into
+the pushed weights, under the base model's names (SGLang skips names it does not know with a
+hidden warning). The model's dtype must be 16-bit (SGLang's attention kernels are; `flowrl
+check` refuses float32 first). SGLang's signal handlers and its shutdown (which kill the whole
+process tree) are replaced: process.py; the tensors crossing over: io.py.
 
 When what happens (the order tests/unit/test_sglang_backend.py checks around a plan's steps):
 - build: engine up, weights pushed, cache flushed;
@@ -82,23 +82,19 @@ from pathlib import Path
 
 import torch
 
-from flowrl.backends import ROLLOUT_BACKENDS
-from flowrl.engines.rollout import Request, Result
-from flowrl.engines.sglang_io import (
+from flowrl import compat
+from flowrl.backends import ROLLOUT_BACKENDS, SGLangOptions
+from flowrl.engines.rollout import Request, Result, RolloutBase
+from flowrl.engines.sglang.io import (
     free_port,
     request_result,
-    rollout_weights,
     sampling_params,
     verify_names,
-    weight_buckets,
     write_model_dir,
 )
-from flowrl.engines.sglang_process import EngineGuard
+from flowrl.engines.sglang.process import EngineGuard
+from flowrl.engines.weights import rollout_weights, weight_buckets
 
-BUCKET_BYTES = 512 * 1024**2  # weights pushed per update_weights_from_tensor call
-# of the GPU memory free when the engine starts (see the module docstring), for SGLang's
-# weights and KV cache; the trainer's later optimizer state and activations use the rest
-MEM_FRACTION = 0.5
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}  # SGLang's kernels
 VERIFY_ROWS = 4  # rows of each checked parameter read back in verify mode
 
@@ -118,7 +114,7 @@ def sglang_engine(**server_args):
     return sglang.Engine(**server_args)
 
 
-class SGLangRollout:
+class SGLangRollout(RolloutBase):
     """Generates with an SGLang engine; implements `flowrl.engines.rollout.RolloutBackend`, and
     holds the `weights` and `kv_cache` parts itself (`parts`): `offload` / `reload` act on
     those of the moving parts.
@@ -127,16 +123,17 @@ class SGLangRollout:
         module: the train engine's module (its parameters are what SGLang serves), 16-bit.
         tokenizer: the model's tokenizer (eos and pad ids; the generate node decodes with it).
         device: "cuda:<k>": the engine runs on GPU k.
+        options: `flowrl.backends.SGLangOptions` (`[models.<m>.rollout_options]`):
+            mem_fraction_static (of the GPU memory free at its start), verify (read a few
+            parameters back after each push and compare them with the module's), bucket_mb.
+        seed: SGLang's random seed (the pool worker passes one from `run.seed` and the rank).
+        where: "pool <p>, rank <r>, model <m>", for error messages.
         engine_factory: builds the engine from server args; default the real `sglang.Engine`
             (tests pass a fake that behaves as the pinned SGLang does).
-        seed: SGLang's random seed.
-        mem_fraction: SGLang's `mem_fraction_static`, of the GPU memory free at its start.
-        verify: read a few parameters back after each push and compare them with the
-            module's; default: the environment variable FLOWRL_SGLANG_VERIFY is "1".
-        where: "pool <p>, rank <r>, model <m>", for error messages.
     """
 
     parts = ("weights", "kv_cache")
+    Options = SGLangOptions  # its record in flowrl/backends.py says where it runs and what
 
     def __init__(
         self,
@@ -144,19 +141,18 @@ class SGLangRollout:
         tokenizer,
         device: str = "cuda",
         *,
-        engine_factory: Callable | None = None,
+        options: SGLangOptions | None = None,
         seed: int = 0,
-        mem_fraction: float = MEM_FRACTION,
-        bucket_bytes: int = BUCKET_BYTES,
-        verify: bool | None = None,
         where: str = "",
+        engine_factory: Callable | None = None,
     ):
-        self.module, self.tokenizer, self.device = module, tokenizer, torch.device(device)
-        self.where = where or f"device {device}"
+        super().__init__(module, tokenizer, device, options=options, seed=seed, where=where)
         self.eos = tokenizer.eos_token_id
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
-        self.bucket_bytes = bucket_bytes
-        self.verify = os.environ.get("FLOWRL_SGLANG_VERIFY") == "1" if verify is None else verify
+        self.bucket_bytes = int(self.options.bucket_mb * 1024**2)
+        self.verify = self.options.verify
+        if os.environ.get("FLOWRL_SGLANG_VERIFY") == "1":
+            compat.warn("FLOWRL_SGLANG_VERIFY=1", "[models.<m>.rollout_options] verify = true")
+            self.verify = True
         self.released: set[str] = set()  # memory tags released and not yet resumed
         dtype = _served_dtype(module, self.where)
         self.guard = EngineGuard(self.where)
@@ -165,7 +161,8 @@ class SGLangRollout:
         self._remove_dir = weakref.finalize(self, shutil.rmtree, self.model_dir, True)
         write_model_dir(module, tokenizer, self.model_dir)
         try:
-            self.engine = self._start(engine_factory or sglang_engine, dtype, mem_fraction, seed)
+            factory = engine_factory or sglang_engine
+            self.engine = self._start(factory, dtype, self.options.mem_fraction_static, seed)
         except BaseException:
             self._remove_dir()
             raise
@@ -183,7 +180,7 @@ class SGLangRollout:
 
     def run(self, coroutine):
         """Run a coroutine of requests to this engine on its loop, to its end (the batch
-        helper and the agent node call this through flowrl.engines.rollout.run_on)."""
+        helper and the agent node call this)."""
         self._ready()
         with self._calling():
             return self.loop.run_until_complete(coroutine)

@@ -37,7 +37,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from flowrl.engines.kv_cache import attention_mask
+from flowrl.engines.hf.kv_cache import attention_mask
 
 NAME = "flowrl_packed"
 _current = threading.local()  # the packed call running on this thread
@@ -116,9 +116,9 @@ AttentionMaskInterface.register(NAME, sdpa_mask)  # masks of other threads' call
 def can_pack(module) -> bool:
     """Whether `module` (a transformers causal LM, maybe wrapped) routes its attention through
     the registered functions and runs sdpa, whose per-group function this is."""
-    from flowrl.engines.forward import _innermost
+    from flowrl.models.calls import innermost
 
-    inner = _innermost(module)
+    inner = innermost(module)
     config = getattr(inner, "config", None)
     return bool(
         getattr(type(inner), "_supports_attention_backend", False)
@@ -129,9 +129,9 @@ def can_pack(module) -> bool:
 @contextlib.contextmanager
 def packing(module, call: PackedCall):
     """The packed attention selected for the calls inside, on this thread."""
-    from flowrl.engines.forward import _innermost
+    from flowrl.models.calls import innermost
 
-    config = _innermost(module).config
+    config = innermost(module).config
     with _lock:
         entry = _swapped.get(id(config))
         if entry is None:

@@ -13,12 +13,13 @@ once when the engine asks for it (`share_prompts`; never under fsdp, see `hidden
 """
 
 import functools
-import inspect
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
+
+from flowrl.models.calls import cache_argument
 
 
 class ResponseForward(nn.Module):
@@ -46,7 +47,7 @@ class ResponseForward(nn.Module):
 
         With `read_at` (b,) positions in the joined prompt + response sequence, a value model
         returns {"scores" (b,)}: its head at the hidden state *of* that token, as a sequence
-        classifier reads a reward (flowrl/engines/sequence_scores.py), not of the token before.
+        classifier reads a reward (train/sequence_scores.py), not of the token before.
         """
         if read_at is not None:
             ids = torch.cat([prompts, responses], dim=1)  # (b, s)
@@ -109,26 +110,6 @@ class ResponseForward(nn.Module):
         ).last_hidden_state  # (b, t, h)
         # the last prompt state predicts the first response token, response state k the k+1st
         return torch.cat([prompt_hidden[group, -1:], response_hidden[:, :-1]], dim=1)
-
-
-def cache_argument(module: nn.Module, cache) -> dict:
-    """The KV cache as the model's forward names it: `cache` from transformers 5.x (which
-    warns that `past_key_values` is deprecated, once per process, so once per worker),
-    `past_key_values` before. Decided on the forward's own signature, unwrapping adapters."""
-    return {_cache_name(type(_innermost(module))): cache}
-
-
-@functools.cache
-def _cache_name(cls) -> str:
-    parameters = inspect.signature(cls.forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
-
-
-def _innermost(module: nn.Module) -> nn.Module:
-    """The transformers model under peft and other wrappers (a forward of **kwargs)."""
-    while hasattr(module, "get_base_model") and module.get_base_model() is not module:
-        module = module.get_base_model()
-    return module
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, entropy: bool = False) -> dict:

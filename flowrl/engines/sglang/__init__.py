@@ -1,0 +1,3 @@
+"""The `sglang` rollout backend: an in-process SGLang engine (GPU). backend.py serves the
+request contract, io.py is what crosses to SGLang (sampling parameters, results), process.py
+guards the engine's child processes. Imported only when a graph picks `rollout = "sglang"`."""
