@@ -77,20 +77,20 @@ def compile_graph(built: Graph) -> ExecutionPlan:
     pools = _pools(built, batch, warnings)
     warnings += _lr_warnings(built.spec)
     items = _Builder(built, pools).build()
-    stages = pipeline.split(built, pools, items, batch.rows, refill, errors, warnings)
+    stages = pipeline.split(built, items, batch.rows, refill, errors, warnings)
     errors.raise_if_any()
     return ExecutionPlan(
-        built.spec.file,
-        pools,
-        batch,
-        tuple(items),
-        _overlaps(items),
-        tuple(built.warnings) + tuple(warnings),
-        _validation(built),
-        built,
-        refill,
-        after_warmup,
-        stages,
+        file=built.spec.file,
+        pools=pools,
+        batch=batch,
+        items=tuple(items),
+        overlaps=_overlaps(items),
+        warnings=tuple(built.warnings) + tuple(warnings),
+        validation=_validation(built),
+        graph=built,
+        refill=refill,
+        after_warmup=after_warmup,
+        pipeline=stages,
     )
 
 

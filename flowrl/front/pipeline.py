@@ -51,53 +51,8 @@ class PipelinePlan:
         """The most batches that wait at once (the version rule allows no more)."""
         return max(self.staleness, 1)
 
-    def lines(self) -> list[str]:
-        """The pipeline's summary for `flowrl plan`."""
-        k = self.staleness
-        if self.partial:
-            return self._partial_lines()
-        return [
-            f"async: run.staleness = {k}: step s trains on a batch generated with the weights "
-            f"of update s-{k + 1} (the first {k + 1} steps: the initial weights)",
-            f"  rollout stage on pool {self.rollout_pool}, runs up to {k} step(s) ahead: "
-            + ", ".join(self.rollout_nodes),
-            f"  queue: at most {self.queue_size} batch(es) of {self.rows} rows, every row "
-            "stamped with weight_version",
-            self._train_line,
-            f"  sync: after update s pool {self.train_pools[0]} exports {self.model}; "
-            f"pool {self.rollout_pool} loads it before generating step s+{k + 1}",
-            f"  off-policy correction: {self.correction or 'none'}",
-        ]
 
-    @property
-    def _train_line(self) -> str:
-        return f"  train stage on pool {', '.join(self.train_pools)}: " + ", ".join(
-            self.train_nodes
-        )
-
-    def _partial_lines(self) -> list[str]:
-        k, groups = self.staleness, self.rows // self.samples
-        return [
-            f"async: run.staleness = {k}, run.partial_rollout = {self.partial}: the rollout "
-            f"stage runs in rounds; a round uses the weights of update c-{k}, c the steps with "
-            "a full batch so far",
-            f"  rollout stage on pool {self.rollout_pool}: each round {self.generate_node} "
-            f"samples at most {self.partial} tokens of every response in flight (the next "
-            "prompts and the unfinished responses, continued on the round's weights; every "
-            "token stamped with its version, so a response continued over rounds keeps older "
-            f"tokens); a group of {self.samples} is finished when its last response ends",
-            f"  queue: the finished groups, in the order they finish; every {groups} make the "
-            "batch of the next step, on which "
-            + (", ".join(self.rollout_nodes[1:]) or "nothing more")
-            + " run; batches wait for their step",
-            self._train_line,
-            f"  sync: after update s pool {self.train_pools[0]} exports {self.model}; "
-            f"pool {self.rollout_pool} loads it before the first round that uses it",
-            f"  off-policy correction: {self.correction or 'none'}",
-        ]
-
-
-def split(graph, pools: dict, items: list, rows: int, refill, errors: Collector, warnings: list):
+def split(graph, items: list, rows: int, refill, errors: Collector, warnings: list):
     """The PipelinePlan of a graph with run.staleness > 0, or None when it is 0 (or refused:
     the problems go to `errors`)."""
     spec, k = graph.spec, graph.spec.run.staleness

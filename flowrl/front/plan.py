@@ -1,4 +1,5 @@
-"""ExecutionPlan: one training step as an ordered list of items, with text, JSON and DOT forms.
+"""ExecutionPlan: one training step as an ordered list of items. Its text, JSON and DOT forms
+are flowrl/front/plan_text.py.
 
 Item kinds:
 - call        a node's worker runs on every rank of a pool
@@ -16,14 +17,13 @@ start an item as soon as its deps are done (items with no path between them may 
 No torch or ray here.
 """
 
-import json
 from typing import Any
 
 import attrs
 import networkx as nx
 
+from flowrl.front import plan_text
 from flowrl.front.pipeline import PipelinePlan
-from flowrl.front.render import dot_escape, levels, rank_lines
 
 TRANSITIONS = ("reload", "offload", "sync")
 
@@ -114,15 +114,6 @@ class RefillPlan:
     before: tuple[str, ...]  # the filter's ancestors and the filter, in plan order
     after: tuple[str, ...]  # every other node
 
-    def text(self) -> str:
-        runs = ", ".join(self.before)
-        if not self.groups:
-            return f"filter: {self.node} drops rows before {', '.join(self.after)}"
-        return (
-            f"refill: {runs} run on up to {self.rounds} prompt batches until {self.node} "
-            f"has kept {self.groups} groups; then {', '.join(self.after)} on those groups"
-        )
-
 
 @attrs.frozen
 class ExecutionPlan:
@@ -150,110 +141,6 @@ class ExecutionPlan:
         """The pool a node runs on; None for a controller node."""
         return next((p.name for p in self.pools.values() if node in p.node_ids), None)
 
-    def text(self) -> str:
-        lines = [f"plan for {self.file}", "pools"]
-        for name, pool in self.pools.items():
-            lines.append(
-                f"  {name}: {pool.workers} worker(s) x {pool.device}, {pool.strategy}, "
-                f"offload={pool.offload} ({pool.offload_reason}); sizes per rank"
-            )
-            if pool.machines > 1:
-                where = "; ".join(
-                    f"node {k}: rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}"
-                    for k, r in enumerate(pool.ranks_by_node)
-                )
-                lines.append(
-                    f"    placement: {pool.placement} over {pool.machines} nodes ({where})"
-                )
-            for model, info in pool.model_lines.items():
-                lines.append(f"    {model}: {info}")
-        b = self.batch
-        lines.append(f"batch: {b.prompts} prompts x {b.samples} samples = {b.rows} rows")
-        lines += self.filter_lines()
-        if self.pipeline:
-            lines += self.pipeline.lines()
-        if self.after_warmup:
-            lines.append(
-                f"critic warm-up: {', '.join(self.after_warmup)} skip steps 1-"
-                f"{self.spec.run.critic_warmup}; the other nodes run"
-            )
-        width = len(str(len(self.items)))
-        for title, items in self._sections():
-            lines.append(title)
-            for item in items:
-                where = item.pool or "controller"
-                after = f"  after {','.join(map(str, item.deps))}" if item.deps else ""
-                lines.append(
-                    f"  {item.id:>{width}}  {item.kind:<10} {where:<10} {item.describe()}{after}"
-                )
-        if self.overlaps or self.pipeline:
-            lines.append("may overlap")
-            for name, others in self.overlaps:
-                lines.append(f"  {name} || {', '.join(others)}")
-            if self.pipeline:
-                p = self.pipeline
-                ahead = "step s+1" if p.staleness == 1 else f"step s+1 .. s+{p.staleness}"
-                ahead = "its rounds" if p.partial else ahead
-                lines.append(
-                    f"  the rollout stage ({ahead}) || the train stage (step s): every "
-                    "item of one with every item of the other"
-                )
-        lines.extend(f"warning: {w}" for w in self.warnings)
-        return "\n".join(lines) + "\n"
-
-    def _sections(self) -> list[tuple[str, list[Item]]]:
-        """The step's items under their headings: one list, or one per stage."""
-        if not self.pipeline:
-            return [("step", list(self.items))]
-        p, by_id = self.pipeline, {i.id: i for i in self.items}
-        heading = (
-            f"rollout stage (pool {p.rollout_pool}): step s+{p.staleness}, with the weights of "
-            "update s-1"
-        )
-        if p.partial:
-            ids = ", ".join(map(str, p.generate_items))
-            after = ", ".join(map(str, p.after_items))
-            heading = f"rollout stage (pool {p.rollout_pool}): items {ids} every round; {after}"
-            heading += " on each batch"
-        return [
-            (heading, [by_id[i] for i in p.rollout_items]),
-            (
-                f"queue -> train stage (pool {', '.join(p.train_pools)}): step s",
-                [by_id[i] for i in sorted((*p.train_items, p.sync_item))],
-            ),
-        ]
-
-    def _stage_names(self) -> dict:
-        """Pool -> the stage it runs, for the DOT's box labels ({} when synchronous)."""
-        if not self.pipeline:
-            return {}
-        return {self.pipeline.rollout_pool: "rollout"} | dict.fromkeys(
-            self.pipeline.train_pools, "train"
-        )
-
-    def _through_queue(self, dag: nx.DiGraph) -> nx.DiGraph:
-        """The item DAG with every edge from the rollout stage to the train stage replaced
-        by one through the queue node, and the sync's edge to the rollout pool dropped."""
-        rollout = {str(i) for i in self.pipeline.rollout_items}
-        out = nx.DiGraph()
-        out.add_nodes_from([*dag.nodes, "queue"])
-        for a, b in dag.edges:
-            if a in rollout and b not in rollout:
-                out.add_edges_from([(a, "queue"), ("queue", b)])
-            elif b not in rollout or a in rollout:
-                out.add_edge(a, b)
-        return out
-
-    def _queue_lines(self) -> list[str]:
-        p = self.pipeline
-        label = (
-            f"queue\\nat most {p.queue_size} batch(es) of {p.rows} rows\\n"
-            f"weights up to {p.staleness} update(s) old"
-        )
-        return [
-            f'  "queue" [label="{label}", shape=cylinder, style="filled", fillcolor="#eeeeee"];'
-        ]
-
     def filters(self) -> tuple[str, ...]:
         """The filter nodes (rows = "filter") of the step, in plan order."""
         return tuple(n for n in self.graph.order if self.spec.nodes[n].spec.rows == "filter")
@@ -263,97 +150,14 @@ class ExecutionPlan:
         later = nx.descendants(self.graph.dag, node)
         return [n for n in self.graph.order if n in later]
 
-    def filter_lines(self) -> list[str]:
-        """For each filter node: how it refills (if it does) and the rows the nodes after it
-        receive (what it keeps: at most the rows it receives, or its refill's target)."""
-        lines = []
-        for node in self.filters():
-            after = self.after(node)
-            refill = self.refill if self.refill and self.refill.node == node else None
-            if refill and refill.groups:
-                lines.append(refill.text())
-            if not after:
-                continue
-            rows, names = self.batch.rows_per_node[after[0]], ", ".join(after)
-            if refill and refill.groups:
-                samples = rows // refill.groups
-                lines.append(
-                    f"after {node}: {names} receive {refill.groups} groups x {samples} samples "
-                    f"= {rows} rows (fewer when the {refill.rounds} prompt batches run out)"
-                )
-            else:
-                samples = rows // self.batch.prompts
-                lines.append(
-                    f"after {node}: {names} receive the rows {node} keeps: at most {rows} "
-                    f"({self.batch.prompts} prompts x {samples} samples), varying by step"
-                )
-        return lines
+    def text(self) -> str:
+        """The plan as `flowrl plan` prints it (flowrl/front/plan_text.py)."""
+        return plan_text.text(self)
 
     def to_json(self) -> str:
-        data = {
-            "file": self.file,
-            "pools": {name: attrs.asdict(pool) for name, pool in self.pools.items()},
-            "batch": attrs.asdict(self.batch),
-            "validation": attrs.asdict(self.validation),
-            "refill": attrs.asdict(self.refill) if self.refill else None,
-            "after_warmup": list(self.after_warmup),
-            "pipeline": attrs.asdict(self.pipeline) if self.pipeline else None,
-            "items": [attrs.asdict(i) for i in self.items],
-            "overlaps": {name: list(others) for name, others in self.overlaps},
-            "warnings": list(self.warnings),
-        }
-        return json.dumps(data, indent=2, sort_keys=True)
+        """The plan as `flowrl plan --json` prints it."""
+        return plan_text.to_json(self)
 
     def to_dot(self) -> str:
-        """The plan as DOT, top to bottom in step order (each item one row below the last item
-        it waits for): pool items in their pool's box, controller items in a box of their own;
-        transitions and dispatch/collect styled."""
-        style = {
-            "call": 'shape=box, style="filled", fillcolor="#cfe2f3"',
-            "controller": 'shape=box, style="rounded,filled", fillcolor="#fff2cc"',
-            "dispatch": 'shape=invhouse, style="filled", fillcolor="#d9ead3"',
-            "collect": 'shape=house, style="filled", fillcolor="#d9ead3"',
-            "reload": 'shape=hexagon, style="filled", fillcolor="#f4cccc"',
-            "offload": 'shape=hexagon, style="filled,dashed", fillcolor="#ead1dc"',
-            "sync": 'shape=doubleoctagon, style="filled", fillcolor="#fce5cd"',
-        }
-        lines = ["digraph plan {", "  rankdir=TB; newrank=true;", '  node [fontname="Helvetica"];']
-        groups: dict[str | None, list[Item]] = {}
-        for item in self.items:
-            groups.setdefault(item.pool, []).append(item)
-        stage = self._stage_names()
-        for pool in sorted(groups, key=lambda p: (p is not None, p or "")):
-            name, label = ("(controller)", "controller") if pool is None else (pool, f"pool {pool}")
-            if pool in stage:
-                label += f" ({stage[pool]} stage)"
-            lines.append(f'  subgraph "cluster_{dot_escape(name)}" {{')
-            lines.append(
-                f'    label="{dot_escape(label)}"; style={"solid" if pool is None else "dashed"};'
-            )
-            for item in groups[pool]:
-                text = f"{item.id}. {item.kind}\\n{dot_escape(item.describe())}"
-                lines.append(f'    "{item.id}" [label="{text}", {style[item.kind]}];')
-            lines.append("  }")
-        dag = nx.DiGraph()
-        dag.add_nodes_from(str(i.id) for i in self.items)
-        dag.add_edges_from((str(d), str(i.id)) for i in self.items for d in i.deps)
-        if self.pipeline:  # the stages meet at the queue, not item to item
-            dag = self._through_queue(dag)
-            lines += self._queue_lines()
-        lines += rank_lines(levels(dag))
-        for a, b in sorted(dag.edges, key=lambda e: (_order(e[1]), _order(e[0]))):
-            lines.append(f'  "{a}" -> "{b}";')
-        if self.pipeline:
-            p = self.pipeline
-            first = p.rollout_items[0]
-            lines.append(
-                f'  "{p.sync_item}" -> "{first}" [style=dashed, constraint=false, '
-                f'label="weights, loaded {p.staleness + 1} steps later"];'
-            )
-        lines.append("}")
-        return "\n".join(lines) + "\n"
-
-
-def _order(name: str) -> tuple:
-    """Sort key of a DOT node name: item ids in number order, the queue after them."""
-    return (0, int(name)) if name.isdigit() else (1, 0)
+        """The plan as DOT, as `flowrl render --plan` draws it."""
+        return plan_text.to_dot(self)
