@@ -23,6 +23,8 @@ PUBLIC = {
     "MiniBatches": "flowrl.nodespec:MiniBatches",
     "MINI_BATCHES": "flowrl.nodespec:MINI_BATCHES",
     "Refill": "flowrl.nodespec:Refill",
+    "TruncatedIS": "flowrl.nodespec:TruncatedIS",
+    "TinyNode": "flowrl.nodespec:TinyNode",
     # param validators that state their rule (flowrl/params.py)
     "Rule": "flowrl.params:Rule",
     "checked": "flowrl.params:checked",

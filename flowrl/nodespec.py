@@ -26,6 +26,11 @@ spec, never by reading a param name itself:
 - `check(params, context) -> findings`: the node's own batch checks, run by `flowrl check`;
 - `updates_per_step(params, rows) -> int`: optimizer steps per training step (train nodes), which
   sizes the learning-rate schedule;
+- `correction(params, reads, node) -> str`: the off-policy correction a train node applies
+  itself, in words, so `run.staleness` knows the samples from older weights are corrected
+  (`TruncatedIS` names the cap param of truncated importance sampling);
+- `tiny(params, base_dir) -> TinyNode`: the params a tiny run (`flowrl run --tiny`) sets on the
+  node and what its summary says of it (the agent node scripts a first turn of tool calls);
 - `optional_reads` / `optional_writes`: keys read or written only under some params (e.g.
   `old_logprobs` unless `on_policy`);
 - `refill` (filter nodes): how many groups to keep and in how many prompt batches, so the
@@ -130,6 +135,10 @@ class NodeSpec:
             against the step's batch, run at compile time (`flowrl check`).
         updates_per_step: (params, rows) -> optimizer steps the node takes per training step
             on `rows` rows (train nodes; default 1), for the learning-rate schedule.
+        correction: (params, reads, node) -> the off-policy correction this train node
+            applies under these params, in words naming `node` ("" = none); `reads` are its
+            graph keys. `run.staleness` warns when no update of the rollout model corrects.
+        tiny: (params, base_dir) -> TinyNode: what a tiny run sets on the node and reports.
         multi_turn: a rollout node that drives its backend turn by turn (the agent node):
             `flowrl check` refuses a model whose backend does not serve that
             (`multi_turn` in flowrl/backends.py).
@@ -153,6 +162,8 @@ class NodeSpec:
     refill: "Refill | None" = None
     check: Callable[[Any, CheckContext], list[Finding]] | None = None
     updates_per_step: Callable[[Any, int], int] | None = None
+    correction: Callable[[Any, tuple[str, ...], str], str] | None = None
+    tiny: "Callable[[Any, str], TinyNode] | None" = None
     multi_turn: bool = False
     scorer_param: str = ""
 
@@ -172,6 +183,11 @@ class NodeSpec:
             )
         if self.updates_per_step is not None and self.mode != "train":
             raise ValueError('NodeSpec.updates_per_step is for mode="train" nodes')
+        if self.correction is not None and self.mode != "train":
+            raise ValueError('NodeSpec.correction is for mode="train" nodes')
+        tis = self.correction if isinstance(self.correction, TruncatedIS) else None
+        if tis and tis.cap not in attrs.fields_dict(self.params):
+            raise ValueError(f"NodeSpec.correction: TruncatedIS(cap={tis.cap!r}) names no param")
         if self.refill is not None and self.rows != "filter":
             raise ValueError('NodeSpec.refill is for rows="filter" nodes')
         if self.multi_turn and self.mode != "rollout":
@@ -266,6 +282,38 @@ class Refill:
     def of(self, params: Any) -> tuple[int, int]:
         """(groups to keep, most prompt batches) under these params."""
         return int(getattr(params, self.groups)), int(getattr(params, self.rounds))
+
+
+@attrs.frozen
+class TruncatedIS:
+    """The `correction` hook of an update node that weights its loss by truncated importance
+    sampling between the trainer's and the rollout's log-probs (min(exp(old - rollout), C)):
+    `cap` names the param holding C (0 = off). The correction applies when the cap is set and
+    the node reads `rollout_logprobs`; the staleness warning's fix names the param:
+
+        SPEC = NodeSpec(..., correction=TruncatedIS(cap="is_limit"))
+    """
+
+    cap: str = "tis_cap"
+
+    def __call__(self, params: Any, reads: tuple[str, ...], node: str) -> str:
+        cap = getattr(params, self.cap)
+        if "rollout_logprobs" not in reads or not cap:
+            return ""
+        return f"truncated importance sampling in {node} ({self.cap} = {cap:g}, rollout_logprobs)"
+
+
+@attrs.frozen
+class TinyNode:
+    """A node's part in a tiny run (`flowrl run --tiny`, flowrl/front/tiny_run.py), as its
+    `tiny` hook returns it: the params the run sets, and what the run's closing summary says
+    of the node besides its scorer."""
+
+    params: dict[str, Any] = attrs.field(factory=dict)  # param -> value (bool, int, float, str)
+    model_role: str = ""  # e.g. "reward model": the summary lists it as random weights
+    tools: tuple[str, ...] = ()  # tools counted from the node's metrics <node>/calls/<tool>[/ok]
+    scripted: bool = False  # the tools are called by a scripted first turn, not the policy
+    real: dict[str, str] = attrs.field(factory=dict)  # what runs as written: e.g. interaction
 
 
 def split_output(out: Any) -> tuple[dict, dict, list]:

@@ -12,16 +12,16 @@ tools run: a random policy never calls one). Trainable models get lr 0.01, so a 
 their parameters move; GPU pools and GPU-only rollout backends fall back to CPU and flowrl's
 own decode loop. Node params are found through the node's hooks, whatever they are called:
 rollout nodes' `RolloutParams`, the `MiniBatches` declaration of an update, a reward node's
-`scorer_param`. No torch or ray here.
+`scorer_param`, and a node's own `tiny` hook (the agent's scripted turn, a reward model's
+stub, as `nodespec.TinyNode`). No torch or ray here.
 """
 
 from pathlib import Path
 
-import attrs
-
 from flowrl.backends import ROLLOUT_BACKENDS
 from flowrl.front import dsl
-from flowrl.nodespec import RolloutParams
+from flowrl.front.typed_toml import toml_value
+from flowrl.nodespec import RolloutParams, TinyNode
 
 VARIED_SCORER = f"{Path(__file__).parents[1] / 'rewards' / 'varied.py'}:compute_score"
 TINY_RUN = {
@@ -63,7 +63,7 @@ def tiny_overrides(graph, out_dir=None, scorer: str | None = VARIED_SCORER, **ex
             out.append(f"nodes.{node_id}.{decl.spec.mini_batches.size}={minis[node_id]}")
         if scorer is not None and decl.spec.scorer_param:
             out.append(f'nodes.{node_id}.{decl.spec.scorer_param}="{scorer}"')
-    out += scripted_agents(spec)
+    out += node_overrides(spec)
     if out_dir is not None:
         out.append(f'run.out_dir="{out_dir}"')
     declared_pools = spec.raw.get("pools", {})  # a graph without [pools] gets one by default
@@ -99,33 +99,18 @@ def tiny_mini_batches(spec) -> dict[str, int]:
     return {node: max(1, -(-mini * tiny[node] // full[node])) for node, mini in minis.items()}
 
 
-def scripted_agents(spec) -> list[str]:
-    """An agent node's first turn calls each of its tools once (flowrl/agent/script.py), so a
-    tiny run runs the tool code, its arguments and its rewards, which a random policy never
-    would. Its budget fits that turn (the tiny tokenizer: one token per character), the tools'
-    answers and a sampled turn after them; every call is allowed in the one turn."""
-    from flowrl.agent.script import first_turn_text
-    from flowrl.agent.tools import Toolbox
-
+def node_overrides(spec) -> list[str]:
+    """What each node's `tiny` hook sets on it (e.g. the agent node's first turn calling each
+    of its tools, with a budget that fits the turn: nodes/agent.py `tiny`)."""
     out = []
     for node_id, decl in spec.nodes.items():
-        p = decl.params
-        if "script_first_turn" not in attrs.fields_dict(type(p)) or not (p.tools or p.tool_config):
-            continue
-        try:
-            toolbox = Toolbox(p.tools, spec.base_dir, p.tool_config)
-        except Exception:  # `flowrl check` reports the tool; no script for it here
-            continue
-        text = first_turn_text(toolbox.schemas, p.parser)
-        if not text:  # a parser of the user's own: flowrl cannot write its format
-            continue
-        turn = len(text) + 1  # + the turn's eos
-        calls = len(toolbox.schemas)
-        where = f"nodes.{node_id}"
-        out += [f"{where}.script_first_turn=true", f"{where}.max_turn_tokens={turn}"]
-        out.append(f"{where}.max_new_tokens={2 * turn + calls * (p.max_obs_tokens + 32)}")
-        out.append(f"{where}.max_parallel_calls={max(p.max_parallel_calls, calls)}")
+        part = _tiny(decl, spec.base_dir)
+        out += [f"nodes.{node_id}.{k}={toml_value(v)}" for k, v in part.params.items()]
     return out
+
+
+def _tiny(decl, base_dir) -> TinyNode:
+    return decl.spec.tiny(decl.params, str(base_dir)) if decl.spec.tiny else TinyNode()
 
 
 def cpu_fallback(spec) -> list[str]:
@@ -164,13 +149,15 @@ def summary(spec, metrics: list[dict]) -> str:
             lines.append(f"  stubbed  scorer of [nodes.{node_id}]: by response length (varied.py)")
         elif scorer is not None:
             lines.append(f"  real     scorer of [nodes.{node_id}]: {scorer}")
-        if decl.model and decl.uses.startswith("reward."):
+        part = _tiny(decl, spec.base_dir)
+        if decl.model and part.model_role:
             lines.append(
-                f"  stubbed  reward model of [nodes.{node_id}]: {decl.model}, random weights"
+                f"  stubbed  {part.model_role} of [nodes.{node_id}]: {decl.model}, random weights"
             )
-        lines += _tool_lines(node_id, decl, metrics, spec.base_dir)
-        if getattr(decl.params, "interaction", ""):
-            lines.append(f"  real     interaction of [nodes.{node_id}]: {decl.params.interaction}")
+        lines += _tool_lines(node_id, part, metrics)
+        lines += [
+            f"  real     {what} of [nodes.{node_id}]: {ref}" for what, ref in part.real.items()
+        ]
     source = spec.data.source
     lines.append(f"  real     data: {source} ({spec.data.batch_size} prompts per step)")
     if spec.run.val_size:
@@ -182,21 +169,11 @@ def summary(spec, metrics: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _tool_lines(node_id: str, decl, metrics: list[dict], base_dir) -> list[str]:
-    """One line per tool of an agent node: calls and answered calls per request, by step."""
-    tools, config = getattr(decl.params, "tools", ()), getattr(decl.params, "tool_config", "")
-    if not (tools or config):
-        return []
-    from flowrl.agent.tools import Toolbox
-
-    scripted = getattr(decl.params, "script_first_turn", False)
-    how = "first turn scripted, placeholder arguments" if scripted else "policy's own calls"
+def _tool_lines(node_id: str, part: TinyNode, metrics: list[dict]) -> list[str]:
+    """One line per tool of a node: calls and answered calls per request, by step."""
+    how = "first turn scripted, placeholder arguments" if part.scripted else "policy's own calls"
     out = []
-    try:
-        names = Toolbox(tools, base_dir, config).names
-    except Exception:  # the run could not have started with it: nothing to say
-        return []
-    for name in names:
+    for name in part.tools:
         key = f"{node_id}/calls/{name}"
         rows = [m for m in metrics if key in m]  # the training steps (validation has none)
         calls, ok = [m[key] for m in rows], [m.get(f"{key}/ok", 0.0) for m in rows]

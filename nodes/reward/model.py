@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl.nodespec import CheckContext, Finding, NodeSpec
+from flowrl.nodespec import CheckContext, Finding, NodeSpec, TinyNode
 
 POLICY = "policy"  # `tokenizer = "policy"`: read the policy's ids as they are
 
@@ -123,6 +123,11 @@ class RewardModelWorker:
         return {"scores": scores * self.params.scale}, metrics
 
 
+def tiny(params, base_dir: str) -> TinyNode:
+    """A tiny run's reward model has random weights, which the run's summary says."""
+    return TinyNode(model_role="reward model")
+
+
 SPEC = NodeSpec(
     reads=("prompts", "prompt_mask", "responses", "response_mask", "response_attention"),
     writes=("scores",),
@@ -130,6 +135,7 @@ SPEC = NodeSpec(
     worker=RewardModelWorker,
     mode="inference",
     head="value",
+    tiny=tiny,
     check=check,
     optional_reads={
         "raw_prompt": lambda p: p.tokenizer != POLICY,

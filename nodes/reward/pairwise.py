@@ -12,7 +12,7 @@ from __future__ import annotations
 import attrs
 
 from flowrl.lazy import torch
-from flowrl.nodespec import NodeSpec
+from flowrl.nodespec import NodeSpec, TinyNode
 
 
 @attrs.frozen
@@ -43,6 +43,11 @@ class PairwiseAccuracyWorker:
         return {"scores": accuracy.to(torch.float32)}, metrics
 
 
+def tiny(params, base_dir: str) -> TinyNode:
+    """A tiny run's reward model has random weights, which the run's summary says."""
+    return TinyNode(model_role="reward model")
+
+
 SPEC = NodeSpec(
     reads=("raw_prompt", "extra_info"),
     writes=("scores",),
@@ -50,4 +55,5 @@ SPEC = NodeSpec(
     worker=PairwiseAccuracyWorker,
     mode="inference",
     head="value",
+    tiny=tiny,
 )

@@ -16,7 +16,7 @@ import attrs
 from flowrl.lazy import torch
 from flowrl.math import ops
 from flowrl.math.losses import LOSSES, Chunk, loss_params, tis_weights
-from flowrl.nodespec import MINI_BATCHES, Finding, NodeSpec
+from flowrl.nodespec import MINI_BATCHES, Finding, NodeSpec, TruncatedIS
 from flowrl.params import (
     MAX_EPOCHS,
     MAX_ROWS,
@@ -181,4 +181,5 @@ SPEC = NodeSpec(
     },
     check=check,
     updates_per_step=MINI_BATCHES.updates,
+    correction=TruncatedIS(cap="tis_cap"),
 )
