@@ -109,26 +109,16 @@ class PoolWorker:
         if name in setup.sharded and name in setup.rollout_models:
             rollout_module = _rollout_copy(module, config, setup.device)
             self.rollout_copies[name] = rollout_module
-        self.train[name] = TrainEngine(
+        self.train[name] = TrainEngine.from_config(
             module,
             tokenizer,
-            trainable=config.trainable,
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            betas=tuple(config.betas),
-            warmup_steps=config.warmup_steps,
-            schedule=config.schedule,
-            min_lr_ratio=config.min_lr_ratio,
-            total_steps=setup.optimizer_steps.get(name, 1),
-            grad_clip=config.grad_clip,
-            micro_tokens=config.micro_tokens,
-            device=device,
+            config,
+            setup,
+            name,
             rank=rank,
             world_size=world_size,
             group=group,
-            strategy="fsdp" if name in setup.sharded else "ddp",
-            param_dtype=config.param_dtype,
-            activation_checkpointing=config.activation_checkpointing,
+            device=device,
         )
         if name in setup.rollout_models:
             self.rollout[name] = make_rollout(

@@ -4,6 +4,7 @@ import io
 import math
 from types import SimpleNamespace
 
+import attrs
 import pytest
 import torch
 
@@ -267,6 +268,34 @@ def test_step_changes_params_and_lr_follows_warmup_then_constant():
     assert lrs == [0.005, 0.01, 0.01]  # linear warmup over 2 optimizer steps
     assert any(not torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert all(p.grad is None for p in model.parameters())  # zero_grad(set_to_none=True)
+
+
+def test_from_config_reads_the_models_table_and_the_pools_setup():
+    from flowrl.front.schema import ModelConfig
+    from flowrl.runtime.setup import PoolSetup
+
+    config = ModelConfig(
+        path="tiny", trainable=True, lr=1e-2, warmup_steps=2, schedule="cosine",
+        min_lr_ratio=0.5, betas=(0.8, 0.9), grad_clip=0.5, micro_tokens=64,
+    )  # fmt: skip
+    setup = PoolSetup(
+        pool="main", device="cpu", threads=1, seed=0, base_dir=".", models={"policy": config},
+        optimizer_steps={"policy": 4}, rollout_models=(), nodes=(),
+    )  # fmt: skip
+    kwargs = {"rank": 0, "world_size": 1, "group": None, "device": "cpu"}
+    engine = TrainEngine.from_config(
+        tiny_model(), tiny_tokenizer(), config, setup, "policy", **kwargs
+    )
+    assert (engine.grad_clip, engine.micro_tokens, engine.device) == (0.5, 64, "cpu")
+    assert engine.optimizer.defaults["betas"] == (0.8, 0.9)
+    assert not engine.sharding.sharded  # "policy" is not in setup.sharded: ddp
+    lrs = [loss_step(engine)["lr"] for _ in range(5)]
+    # warm-up over 2 steps, then cosine from 1e-2 down to the floor 5e-3 at step 4 of the run's
+    # 4 optimizer steps: progress (k - 2) / 2 -> factor 0.5 + 0.25 * (1 + cos(pi * progress))
+    assert lrs == pytest.approx([5e-3, 1e-2, 1e-2, 7.5e-3, 5e-3])
+    frozen = attrs.evolve(config, trainable=False)
+    ref = TrainEngine.from_config(tiny_model(), tiny_tokenizer(), frozen, setup, "ref", **kwargs)
+    assert ref.optimizer is None and not ref.trainable
 
 
 def test_fused_adamw_gives_the_default_optimizers_update():

@@ -30,7 +30,7 @@ def model():
 def primed(model):
     """An engine whose cache holds A's prompt in slot 0 and B's in slot 1."""
     engine = HFRollout(model, tiny_tokenizer())
-    engine.scheduler.cache = engine._new_cache(3, 32)
+    engine.scheduler.batch.cache = engine._new_cache(3, 32)
     ids = torch.tensor([A_PROMPT + [2, 2], B_PROMPT])
     with torch.inference_mode():
         engine._forward(ids, torch.tensor([0, 0]), torch.tensor([4, 6]), 0, 2)
@@ -88,7 +88,7 @@ def test_several_decoding_rows_and_returning_rows_of_every_length_in_one_call(mo
     """Decoding rows at different columns (their mask differs row by row), then returning
     rows of 3, 1 and 2 ids: each row's logits are the model's own on its whole sequence."""
     engine = HFRollout(model, tiny_tokenizer())
-    engine.scheduler.cache = engine._new_cache(6, 32)
+    engine.scheduler.batch.cache = engine._new_cache(6, 32)
     prompts = [[5, 6], [7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18], [19], [20, 21]]
     ids = torch.tensor([p + [2] * (5 - len(p)) for p in prompts])
     lengths = torch.tensor([len(p) for p in prompts])
@@ -299,7 +299,7 @@ def test_new_prompts_arriving_while_another_decodes_ride_in_its_decode_call(mode
 def test_cuda_packed_calls_compute_the_whole_conversations_and_the_cpus_rollout(model):
     gpu = copy.deepcopy(model).cuda()
     engine = HFRollout(gpu, tiny_tokenizer(), "cuda")
-    engine.scheduler.cache = engine._new_cache(3, 32)
+    engine.scheduler.batch.cache = engine._new_cache(3, 32)
     prompts, chunks = [[5, 6], [7, 8, 9, 10], [11, 12, 13]], [[30], [40, 41, 42], [43]]
     ids = torch.tensor([p + [2] * (4 - len(p)) for p in prompts], device="cuda")
     lengths = torch.tensor([len(p) for p in prompts], device="cuda")

@@ -114,3 +114,17 @@ def test_local_executor_refuses_fsdp_over_several_ranks():
     plan = load_plan(graph, [*overrides, 'pools.main.strategy="fsdp"'])
     with pytest.raises(NodeFailure, match="--backend ray"):
         LocalExecutor(plan)
+
+
+def test_passes_makes_up_to_the_busiest_ranks_count(group, monkeypatch):
+    """engine.passes: under fsdp a rank with fewer chunks than the busiest rank runs padding
+    passes after its own (every pass is a collective); under ddp the chunks come back as given."""
+    rows = batch()
+    chunks = [rows.index(slice(0, 3)), rows.index(slice(3, 6))]
+    assert engine(tiny_model(), trainable=False).passes(chunks) is chunks
+    sharded = engine(tiny_model(seed=0), "fsdp", group, trainable=False)
+    # as if another rank of the pool had 5 chunks: the all-reduce gives the most over ranks
+    monkeypatch.setattr(sharded, "_all_reduce", lambda value, op: 5.0)
+    seen = [len(sharded.forward(c, grad=False)["logprobs"]) for c in sharded.passes(chunks)]
+    assert seen == [3, 3]  # the caller sees its own chunks only
+    assert sharded.forwards == 5  # and 3 padding passes ran after them

@@ -80,7 +80,7 @@ def draw(probs: torch.Tensor, generator, uniform=None) -> torch.Tensor:
 
 
 def sample_rows(rows: list, logits: torch.Tensor) -> tuple[list[int], list[float]]:
-    """The continuous-batching engine's step: logits (d, v) of d requests (scheduler.Row:
+    """The continuous-batching engine's step: logits (d, v) of d requests (slots.Row:
     `.request` with its Sampling and forced ids, `.stream` its generator, `.out` its ids so
     far) -> one token per row and its log-prob. Rows are grouped by sampling settings; each
     sampled row draws one number from its own stream, so its token does not depend on the

@@ -67,10 +67,6 @@ class Scheduler:
     def cache(self):
         return self.batch.cache
 
-    @cache.setter
-    def cache(self, value) -> None:
-        self.batch.cache = value
-
     @property
     def held(self) -> dict:
         return self.batch.held

@@ -60,7 +60,7 @@ class TrainEngine(UpdateLoop):
         self.grad_clip, self.micro_tokens = grad_clip, micro_tokens
         self.is_value = hasattr(module, "value_head")
         self.checkpointing = activation_checkpointing
-        self.passes = 0  # forward passes run (fsdp keeps them equal across ranks)
+        self.forwards = 0  # forward passes run (fsdp keeps them equal across ranks)
         if activation_checkpointing and trainable:
             checkpoint_layers(decoder_layers(module))
         if not trainable:
@@ -88,6 +88,36 @@ class TrainEngine(UpdateLoop):
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
             self.resident |= {"grads", "optimizer"}
 
+    @classmethod
+    def from_config(
+        cls, module, tokenizer, config, setup, name: str, *, rank, world_size, group, device
+    ) -> "TrainEngine":
+        """The engine of model `name` on one rank of a pool: `config` its [models.<name>] table
+        (flowrl/front/schema.py ModelConfig: optimizer, schedule, micro_tokens, dtypes) and
+        `setup` the pool's PoolSetup (flowrl/runtime/setup.py: the model's optimizer steps in
+        the run, whether fsdp shards it); `group` the pool's process group (None: one rank)."""
+        return cls(
+            module,
+            tokenizer,
+            trainable=config.trainable,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            betas=tuple(config.betas),
+            warmup_steps=config.warmup_steps,
+            schedule=config.schedule,
+            min_lr_ratio=config.min_lr_ratio,
+            total_steps=setup.optimizer_steps.get(name, 1),
+            grad_clip=config.grad_clip,
+            micro_tokens=config.micro_tokens,
+            device=device,
+            rank=rank,
+            world_size=world_size,
+            group=group,
+            strategy="fsdp" if name in setup.sharded else "ddp",
+            param_dtype=config.param_dtype,
+            activation_checkpointing=config.activation_checkpointing,
+        )
+
     # -- batching ------------------------------------------------------------------------------
     def micro_batches(self, rows):
         """Contiguous row chunks whose padded size, rows x (prompt + response) columns after
@@ -99,7 +129,7 @@ class TrainEngine(UpdateLoop):
         rank with fewer chunks makes up the difference with passes on a padding row, with no
         gradient, once the loop is done (before the code after the loop runs).
         """
-        return self._in_lockstep(self._split(rows), grad=True)
+        return self._equal_passes(self._split(rows), grad=True)
 
     def _split(self, rows) -> list:
         if len(rows) == 0:
@@ -116,7 +146,14 @@ class TrainEngine(UpdateLoop):
         bounds.append((start, len(rows)))
         return [rows.index(slice(a, b)) for a, b in bounds]
 
-    def _in_lockstep(self, parts: list, grad: bool):
+    def passes(self, chunks: list):
+        """`chunks` (micro-batches of rows, or anything a caller runs one forward per item of,
+        such as index tensors) for passes without gradients: as they are (ddp), or under fsdp
+        followed by passes on a padding row until this rank has made as many as the busiest
+        rank, since every pass is a collective. Iterate it once, one forward per chunk."""
+        return self._equal_passes(chunks, grad=False)
+
+    def _equal_passes(self, parts: list, grad: bool):
         """`parts` as they are (ddp), or under fsdp a generator that yields them and then runs
         passes on a padding row until this rank has made as many as the busiest rank."""
         if not self.sharding.sharded:
@@ -124,9 +161,9 @@ class TrainEngine(UpdateLoop):
         most = self._all_reduce(sum(1 for p in parts if len(p)), dist.ReduceOp.MAX)
 
         def walk():
-            start = self.passes
+            start = self.forwards
             yield from parts
-            for _ in range(int(most) - (self.passes - start)):
+            for _ in range(int(most) - (self.forwards - start)):
                 pad = torch.full((1, 1), self.tokenizer.pad_token_id or 0)
                 one = torch.ones(1, 1, dtype=torch.long)
                 row = DataProto.from_dict(
@@ -146,7 +183,7 @@ class TrainEngine(UpdateLoop):
 
     def infer(self, rows, **kwargs) -> dict:
         """`forward` without gradients over micro-batches, outputs concatenated (b, t)."""
-        parts = self._in_lockstep(self._split(rows), grad=False)
+        parts = self.passes(self._split(rows))
         outs = [self.forward(m, grad=False, **kwargs) for m in parts]
         return {key: torch.cat([p[key] for p in outs]) for key in outs[0]}
 
@@ -161,7 +198,7 @@ class TrainEngine(UpdateLoop):
         if b == 0:
             empty = torch.zeros(0, t)
             return {"values": empty} if self.is_value else {"logprobs": empty, "entropy": empty}
-        self.passes += 1
+        self.forwards += 1
         with torch.enable_grad() if grad else self.sharding.no_grad():
             out, keep = self._forward(rows, entropy, temperature, grad)
         if not grad:

@@ -47,7 +47,7 @@ def forward_scores(engine, ids, mask, *, grad: bool) -> torch.Tensor:
     ids, mask = ids[:, first:end].to(engine.device), mask[:, first:end].to(engine.device)
     pad_id = getattr(engine.module.config, "pad_token_id", None)
     at = read_positions(ids, mask, pad_id)
-    engine.passes += 1
+    engine.forwards += 1
     empty = ids[:, :0]
     with torch.enable_grad() if grad else engine.sharding.no_grad():
         scores = engine.forward_module(ids, mask, empty, empty, read_at=at)["scores"]
@@ -76,7 +76,7 @@ def chunks(mask: torch.Tensor, micro_tokens: int, group: int = 1) -> list[torch.
 
 def infer_scores(engine, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """ids, mask (b, s) -> scores (b,) without gradients, over micro-batches of the engine's
-    `micro_tokens` (under fsdp every rank makes as many passes: `TrainEngine._in_lockstep`)."""
-    parts = engine._in_lockstep(chunks(mask, engine.micro_tokens), grad=False)
+    `micro_tokens` (under fsdp every rank makes as many passes: `TrainEngine.passes`)."""
+    parts = engine.passes(chunks(mask, engine.micro_tokens))
     scores = [forward_scores(engine, ids[part], mask[part], grad=False) for part in parts]
     return torch.cat(scores) if scores else torch.zeros(0)
