@@ -77,7 +77,7 @@ def compile_graph(built: Graph) -> ExecutionPlan:
     pools = _pools(built, batch, warnings)
     warnings += _lr_warnings(built.spec)
     items = _Builder(built, pools).build()
-    stages = pipeline.split(built, items, batch.rows, refill, errors, warnings)
+    pipeline_plan = pipeline.split(built, items, batch.rows, refill, errors, warnings)
     errors.raise_if_any()
     return ExecutionPlan(
         file=built.spec.file,
@@ -90,7 +90,7 @@ def compile_graph(built: Graph) -> ExecutionPlan:
         graph=built,
         refill=refill,
         after_warmup=after_warmup,
-        pipeline=stages,
+        pipeline=pipeline_plan,
     )
 
 

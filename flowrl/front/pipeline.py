@@ -8,8 +8,9 @@ The batch of step s is generated with the weights of update max(s - 1 - k, start
 the steps done when the run started (0) or resumed (runtime/pipeline.py `version_for`; with
 run.partial_rollout a round uses update max(c - k, start), c the steps with a full batch so
 far: runtime/partial.py): exactly k updates old once the pipeline is full, never more, never
-fewer, so a run is reproducible whatever the timing. After update s the trainer exports the weights; the rollout pool loads
-them just before it generates step s + 1 + k. At most k batches wait in the queue.
+fewer, so a run is reproducible whatever the timing. After update s the trainer exports the
+weights; the rollout pool loads them just before it generates step s + 1 + k. At most k
+batches wait in the queue.
 
 The checks refuse what the pipeline cannot honour, naming the key and the fix. No torch here.
 """
