@@ -39,12 +39,16 @@ import signal
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import attrs
 
 CHILD = Path(__file__).with_name("_sandbox_child.py")
 CPU_EXIT = 124  # as in _sandbox_child.py
+SANDBOX_SETTINGS = ("auto", "required")  # an agent node's `sandbox`
+# the system's programs and libraries (merged-/usr systems have symlinks for the rest)
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache")
 
 
 @attrs.frozen
@@ -54,6 +58,7 @@ class SandboxLimits:
     memory_mb: int = 512  # address space of each process
     output_bytes: int = 16_384  # of stdout and of stderr (and of any file written)
     processes: int = 16  # RLIMIT_NPROC where seccomp cannot refuse new processes
+    scratch_mb: int = 64  # of /scratch and of /tmp, each, in a confined run (tmpfs)
 
 
 @attrs.frozen
@@ -100,25 +105,125 @@ def isolation() -> tuple[str, ...]:
     return prefix if done.returncode == 0 else ()
 
 
-async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """Run `code` as a script in a child process under `limits` (see the module docstring).
-    Cancelling the call (a tool timeout) kills the child's whole process tree."""
+@attrs.frozen
+class Confinement:
+    available: bool
+    reason: str = ""  # why not, in words
+
+
+@functools.cache
+def view() -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """What the confined child sees of the host, read-only: (directories and files to bind,
+    (path, target) symlinks to recreate). The system's programs and libraries, the loader's
+    cache, and this interpreter's prefixes (its standard library and site-packages)."""
+    wanted = [*SYSTEM, *(os.path.abspath(p) for p in _interpreter_paths())]
+    binds, links, seen = [], [], set()
+    while wanted:
+        path = wanted.pop(0)
+        if path in seen or path == "/" or not os.path.lexists(path):
+            continue
+        seen.add(path)
+        if os.path.islink(path):
+            links.append((path, os.readlink(path)))
+            wanted.append(os.path.realpath(path))
+        else:
+            binds.append(path)
+
+    def inside_a_bind(path):
+        return any(path.startswith(other.rstrip("/") + "/") for other in binds)
+
+    return (
+        tuple(sorted(p for p in binds if not inside_a_bind(p))),
+        tuple(sorted((p, t) for p, t in links if not inside_a_bind(p))),
+    )
+
+
+def _interpreter_paths() -> list[str]:
+    prefixes = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix}
+    return [*sorted(prefixes), os.path.dirname(os.path.realpath(sys.executable))]
+
+
+@functools.cache
+def confinement() -> Confinement:
+    """Whether the child can be confined to its view on this machine: a probe that builds
+    the view once and runs a one-line program in it."""
+    if sys.platform != "linux":
+        return Confinement(False, f"it needs Linux's namespaces, and this is {sys.platform}")
+    if shutil.which("unshare") is None:
+        return Confinement(False, "`unshare` (util-linux) is not installed")
     run_dir = Path(tempfile.mkdtemp(prefix="flowrl-python-"))
-    work = run_dir / "work"
-    work.mkdir()
-    (work / "main.py").write_text(code)
-    prefix = isolation()
-    settings = {
-        "cpu_s": limits.cpu_s,
-        "memory_bytes": limits.memory_mb * 2**20,
-        "output_bytes": limits.output_bytes,
-        "processes": limits.processes,
-        "block_network": not prefix,
-    }
-    command = [*prefix, sys.executable, "-I", str(CHILD), json.dumps(settings), str(work)]
+    try:
+        command, env = _command("import os\nprint(os.getcwd())", SandboxLimits(), run_dir, True)
+        done = subprocess.run(command, env=env, capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return Confinement(False, f"the probe failed: {e}")
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if done.returncode == 0 and done.stdout == b"/scratch\n":
+        return Confinement(True)
+    said = done.stderr.decode(errors="replace").strip().splitlines()
+    if said and said[-1].startswith("unshare: "):
+        return Confinement(False, f"user namespaces are not available ({said[-1]})")
+    return Confinement(False, said[-1] if said else f"the probe exited {done.returncode}")
+
+
+class SandboxUnavailable(RuntimeError):
+    """sandbox = "required" on a machine where the code cannot be confined."""
+
+
+def unconfined_notice(reason: str) -> str:
+    return (
+        f"the python tool cannot confine its code on this machine ({reason}): the code "
+        "a model writes runs with the rights of the user running flowrl, so it can read and "
+        "write every file that user can (checkpoints, the scorer's source, flowrl's own "
+        "files, credentials); the network, other processes and resource limits stay bounded"
+    )
+
+
+REQUIRED_FIX = (
+    'sandbox = "required" in the agent node refuses to run unconfined: enable unprivileged '
+    "user namespaces (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu also "
+    "kernel.apparmor_restrict_unprivileged_userns=0), use a sandbox service (the "
+    'sandbox_fusion tool), or set sandbox = "auto" to accept it'
+)
+_NOTICE = []  # the notice was given in this process
+
+
+def say_unconfined_once(reason: str) -> bool:
+    """True the first time in this process (`flowrl check`'s finding counts as said)."""
+    if _NOTICE:
+        return False
+    _NOTICE.append(reason)
+    return True
+
+
+def use_view(sandbox: str) -> bool:
+    """Whether this run is confined under the agent node's `sandbox` setting: "auto"
+    confines where the machine can and warns once where it cannot; "required" raises."""
+    if sandbox not in SANDBOX_SETTINGS:
+        raise ValueError(f'sandbox = "{sandbox}" must be one of {", ".join(SANDBOX_SETTINGS)}')
+    state = confinement()
+    if state.available:
+        return True
+    if sandbox == "required":
+        raise SandboxUnavailable(f"{unconfined_notice(state.reason)}. {REQUIRED_FIX}")
+    if say_unconfined_once(state.reason):
+        warnings.warn(unconfined_notice(state.reason), stacklevel=3)
+    return False
+
+
+async def run_python(
+    code: str, limits: SandboxLimits = SandboxLimits(), sandbox: str = "auto"
+) -> SandboxResult:
+    """Run `code` as a script in a child process under `limits` (see the module docstring),
+    confined to its view where `sandbox` and the machine allow (`use_view`). Cancelling the
+    call (a tool timeout) kills the child's whole process tree."""
+    confined = use_view(sandbox)
+    run_dir = Path(tempfile.mkdtemp(prefix="flowrl-python-"))
     stdout_path, stderr_path = run_dir / "stdout", run_dir / "stderr"
     process = None
     try:
+        command, env = _command(code, limits, run_dir, confined)
         with open(stdout_path, "wb") as stdout, open(stderr_path, "wb") as stderr:
             process = await asyncio.create_subprocess_exec(
                 *command,
@@ -126,13 +231,7 @@ async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> Sand
                 stdout=stdout,
                 stderr=stderr,
                 start_new_session=True,  # its own process group: killed as one
-                env={
-                    "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-                    "HOME": str(work),
-                    "OMP_NUM_THREADS": "1",
-                    "OPENBLAS_NUM_THREADS": "1",
-                    "LANG": "C.UTF-8",
-                },
+                env=env,
             )
         try:
             returncode = await asyncio.wait_for(process.wait(), limits.wall_s)
@@ -150,6 +249,41 @@ async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> Sand
         if process is not None and process.returncode is None:
             _kill(process)  # cancelled: leave nothing running
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _command(code: str, limits: SandboxLimits, run_dir: Path, confined: bool):
+    """(the child's command line, its environment), its files under `run_dir`."""
+    work = run_dir / "work"
+    work.mkdir()
+    (work / "main.py").write_text(code)
+    prefix = isolation()
+    settings = {
+        "cpu_s": limits.cpu_s,
+        "memory_bytes": limits.memory_mb * 2**20,
+        "output_bytes": limits.output_bytes,
+        "processes": limits.processes,
+        "block_network": not prefix,
+        "view": None,
+    }
+    if confined:
+        (run_dir / "root").mkdir()
+        read_only, symlinks = view()
+        settings["view"] = {
+            "root": str(run_dir / "root"),
+            "read_only": read_only,
+            "symlinks": symlinks,
+            "scratch_mb": limits.scratch_mb,
+        }
+        prefix = (*prefix[:2], "--mount", "--ipc", *prefix[2:])
+    command = [*prefix, sys.executable, "-I", str(CHILD), json.dumps(settings), str(work)]
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": "/scratch" if confined else str(work),
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "LANG": "C.UTF-8",
+    }
+    return command, env
 
 
 def _status(returncode: int) -> str:
