@@ -87,14 +87,23 @@ def _bounded(value):
     return value
 
 
-async def python(code: str) -> str:
-    """Run a Python program and return what it prints (stdout, then stderr).
+def python_tool(sandbox: str = "auto"):
+    """The `python` tool, confining its code as the agent node's `sandbox` says ("auto":
+    where the machine can; "required": refuse where it cannot)."""
 
-    Args:
-        code: the program; print the values you want to see.
-    """
-    result = await run_python(code, PYTHON_LIMITS)
-    return result.message(PYTHON_LIMITS)
+    async def python(code: str) -> str:
+        """Run a Python program and return what it prints (stdout, then stderr).
+
+        Args:
+            code: the program; print the values you want to see.
+        """
+        result = await run_python(code, PYTHON_LIMITS, sandbox)
+        return result.message(PYTHON_LIMITS)
+
+    return python
+
+
+python = python_tool()  # "flowrl.agent.builtin:python", with the default setting
 
 
 class AnswerCheck:

@@ -181,10 +181,10 @@ def unconfined_notice(reason: str) -> str:
 
 
 REQUIRED_FIX = (
-    'sandbox = "required" in the agent node refuses to run unconfined: enable unprivileged '
-    "user namespaces (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu also "
-    "kernel.apparmor_restrict_unprivileged_userns=0), use a sandbox service (the "
-    'sandbox_fusion tool), or set sandbox = "auto" to accept it'
+    "enable unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1; on "
+    "Ubuntu also kernel.apparmor_restrict_unprivileged_userns=0), run the code in a sandbox "
+    'service (the sandbox_fusion tool), or set sandbox = "auto" in the agent node to run it '
+    "unconfined"
 )
 _NOTICE = []  # the notice was given in this process
 
@@ -206,7 +206,8 @@ def use_view(sandbox: str) -> bool:
     if state.available:
         return True
     if sandbox == "required":
-        raise SandboxUnavailable(f"{unconfined_notice(state.reason)}. {REQUIRED_FIX}")
+        notice = unconfined_notice(state.reason)
+        raise SandboxUnavailable(f'sandbox = "required", but {notice}. Fix: {REQUIRED_FIX}')
     if say_unconfined_once(state.reason):
         warnings.warn(unconfined_notice(state.reason), stacklevel=3)
     return False

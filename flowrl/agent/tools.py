@@ -112,8 +112,13 @@ class ClassTool:
         return out
 
 
-def make_tool(ref: str, base_dir: str | Path = "."):
-    """The tool a reference names (see the module docstring)."""
+def make_tool(ref: str, base_dir: str | Path = ".", sandbox: str = "auto"):
+    """The tool a reference names (see the module docstring); the built-in `python` runs
+    its code under the agent node's `sandbox` setting (flowrl/agent/sandbox.py)."""
+    if ref == "python":
+        from flowrl.agent.builtin import python_tool
+
+        return FunctionTool(python_tool(sandbox))
     target = load_object(BUILTIN_TOOLS.get(ref, ref), base_dir)
     if inspect.isclass(target):
         return VerlTool(target) if is_verl_tool(target) else ClassTool(target)
@@ -125,8 +130,8 @@ def make_tool(ref: str, base_dir: str | Path = "."):
 class Toolbox:
     """The tools of an agent node; `open` gives one request its Session."""
 
-    def __init__(self, refs, base_dir: str | Path = ".", tool_config: str = ""):
-        self.tools = [make_tool(ref, base_dir) for ref in refs]
+    def __init__(self, refs, base_dir: str | Path = ".", tool_config: str = "", sandbox="auto"):
+        self.tools = [make_tool(ref, base_dir, sandbox) for ref in refs]
         if tool_config:
             self.tools += load_tool_config(tool_config, base_dir)
         self.schemas = [s for tool in self.tools for s in tool.schemas]
