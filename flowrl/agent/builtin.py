@@ -1,10 +1,13 @@
 """Built-in tools, by name in an agent node's `tools`:
 
 - "calculator": `calc(expression)`, arithmetic on an AST walk (no `eval`), with bounded sizes;
-- "python": `python(code)`, a program run in a child process under limits (sandbox.py);
+- "python": `python(code)`, a program run in a child process under limits, confined to a
+  read-only view of the interpreter (sandbox.py; the agent node's `sandbox` setting);
 - "answer_check": `AnswerCheck`, a per-request tool in the style of verl's GSM8K tool: the
   model submits an answer through `calc_gsm8k_reward(answer)` and learns whether it is right;
-  the request's reward is the last answer's score.
+  the request's reward is the last answer's score;
+- "sandbox_fusion": `code_interpreter(code)`, run by a sandbox service (sandbox_service.py;
+  its URL in a tool YAML's config).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Tools an agent node may call, referenced from the graph file like scorers.
 
-A reference is a built-in name ("calculator", "python", "answer_check") or "file.py:name"
-(relative to the graph file) or "package.module:name", naming one of:
+A reference is a built-in name ("calculator", "python", "answer_check", "sandbox_fusion": see
+builtin.py and sandbox_service.py) or "file.py:name" (relative to the graph file) or
+"package.module:name", naming one of:
 
 - a function, sync or `async def`, with type hints and a Google-style docstring (its schema
   comes from them: flowrl/agent/schema.py, the output of transformers' `get_json_schema`
@@ -33,6 +34,7 @@ BUILTIN_TOOLS = {
     "calculator": "flowrl.agent.builtin:calc",
     "python": "flowrl.agent.builtin:python",
     "answer_check": "flowrl.agent.builtin:AnswerCheck",
+    "sandbox_fusion": "flowrl.agent.sandbox_service:SandboxFusionTool",  # config: a tool YAML
 }
 LIFECYCLE = ("reward", "close")  # class-tool methods that are not tools
 
