@@ -1,4 +1,4 @@
-"""Run untrusted Python in a child process under limits: the `python` tool's engine.
+"""Run untrusted Python in a confined child process under limits: the `python` tool's engine.
 
 What bounds a run (each stops it with a message the model can read; the rollout goes on):
 
@@ -20,12 +20,35 @@ What bounds a run (each stops it with a message the model can read; the rollout 
   Where unprivileged user namespaces are off (or `unshare` is missing) the child instead
   replaces `socket.socket` and `socket.create_connection` with functions that raise, which
   stops ordinary code but not code that works around it (ctypes);
-- files: the working directory is a fresh scratch directory, deleted afterwards; the
-  environment holds only PATH, HOME (the scratch directory) and one-thread BLAS settings.
+- files (confinement): with `--mount --ipc` added, the child builds its own file system
+  before running the code (_sandbox_child.py): a read-only view of what the interpreter
+  needs (/usr and the merged-/usr symlinks, the loader's cache, this interpreter's prefixes
+  with the standard library and site-packages: `view()`), a private writable /scratch (the
+  working directory and HOME) and /tmp (tmpfs, `scratch_mb` each), /dev's null, zero, full,
+  random and urandom, and a read-only /proc of its PID namespace; it pivots into it,
+  detaches the host's root and drops every capability. So writes outside /scratch and /tmp
+  fail ("Read-only file system"), and the run directory, the checkout, the home directory,
+  /etc and every other path do not exist for the code: reads fail from the view, not from
+  file modes (as root, a mode-600 file is readable wherever it is visible). Root inside is
+  root of a user namespace only, holding no capability: it cannot remount the view
+  writable, and the seccomp filter refuses unshare and setns too. The environment holds
+  only PATH, HOME and one-thread BLAS settings.
 
-This is a resource guard for a model's code, not a security boundary: the child reads and
-writes the host's file system with the rights of the user running flowrl. Point a tool at a
-real sandbox service for code you would not run on the machine.
+Why this mechanism: the namespaces the network isolation already used plus a mount
+namespace, built in the child with mount(2) and pivot_root(2) through ctypes: nothing to
+install (bubblewrap, which does the same, is not on every machine; `unshare` is part of
+util-linux), the same whether flowrl runs as root or not, and the view hides paths rather
+than denying access to them (Landlock, also available on recent kernels, denies by path but
+gives no private /tmp or /proc of its own). It adds about 2 ms to a call of about 65 ms
+(bench/sandbox.py; docs/performance.md).
+
+Where the kernel does not allow it (no user namespaces, not Linux: `confinement()` says
+why) the code runs unconfined in a scratch directory of the host, with the user's rights on
+every file: the agent node's `sandbox = "auto"` (the default) warns once, `"required"`
+refuses (SandboxUnavailable; `flowrl check` reports it as an error). It is not a VM:
+the code shares the host's kernel, and a kernel bug is an escape. For code you would not run
+on the machine at all, the sandbox_fusion tool sends it to a sandbox service
+(sandbox_service.py).
 """
 
 from __future__ import annotations
@@ -151,6 +174,8 @@ def confinement() -> Confinement:
         return Confinement(False, f"it needs Linux's namespaces, and this is {sys.platform}")
     if shutil.which("unshare") is None:
         return Confinement(False, "`unshare` (util-linux) is not installed")
+    if not isolation():
+        return Confinement(False, "user namespaces are off: `unshare --map-root-user` fails")
     run_dir = Path(tempfile.mkdtemp(prefix="flowrl-python-"))
     try:
         command, env = _command("import os\nprint(os.getcwd())", SandboxLimits(), run_dir, True)
@@ -162,8 +187,6 @@ def confinement() -> Confinement:
     if done.returncode == 0 and done.stdout == b"/scratch\n":
         return Confinement(True)
     said = done.stderr.decode(errors="replace").strip().splitlines()
-    if said and said[-1].startswith("unshare: "):
-        return Confinement(False, f"user namespaces are not available ({said[-1]})")
     return Confinement(False, said[-1] if said else f"the probe exited {done.returncode}")
 
 

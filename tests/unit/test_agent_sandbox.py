@@ -182,3 +182,18 @@ def test_auto_runs_unconfined_where_it_must_and_says_so_once(monkeypatch):
 def test_an_unknown_setting_is_refused():
     with pytest.raises(ValueError, match='sandbox = "off" must be one of auto, required'):
         asyncio.run(run_python("print(1)", LIMITS, "off"))
+
+
+@pytest.mark.parametrize(
+    ("platform", "namespaces", "says"),
+    [("darwin", ("unshare",), "this is darwin"), ("linux", (), "user namespaces are off")],
+)
+def test_the_probe_says_why_the_code_cannot_be_confined(monkeypatch, platform, namespaces, says):
+    monkeypatch.setattr(sandbox.sys, "platform", platform)
+    monkeypatch.setattr(sandbox, "isolation", lambda: namespaces)
+    sandbox.confinement.cache_clear()
+    try:
+        state = sandbox.confinement()
+    finally:
+        sandbox.confinement.cache_clear()  # the next caller probes this machine again
+    assert not state.available and says in state.reason
