@@ -62,6 +62,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -166,10 +167,19 @@ def _interpreter_paths() -> list[str]:
     return [*sorted(prefixes), os.path.dirname(os.path.realpath(sys.executable))]
 
 
-@functools.cache
 def confinement() -> Confinement:
     """Whether the child can be confined to its view on this machine: a probe that builds
-    the view once and runs a one-line program in it."""
+    the view once and runs a one-line program in it (once per process: the first calls of
+    a step, each on a thread of its own, wait for the one probe)."""
+    with _PROBE:
+        return _probe()
+
+
+_PROBE = threading.Lock()
+
+
+@functools.cache
+def _probe() -> Confinement:
     if sys.platform != "linux":
         return Confinement(False, f"it needs Linux's namespaces, and this is {sys.platform}")
     if shutil.which("unshare") is None:

@@ -191,9 +191,9 @@ def test_an_unknown_setting_is_refused():
 def test_the_probe_says_why_the_code_cannot_be_confined(monkeypatch, platform, namespaces, says):
     monkeypatch.setattr(sandbox.sys, "platform", platform)
     monkeypatch.setattr(sandbox, "isolation", lambda: namespaces)
-    sandbox.confinement.cache_clear()
+    sandbox._probe.cache_clear()
     try:
         state = sandbox.confinement()
     finally:
-        sandbox.confinement.cache_clear()  # the next caller probes this machine again
+        sandbox._probe.cache_clear()  # the next caller probes this machine again
     assert not state.available and says in state.reason
