@@ -9,8 +9,9 @@ set, securebits, capset), so neither it nor a program it executes can remount a 
 bind writable or mount anything. Soft and hard limits are set equal (the CPU hard limit one
 second later), so the code cannot raise them again. A seccomp filter then refuses every new
 process (fork, vfork, clone without CLONE_THREAD; clone3 says ENOSYS so glibc falls back to
-clone) and new namespaces (unshare, setns): threads work, a fork bomb gets EAGAIN on its
-first fork.
+clone), new namespaces (unshare, setns) and the kernel's keyrings (add_key, request_key,
+keyctl: the child inherits flowrl's session keyring): threads work, a fork bomb gets EAGAIN
+on its first fork.
 """
 
 import ctypes
@@ -30,6 +31,7 @@ SYSCALLS = {
     "x86_64": (0xC000003E, {"clone": 56, "fork": 57, "vfork": 58, "unshare": 272, "setns": 308}),
     "aarch64": (0xC00000B7, {"clone": 220, "unshare": 97, "setns": 268}),
 }
+KEYS = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}  # add_key, request_key, keyctl
 CLONE_THREAD, EPERM, EAGAIN, ENOSYS, CLONE3 = 0x10000, 1, 11, 38, 435
 LOAD, JEQ, JSET, RET = 0x20, 0x15, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, ..|JSET|K, BPF_RET|K
 ALLOW, ERRNO = 0x7FFF0000, 0x00050000
@@ -42,6 +44,7 @@ def seccomp_filter() -> bool:
     arch, numbers = SYSCALLS[platform.machine()]
     refused = [(CLONE3, ENOSYS)] + [(numbers[n], EAGAIN) for n in ("fork", "vfork") if n in numbers]
     refused += [(numbers["unshare"], EPERM), (numbers["setns"], EPERM)]
+    refused += [(number, EPERM) for number in KEYS[platform.machine()]]  # the keyrings it shares
     program = [(LOAD, 0, 0, 4), (JEQ, 0, 0, arch), (LOAD, 0, 0, 0)]  # jumps patched below
     program += [(JEQ, 0, 0, number) for number, _ in refused]
     clone = len(program)

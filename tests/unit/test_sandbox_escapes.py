@@ -5,7 +5,9 @@ a checkpoint, the reward scorer's source, a mode-600 secret. Only the sandbox's 
 is used, so the file also runs against an older flowrl to show which cases escaped there."""
 
 import asyncio
+import ctypes
 import json
+import os
 import secrets
 import select
 import signal
@@ -184,6 +186,33 @@ def test_another_process_cannot_be_killed_or_read():
     finally:
         victim.send_signal(signal.SIGKILL)
         victim.wait()
+
+
+def test_a_key_in_flowrls_session_keyring_is_out_of_reach():
+    """The child inherits the session keyring of the process that starts it."""
+    if sys.platform != "linux" or os.uname().machine != "x86_64":
+        pytest.skip("the keyring calls below use x86-64 syscall numbers")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    token = secrets.token_hex(8).encode()
+    name = f"flowrl-escape-{secrets.token_hex(4)}".encode()
+    session = ctypes.c_int(-3)  # KEY_SPEC_SESSION_KEYRING
+    key = libc.syscall(248, b"user", name, token, len(token), session)  # add_key
+    if key < 0:
+        pytest.skip(f"no session keyring to test with (errno {ctypes.get_errno()})")
+    code = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.syscall.restype = ctypes.c_long\n"
+        f"key = libc.syscall(250, 10, ctypes.c_int(-3), b'user', {name!r}, 0)  # KEYCTL_SEARCH\n"
+        "buffer = ctypes.create_string_buffer(64)\n"
+        "read = libc.syscall(250, 11, ctypes.c_long(key), buffer, 64)  # KEYCTL_READ\n"
+        "print(buffer.raw[: max(read, 0)].decode() if read > 0 else 'refused')\n"
+    )
+    try:
+        out = attempt(code)
+        assert token.decode() not in out and "refused" in out
+    finally:
+        libc.syscall(250, 3, ctypes.c_long(key))  # KEYCTL_REVOKE
 
 
 def test_the_network_is_unreachable_even_through_ctypes():
