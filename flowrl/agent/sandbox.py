@@ -195,10 +195,11 @@ def _probe() -> Confinement:
         return Confinement(False, f"the probe failed: {e}")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    if done.returncode == 0 and done.stdout == b"/scratch\n":
+    if done.returncode == 0 and done.stdout.endswith(b"/scratch\n"):
         return Confinement(True)
     said = done.stderr.decode(errors="replace").strip().splitlines()
-    return Confinement(False, said[-1] if said else f"the probe exited {done.returncode}")
+    printed = f"the probe exited {done.returncode}, printing {done.stdout[-80:]!r}"
+    return Confinement(False, said[-1] if said else printed)
 
 
 class SandboxUnavailable(RuntimeError):
