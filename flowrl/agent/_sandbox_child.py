@@ -139,9 +139,10 @@ def build_view(view: dict, code: str) -> None:
     os.makedirs(root + "/proc")
     try:
         _mount("proc", root + "/proc", "proc", PROC)
-        _mount(None, root + "/proc", None, MS_REMOUNT | MS_BIND | MS_RDONLY | PROC)
     except SetupError:  # a container that hides parts of its /proc: the view has none
         pass
+    else:  # read-only, or no run at all
+        _mount(None, root + "/proc", None, MS_REMOUNT | MS_BIND | MS_RDONLY | PROC)
     _mount(None, root, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.chdir(root)
     _call("pivot_root", LIBC.pivot_root(b".", b"."))  # the old root now lies on top of "/"

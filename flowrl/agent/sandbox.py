@@ -32,8 +32,8 @@ What bounds a run (each stops it with a message the model can read; the rollout 
   file modes (as root, a mode-600 file is readable wherever it is visible). Root inside is
   root of a user namespace only, holding no capability: it cannot remount the view
   writable, and the seccomp filter refuses unshare and setns too (and the keyrings, which
-  it would otherwise share with flowrl). The environment holds
-  only PATH, HOME and one-thread BLAS settings.
+  it would otherwise share with flowrl). The environment holds only PATH, HOME and
+  one-thread BLAS settings.
 
 Why this mechanism: the namespaces the network isolation already used plus a mount
 namespace, built in the child with mount(2) and pivot_root(2) through ctypes: nothing to
