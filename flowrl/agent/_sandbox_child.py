@@ -184,7 +184,8 @@ def main() -> None:
         try:
             build_view(settings["view"], source)
         except (OSError, ValueError) as e:  # nothing runs outside the view
-            os.write(2, f"python tool: cannot confine the code ({e})\n".encode())
+            said = e.strerror if isinstance(e, SetupError) else e  # without "[Errno n]"
+            os.write(2, f"python tool: cannot confine the code ({said})\n".encode())
             os._exit(SETUP_EXIT)
         work = SCRATCH
     cpu = settings["cpu_s"]

@@ -201,3 +201,14 @@ def test_the_probe_says_why_the_code_cannot_be_confined(monkeypatch, platform, n
     finally:
         sandbox._probe.cache_clear()  # the next caller probes this machine again
     assert not state.available and says in state.reason
+
+
+def test_a_view_that_cannot_be_built_runs_nothing(monkeypatch):
+    if not sandbox.confinement().available:
+        pytest.skip(f"no confinement here: {sandbox.confinement().reason}")
+    read_only, symlinks = sandbox.view()
+    missing = "/flowrl-no-such-directory"
+    monkeypatch.setattr(sandbox, "view", lambda: ((*read_only, missing), symlinks))
+    result, message = run("print('ran unconfined')")
+    assert result.status == "error" and "ran unconfined" not in result.stdout
+    assert message.startswith(f"python tool: cannot confine the code (mount {missing} on ")
