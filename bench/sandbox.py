@@ -58,7 +58,8 @@ def main() -> None:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
     ).stdout.strip()
     out = {
-        "what": "run_python('print(1)') wall time per call (ms), median; alternating order",
+        "what": "run_python('print(1)') per call (ms): wall time and the CPU time of its "
+        "processes, medians; alternating order",
         "calls_each": args.calls,
         "confined_ms": round(confined, 1),
         "unconfined_ms": round(plain, 1),
