@@ -38,6 +38,7 @@ class Params(RolloutParams):
     max_new_tokens: int = checked(256, count(1, MAX_TOKENS))  # whole response, sampled + tool
     tools: tuple[str, ...] = checked((), _names())  # built-in names or "file.py:name"
     tool_config: str = ""  # a verl tool YAML (tools: [{class_name, config, tool_schema}])
+    sandbox: str = checked("auto", one_of(("auto", "required")))  # the python tool's confinement
     parser: str = "hermes"  # "hermes", "tag" (<name>argument</name>) or "file.py:parse"
     chat_template: str = ""  # a template file replacing the tokenizer's (tools in the prompt)
     system_prompt: str = ""  # put before the row's system message; {tools} = the schemas

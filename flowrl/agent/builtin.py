@@ -1,10 +1,13 @@
 """Built-in tools, by name in an agent node's `tools`:
 
 - "calculator": `calc(expression)`, arithmetic on an AST walk (no `eval`), with bounded sizes;
-- "python": `python(code)`, a program run in a child process under limits (sandbox.py);
+- "python": `python(code)`, a program run in a child process under limits, confined to a
+  read-only view of the interpreter (sandbox.py; the agent node's `sandbox` setting);
 - "answer_check": `AnswerCheck`, a per-request tool in the style of verl's GSM8K tool: the
   model submits an answer through `calc_gsm8k_reward(answer)` and learns whether it is right;
-  the request's reward is the last answer's score.
+  the request's reward is the last answer's score;
+- "sandbox_fusion": `code_interpreter(code)`, run by a sandbox service (sandbox_service.py;
+  its URL in a tool YAML's config).
 """
 
 from __future__ import annotations
@@ -87,14 +90,23 @@ def _bounded(value):
     return value
 
 
-async def python(code: str) -> str:
-    """Run a Python program and return what it prints (stdout, then stderr).
+def python_tool(sandbox: str = "auto"):
+    """The `python` tool, confining its code as the agent node's `sandbox` says ("auto":
+    where the machine can; "required": refuse where it cannot)."""
 
-    Args:
-        code: the program; print the values you want to see.
-    """
-    result = await run_python(code, PYTHON_LIMITS)
-    return result.message(PYTHON_LIMITS)
+    async def python(code: str) -> str:
+        """Run a Python program and return what it prints (stdout, then stderr).
+
+        Args:
+            code: the program; print the values you want to see.
+        """
+        result = await run_python(code, PYTHON_LIMITS, sandbox)
+        return result.message(PYTHON_LIMITS)
+
+    return python
+
+
+python = python_tool()  # "flowrl.agent.builtin:python", with the default setting
 
 
 class AnswerCheck:

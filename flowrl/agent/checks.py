@@ -25,6 +25,7 @@ def agent_findings(p, context: CheckContext) -> list[Finding]:
         fix = 'tools = ["calculator", "file.py:name"] or tool_config = "tools.yaml" (verl\'s)'
         out.append(Finding(f"tools: {e}", fix))
     out += _parser_findings(p, context, toolbox)
+    out += _sandbox_findings(p)
     if p.interaction and p.interaction_config:
         out.append(Finding("interaction and interaction_config are both set", "keep one"))
     try:  # instantiates verl interaction classes as verl's registry does
@@ -97,6 +98,23 @@ def _limit_findings(p) -> list[Finding]:
     if p.solution not in ("assistant", "full"):
         out.append(Finding(f'solution = "{p.solution}" must be "assistant" or "full"'))
     return out
+
+
+def _sandbox_findings(p) -> list[Finding]:
+    """Where the python tool's code cannot be confined: an error under sandbox = "required",
+    else a warning saying what the code can reach (given once: the run does not repeat it)."""
+    if "python" not in p.tools:
+        return []
+    from flowrl.agent import sandbox
+
+    state = sandbox.confinement()
+    if state.available:
+        return []
+    notice = sandbox.unconfined_notice(state.reason)
+    if p.sandbox == "required":
+        return [Finding(f'sandbox = "required", but {notice}', sandbox.REQUIRED_FIX)]
+    sandbox.say_unconfined_once(state.reason)
+    return [Finding(f'{notice} (sandbox = "required" refuses to run instead)', warning=True)]
 
 
 def _parser_findings(p, context, toolbox) -> list[Finding]:

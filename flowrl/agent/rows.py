@@ -36,9 +36,10 @@ def agent_setup(params, base_dir: str, tokenizer) -> AgentSetup:
     """The resolved tools, parser, chat and interactions of an agent node's params (cached:
     built once per worker process, not every step)."""
     refs = (tuple(params.tools), params.tool_config, params.parser, params.chat_template)
-    key = (*refs, params.interaction, params.interaction_config, base_dir, id(tokenizer))
+    key = (*refs, params.interaction, params.interaction_config, params.sandbox)
+    key = (*key, base_dir, id(tokenizer))
     if key not in _SETUPS:
-        toolbox = Toolbox(params.tools, base_dir, params.tool_config)
+        toolbox = Toolbox(params.tools, base_dir, params.tool_config, params.sandbox)
         _SETUPS[key] = AgentSetup(
             toolbox,
             make_parser(params.parser, toolbox.names, base_dir),

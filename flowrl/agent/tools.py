@@ -1,7 +1,8 @@
 """Tools an agent node may call, referenced from the graph file like scorers.
 
-A reference is a built-in name ("calculator", "python", "answer_check") or "file.py:name"
-(relative to the graph file) or "package.module:name", naming one of:
+A reference is a built-in name ("calculator", "python", "answer_check", "sandbox_fusion": see
+builtin.py and sandbox_service.py) or "file.py:name" (relative to the graph file) or
+"package.module:name", naming one of:
 
 - a function, sync or `async def`, with type hints and a Google-style docstring (its schema
   comes from them: flowrl/agent/schema.py, the output of transformers' `get_json_schema`
@@ -33,6 +34,7 @@ BUILTIN_TOOLS = {
     "calculator": "flowrl.agent.builtin:calc",
     "python": "flowrl.agent.builtin:python",
     "answer_check": "flowrl.agent.builtin:AnswerCheck",
+    "sandbox_fusion": "flowrl.agent.sandbox_service:SandboxFusionTool",  # config: a tool YAML
 }
 LIFECYCLE = ("reward", "close")  # class-tool methods that are not tools
 
@@ -112,8 +114,13 @@ class ClassTool:
         return out
 
 
-def make_tool(ref: str, base_dir: str | Path = "."):
-    """The tool a reference names (see the module docstring)."""
+def make_tool(ref: str, base_dir: str | Path = ".", sandbox: str = "auto"):
+    """The tool a reference names (see the module docstring); the built-in `python` runs
+    its code under the agent node's `sandbox` setting (flowrl/agent/sandbox.py)."""
+    if ref == "python":
+        from flowrl.agent.builtin import python_tool
+
+        return FunctionTool(python_tool(sandbox))
     target = load_object(BUILTIN_TOOLS.get(ref, ref), base_dir)
     if inspect.isclass(target):
         return VerlTool(target) if is_verl_tool(target) else ClassTool(target)
@@ -125,8 +132,8 @@ def make_tool(ref: str, base_dir: str | Path = "."):
 class Toolbox:
     """The tools of an agent node; `open` gives one request its Session."""
 
-    def __init__(self, refs, base_dir: str | Path = ".", tool_config: str = ""):
-        self.tools = [make_tool(ref, base_dir) for ref in refs]
+    def __init__(self, refs, base_dir: str | Path = ".", tool_config: str = "", sandbox="auto"):
+        self.tools = [make_tool(ref, base_dir, sandbox) for ref in refs]
         if tool_config:
             self.tools += load_tool_config(tool_config, base_dir)
         self.schemas = [s for tool in self.tools for s in tool.schemas]

@@ -55,9 +55,11 @@ def is_verl_interaction(cls) -> bool:
 def _reference(class_name: str, folder: Path) -> str:
     """verl's dotted "pkg.module.Class" as a flowrl reference: "pkg/module.py:Class" when
     that file sits in the YAML's folder, else "pkg.module:Class" (importable); a flowrl
-    reference with a colon passes through."""
-    if ":" in class_name:
-        return class_name
+    reference with a colon, or a built-in tool's name ("sandbox_fusion"), passes through."""
+    from flowrl.agent.tools import BUILTIN_TOOLS  # tools.py imports this module
+
+    if ":" in class_name or class_name in BUILTIN_TOOLS:
+        return BUILTIN_TOOLS.get(class_name, class_name)
     module, _, name = class_name.rpartition(".")
     file = (folder / (module.replace(".", "/") + ".py")).resolve()
     return f"{file}:{name}" if file.is_file() else f"{module}:{name}"
@@ -75,10 +77,15 @@ class VerlTool:
         try:
             self.tool = cls(config=dict(config or {}), tool_schema=schema)
         except Exception as e:
+            hint = (  # a schema it was not given may be what it lacked
+                ""
+                if schema is not None
+                else " (a verl tool takes its schema from the tool YAML's tool_schema or its "
+                "class attribute tool_schema)"
+            )
             raise ToolError(
                 f"{cls.__qualname__}(config=..., tool_schema=...) raised {type(e).__name__}: "
-                f"{e} (a verl tool takes its schema from the tool YAML's tool_schema or its "
-                "class attribute tool_schema)"
+                f"{e}{hint}"
             ) from e
         schema = getattr(self.tool, "tool_schema", None) or schema
         if schema is None:

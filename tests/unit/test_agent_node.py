@@ -213,6 +213,38 @@ def test_flowrl_check_runs_the_template_check_without_loading_weights(tools_dir,
     assert any("max_turn_tokens = 900 exceeds" in w for w in plan.warnings)
 
 
+def test_flowrl_check_says_when_the_python_tool_cannot_be_confined(tools_dir, monkeypatch):
+    from flowrl.agent import checks, sandbox
+
+    monkeypatch.setattr(checks, "_template", lambda *a: [])
+    graph = tools_dir / "g.toml"
+    graph.write_text(
+        '[data]\nbatch_size = 2\n[models.policy]\npath = "tiny"\ntrainable = true\n'
+        '[pools.main]\nworkers = 1\n[nodes.rollout]\nuses = "agent"\nmodel = "policy"\n'
+        'n = 2\ntools = ["python"]\n[nodes.reward]\nuses = "reward.rule"\n'
+        '[nodes.advantage]\nuses = "advantage.grpo"\n[nodes.update]\n'
+        'uses = "update.policy"\nmodel = "policy"\non_policy = true\n'
+    )
+    simulated = sandbox.Confinement(False, "simulated: user namespaces off")
+    monkeypatch.setattr(sandbox, "confinement", lambda: simulated)
+    monkeypatch.setattr(sandbox, "_NOTICE", [])
+    plan = flowrl.compile(graph)
+    (said,) = [w for w in plan.warnings if "cannot confine" in w]
+    assert "simulated: user namespaces off" in said and "credentials" in said
+    assert sandbox._NOTICE  # the run's first call does not say it again
+    text = graph.read_text().replace(
+        'tools = ["python"]', 'tools = ["python"]\nsandbox = "required"'
+    )
+    graph.write_text(text)
+    with pytest.raises(GraphErrors) as refused:
+        flowrl.compile(graph)
+    report = str(refused.value)
+    assert "[nodes.rollout]" in report and 'sandbox = "required", but' in report
+    assert "user namespaces" in report and 'sandbox = "auto"' in report  # the fix
+    monkeypatch.setattr(sandbox, "confinement", lambda: sandbox.Confinement(True))
+    assert not [w for w in flowrl.compile(graph).warnings if "confine" in w]
+
+
 def test_reward_rule_hands_the_rollout_record_to_the_scorer(tmp_path):
     (tmp_path / "s.py").write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"

@@ -2,6 +2,7 @@
 loop, a sleep, a huge allocation, too much output, a network call and a fork bomb are each
 stopped with a clear message, and the next run works."""
 
+import ast
 import asyncio
 import os
 import time
@@ -9,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from flowrl.agent import sandbox
 from flowrl.agent.builtin import python
 from flowrl.agent.parsers import ToolCall
-from flowrl.agent.sandbox import SandboxLimits, isolation, run_python
+from flowrl.agent.sandbox import SandboxLimits, SandboxUnavailable, isolation, run_python
 from flowrl.agent.tools import Toolbox
 
 LIMITS = SandboxLimits(cpu_s=1, wall_s=30.0, memory_mb=256, output_bytes=2000)
@@ -98,7 +100,10 @@ def test_a_fork_bomb_is_stopped():
 
 
 def test_a_tool_timeout_kills_the_child():
-    limits = SandboxLimits(cpu_s=777, wall_s=60.0)  # 777 marks the child's command line
+    # a CPU limit of this process's own marks its child's command line: other test runs on
+    # a shared machine start children with the same code at the same time
+    marker = 10_000 + os.getpid()
+    limits = SandboxLimits(cpu_s=marker, wall_s=60.0)
     session = Toolbox([]).open({})
 
     async def go():
@@ -111,7 +116,7 @@ def test_a_tool_timeout_kills_the_child():
     left = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            if b'"cpu_s": 777' in cmdline.read_bytes():
+            if f'"cpu_s": {marker},'.encode() in cmdline.read_bytes():
                 left.append(cmdline)
         except OSError:
             pass
@@ -130,3 +135,80 @@ def test_the_python_tool_through_a_session_reports_errors_as_text():
     assert result.status == "ok"  # the tool worked; the code failed, and the model reads why
     assert result.text.startswith("Traceback") and "ZeroDivisionError" in result.text
     assert "_sandbox_child" not in result.text  # only the code's own frames
+
+
+def test_the_code_sees_only_its_view_and_holds_no_capability():
+    if not sandbox.confinement().available:
+        pytest.skip(f"no confinement here: {sandbox.confinement().reason}")
+    code = (
+        "import os\nprint(sorted(os.listdir('/')))\nprint(os.getcwd())\n"
+        "lines = open('/proc/self/status').read().splitlines()\n"
+        "status = dict(line.split(':\\t', 1) for line in lines if ':\\t' in line)\n"
+        "print(status['CapEff'], status['CapBnd'], os.getpid())\n"
+    )
+    result, _ = run(code)
+    listing, cwd, capabilities = result.stdout.split("\n")
+    read_only, symlinks = sandbox.view()
+    tops = {Path(p).parts[1] for p in read_only} | {Path(p).parts[1] for p, _ in symlinks}
+    assert set(ast.literal_eval(listing)) == tops | {"dev", "etc", "proc", "scratch", "tmp"}
+    assert cwd == "/scratch"
+    assert capabilities == "0000000000000000 0000000000000000 1"  # pid 1 of its namespace
+
+
+def test_required_refuses_where_the_code_cannot_be_confined(monkeypatch):
+    simulated = sandbox.Confinement(False, "simulated: no user namespaces")
+    monkeypatch.setattr(sandbox, "confinement", lambda: simulated)
+    with pytest.raises(SandboxUnavailable, match='sandbox = "required", but the python tool'):
+        asyncio.run(run_python("print(1)", LIMITS, "required"))
+    session = Toolbox(["python"], sandbox="required").open({})
+
+    async def go():
+        await session.start()
+        return await session.call(ToolCall("python", {"code": "print(1)"}), 30.0)
+
+    result = asyncio.run(go())  # the model reads why, and the call counts as an error
+    assert result.status == "error" and result.text.startswith("error: SandboxUnavailable")
+    assert "simulated: no user namespaces" in result.text and 'sandbox = "auto"' in result.text
+
+
+def test_auto_runs_unconfined_where_it_must_and_says_so_once(monkeypatch):
+    simulated = sandbox.Confinement(False, "simulated: another OS")
+    monkeypatch.setattr(sandbox, "confinement", lambda: simulated)
+    monkeypatch.setattr(sandbox, "_NOTICE", [])
+    with pytest.warns(UserWarning) as said:
+        result, _ = run("import os\nprint(os.getcwd())")
+        again, _ = run("print(2)")
+    notices = [str(w.message) for w in said if w.category is UserWarning]  # a ResourceWarning
+    assert notices == [sandbox.unconfined_notice("simulated: another OS")]  # may pass by too
+    assert result.status == "ok" and result.stdout != "/scratch" and again.stdout == "2"
+
+
+def test_an_unknown_setting_is_refused():
+    with pytest.raises(ValueError, match='sandbox = "off" must be one of auto, required'):
+        asyncio.run(run_python("print(1)", LIMITS, "off"))
+
+
+@pytest.mark.parametrize(
+    ("platform", "namespaces", "says"),
+    [("darwin", ("unshare",), "this is darwin"), ("linux", (), "user namespaces are off")],
+)
+def test_the_probe_says_why_the_code_cannot_be_confined(monkeypatch, platform, namespaces, says):
+    monkeypatch.setattr(sandbox.sys, "platform", platform)
+    monkeypatch.setattr(sandbox, "isolation", lambda: namespaces)
+    sandbox._probe.cache_clear()
+    try:
+        state = sandbox.confinement()
+    finally:
+        sandbox._probe.cache_clear()  # the next caller probes this machine again
+    assert not state.available and says in state.reason
+
+
+def test_a_view_that_cannot_be_built_runs_nothing(monkeypatch):
+    if not sandbox.confinement().available:
+        pytest.skip(f"no confinement here: {sandbox.confinement().reason}")
+    read_only, symlinks = sandbox.view()
+    missing = "/flowrl-no-such-directory"
+    monkeypatch.setattr(sandbox, "view", lambda: ((*read_only, missing), symlinks))
+    result, message = run("print('ran unconfined')")
+    assert result.status == "error" and "ran unconfined" not in result.stdout
+    assert message.startswith(f"python tool: cannot confine the code (mount {missing} on ")
