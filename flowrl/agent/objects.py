@@ -8,6 +8,14 @@ from pathlib import Path
 
 from flowrl import refs
 
+# a tool's short name in a graph -> the reference it stands for (tools.py and verl.py read it)
+BUILTIN_TOOLS = {
+    "calculator": "flowrl.agent.builtin:calc",
+    "python": "flowrl.agent.builtin:python",
+    "answer_check": "flowrl.agent.builtin:AnswerCheck",
+    "sandbox_fusion": "flowrl.agent.sandbox_service:SandboxFusionTool",  # config: a tool YAML
+}
+
 
 class ToolError(ValueError):
     """A tool reference that cannot be loaded or described."""

@@ -25,17 +25,11 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
-from flowrl.agent.objects import ToolError, load_object
+from flowrl.agent.objects import BUILTIN_TOOLS, ToolError, load_object
 from flowrl.agent.schema import function_schema
 from flowrl.agent.session import Session, maybe_await
 from flowrl.agent.verl import VerlTool, is_verl_tool, load_tool_config
 
-BUILTIN_TOOLS = {
-    "calculator": "flowrl.agent.builtin:calc",
-    "python": "flowrl.agent.builtin:python",
-    "answer_check": "flowrl.agent.builtin:AnswerCheck",
-    "sandbox_fusion": "flowrl.agent.sandbox_service:SandboxFusionTool",  # config: a tool YAML
-}
 LIFECYCLE = ("reward", "close")  # class-tool methods that are not tools
 
 

@@ -25,7 +25,7 @@ import inspect
 import uuid
 from pathlib import Path
 
-from flowrl.agent.objects import ToolError, load_object
+from flowrl.agent.objects import BUILTIN_TOOLS, ToolError, load_object
 from flowrl.agent.session import maybe_await
 
 
@@ -56,8 +56,6 @@ def _reference(class_name: str, folder: Path) -> str:
     """verl's dotted "pkg.module.Class" as a flowrl reference: "pkg/module.py:Class" when
     that file sits in the YAML's folder, else "pkg.module:Class" (importable); a flowrl
     reference with a colon, or a built-in tool's name ("sandbox_fusion"), passes through."""
-    from flowrl.agent.tools import BUILTIN_TOOLS  # tools.py imports this module
-
     if ":" in class_name or class_name in BUILTIN_TOOLS:
         return BUILTIN_TOOLS.get(class_name, class_name)
     module, _, name = class_name.rpartition(".")
