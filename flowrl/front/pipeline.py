@@ -4,10 +4,11 @@ bounded queue of batches (asynchronous, off-policy training; docs/scaling.md).
 The rollout stage is every node placed on the rollout pool (generate) and every controller
 node computed only from what that stage wrote (reward, advantage): it needs no trained model,
 so it can run ahead. The train stage is the rest (reference / old log-probs, the updates).
-The batch of step s is generated with the weights of update max(s - 1 - k, 0): exactly k
-updates old once the pipeline is full, never more, never fewer, so a run is reproducible
-whatever the timing. After update s the trainer exports the weights; the rollout pool loads
-them just before it generates step s + 1 + k. At most k batches wait in the queue.
+The batch of step s is generated with the weights of update `version(s - 1, k, 0)` =
+max(s - 1 - k, 0): exactly k updates old once the pipeline is full, never more, never fewer, so
+a run is reproducible whatever the timing. After update s the trainer exports the weights; the
+rollout pool loads them just before it generates step s + 1 + k. At most k batches wait in the
+queue.
 
 The checks refuse what the pipeline cannot honour, naming the key and the fix. No torch here.
 """
@@ -20,6 +21,15 @@ FIX_POOLS = (
     'generate on a pool of its own: models.{model}.rollout_pool = "gen" with a [pools.gen] '
     "table, as graphs/grpo_disaggregated.toml does, or set run.staleness = 0"
 )
+
+
+def version(done: int, k: int, floor: int) -> int:
+    """The update whose weights generate the next batch (or round) of the rollout stage, with
+    `done` steps' batches assembled before it: k updates behind them, never older than `floor`
+    (the weights the run started or resumed with). It reads counts only, never timing, so a
+    run is reproducible and a resume continues it exactly; both the whole batches
+    (flowrl/runtime/pipeline.py) and the rounds of partial rollouts (partial.py) use it."""
+    return max(done - k, floor)
 
 
 @attrs.frozen
