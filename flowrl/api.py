@@ -23,6 +23,7 @@ PUBLIC = {
     "MiniBatches": "flowrl.nodespec:MiniBatches",
     "MINI_BATCHES": "flowrl.nodespec:MINI_BATCHES",
     "Refill": "flowrl.nodespec:Refill",
+    "Continuation": "flowrl.nodespec:Continuation",
     # param validators that state their rule (flowrl/params.py)
     "Rule": "flowrl.params:Rule",
     "checked": "flowrl.params:checked",

@@ -164,20 +164,23 @@ def split(graph, pools: dict, items: list, rows: int, refill, errors: Collector,
 
 def _partial(graph, rollout: list[str], items: list, stage_items: tuple, errors) -> dict:
     """run.partial_rollout's fields of the PipelinePlan ({} when off); refuses what a round
-    cannot continue: a rollout node other than one `generate`, a segment as long as the
-    response cap."""
+    cannot continue: other than one rollout node whose spec declares how its responses
+    continue (`NodeSpec.continues`, as `generate` does), a segment as long as the response
+    cap."""
     spec, tokens = graph.spec, graph.spec.run.partial_rollout
     if not tokens:
         return {}
     node = rollout[0]
     decl = spec.nodes[node]
-    if len(rollout) > 1 or decl.uses != "generate":
+    if len(rollout) > 1 or decl.spec.continues is None:
         errors.add(
             "[run]",
-            f"partial_rollout = {tokens} continues single-turn responses of one "
-            f'`uses = "generate"` node; this graph generates with '
+            f"partial_rollout = {tokens} continues the responses of one rollout node that "
+            'declares how (NodeSpec.continues, as `uses = "generate"` does); this graph '
+            "generates with "
             + ", ".join(f'[nodes.{n}] (uses = "{spec.nodes[n].uses}")' for n in rollout),
-            "set run.partial_rollout = 0",
+            "set run.partial_rollout = 0, or give a node file of your own "
+            '`continues=Continuation(...)` in its SPEC (docs/extending.md, "A node")',
         )
         return {}
     cap = decl.params.max_new_tokens
@@ -202,7 +205,7 @@ def _partial(graph, rollout: list[str], items: list, stage_items: tuple, errors)
         "generate_node": node,
         "samples": decl.params.n,
         "max_new_tokens": cap,
-        "logprobs": bool(getattr(decl.params, "return_logprobs", False)),
+        "logprobs": "rollout_logprobs" in decl.spec.writes_for(decl.params),
     }
 
 

@@ -20,7 +20,6 @@ from pathlib import Path
 import toml
 from tqdm import tqdm
 
-from flowrl.agent.prompt import agent_prompt
 from flowrl.data import PromptLoader
 from flowrl.data.split import prompt_sets
 from flowrl.models import load_tokenizer
@@ -103,8 +102,7 @@ class Trainer:
         guards.check_models(spec, policy, self.tokenizer)
         # a reward model with its own tokenizer compares vocabularies with it (reward.model)
         batch_meta = {"seed": spec.run.seed, "policy_tokenizer": spec.models[policy].path}
-        render = agent_prompt(spec, self.tokenizer)  # an agent node's prompts show its tools
-        self.train_set, self.val_batch, _ = prompt_sets(spec, self.tokenizer, render)
+        self.train_set, self.val_batch, _ = prompt_sets(spec, self.tokenizer)
         self.loader = PromptLoader(
             self.train_set, spec.data.batch_size, spec.run.seed, spec.data.shuffle
         )

@@ -30,7 +30,6 @@ from __future__ import annotations
 import attrs
 import torch
 
-from flowrl.lazy import np
 from flowrl.protocol import DataProto
 from flowrl.runtime.executor import LEFT_PADDED, StepResult
 from flowrl.runtime.pipeline import (
@@ -74,7 +73,8 @@ class PartialPipeline(Pipeline):
     Args:
         produce: the `Producer` of each round's prompts (the round's number and version);
             called in the rollout thread (or inline).
-        tokenizer: the policy's: its eos ends a response, it decodes response_text.
+        tokenizer: the policy's: its eos ends a response; the generating node's
+            `Continuation.finish` gets it (generate decodes response_text with it).
         The others: see `Pipeline`.
     """
 
@@ -82,6 +82,7 @@ class PartialPipeline(Pipeline):
         self, executor, stages, produce: Producer, tokenizer, start, steps, queued: Queued | None
     ):
         self.tokenizer = tokenizer
+        self.continues = executor.spec.nodes[stages.generate_node].spec.continues
         self.stop_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         if queued is not None and queued.batches and queued.rounds is None:
@@ -240,20 +241,22 @@ class PartialPipeline(Pipeline):
         return DataProto.from_columns(kept, rows.meta)
 
     def _completed(self, rows: DataProto, meta: dict) -> DataProto:
-        """Finished rows as the generate node's output: its columns added (response_attention,
-        response_text; rollout_logprobs only if the node returns them) and each row's
-        weight_version, the version of its oldest token."""
+        """Finished rows as the generating node's output: the columns of its `Continuation`
+        added (generate's response_attention and response_text; rollout_logprobs kept only if
+        the node returns them) and each row's weight_version, the version of its oldest
+        token."""
         columns = {k: rows[k] for k in rows.keys() if k != ENDED}
         if not self.stages.logprobs:
             del columns["rollout_logprobs"]
+        made = self.continues.finish(rows, self.tokenizer)
+        if set(made) != set(self.continues.columns):
+            raise ValueError(
+                f"[nodes.{self.stages.generate_node}]: its Continuation.finish returned "
+                f"{sorted(made)}, not its columns {sorted(self.continues.columns)}: return "
+                "exactly the columns it declares"
+            )
+        columns.update(made)
         mask = rows["response_mask"]
-        columns["response_attention"] = mask.clone()
-        texts = np.empty(len(rows), dtype=object)
-        texts[:] = self.tokenizer.batch_decode(
-            [_real(t, m) for t, m in zip(rows["responses"], mask, strict=True)],
-            skip_special_tokens=True,
-        )
-        columns["response_text"] = texts
         huge = torch.iinfo(torch.long).max
         oldest = torch.where(mask.bool(), rows[TOKEN_VERSION], huge).min(-1).values
         columns[VERSION_KEY] = torch.where(oldest == huge, 0, oldest)  # (b,)
