@@ -251,22 +251,10 @@ class Trainer:
         timings, throughput and process metrics (what metrics.jsonl logs)."""
         start = time.time()
         walked = self.source.next(step)
-        batch, metrics, slices = walked.batch, walked.metrics, walked.slices
         seconds = time.time() - start
-        self.trace.add(slices, step)
-        out = {"step": step, "time_s": seconds, **step_log.batch_metrics(batch), **metrics}
-        out["data/dropped_too_long"] = self.train_set.filtered  # prompts never trained on
-        out["data/duplicates"] = self.train_set.duplicates
-        for name, value in step_log.timings(slices).items():
-            out[f"timing_s/{name}"] = value
-        tokens = (
-            float(batch["prompt_mask"].sum() + batch["response_mask"].sum())
-            if "response_mask" in batch
-            else 0.0
-        )
-        out["tokens_per_s"] = tokens / seconds
-        out.update(step_log.process_metrics())
-        return StepResult(batch, out, slices)
+        self.trace.add(walked.slices, step)
+        out = step_log.step_metrics(step, seconds, walked, self.train_set)
+        return StepResult(walked.batch, out, walked.slices)
 
     def validate(self, step: int = 0) -> dict:
         """Greedy decoding on the validation prompts, scored by the graph's own reward nodes;
