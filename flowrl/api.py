@@ -25,6 +25,7 @@ PUBLIC = {
     "Refill": "flowrl.nodespec:Refill",
     "TruncatedIS": "flowrl.nodespec:TruncatedIS",
     "TinyNode": "flowrl.nodespec:TinyNode",
+    "Continuation": "flowrl.nodespec:Continuation",
     # param validators that state their rule (flowrl/params.py)
     "Rule": "flowrl.params:Rule",
     "checked": "flowrl.params:checked",

@@ -36,7 +36,11 @@ spec, never by reading a param name itself:
 - `refill` (filter nodes): how many groups to keep and in how many prompt batches, so the
   controller samples more prompts until the filter has kept enough (DAPO's dynamic sampling);
 - rollout nodes' params subclass `RolloutParams`, so validation can ask any of them for greedy
-  decoding and the compiler can size the KV cache.
+  decoding and the compiler can size the KV cache;
+- `continues` (rollout nodes): a `Continuation`, so run.partial_rollout can continue the
+  node's responses over rounds and rebuild its other columns when they end;
+- `prompt` (rollout nodes): `(params, base_dir, tokenizer) -> row -> prompt text`, how the
+  data loader renders every prompt the node samples from (the agent node shows its tools).
 
 The records that follow one node through the stages: `NodeSpec` (here: what the module declares),
 `NodeRef` (registry: where the module is), `NodeDecl` (the graph file's `[nodes.<id>]`, resolved),
@@ -144,6 +148,11 @@ class NodeSpec:
             (`multi_turn` in flowrl/backends.py).
         scorer_param: the param holding a reward scorer reference ("auto", a built-in name
             or "file.py:function"), for tools that swap scorers (`flowrl run --tiny`).
+        continues: a rollout node whose responses run.partial_rollout may continue over
+            rounds: the `Continuation` saying how (None: the graph is refused with it).
+        prompt: (params, base_dir, tokenizer) -> a renderer, `row -> prompt text`, that the
+            data loader templates every prompt with (the agent node's shows the row's tools);
+            None: the tokenizer's chat template on the row's messages.
     """
 
     reads: tuple[str, ...]
@@ -166,6 +175,8 @@ class NodeSpec:
     tiny: "Callable[[Any, str], TinyNode] | None" = None
     multi_turn: bool = False
     scorer_param: str = ""
+    continues: "Continuation | None" = None
+    prompt: Callable[[Any, str, Any], Callable[[dict], str]] | None = None
 
     def __attrs_post_init__(self):
         if (self.fn is None) == (self.worker is None):
@@ -194,6 +205,11 @@ class NodeSpec:
             raise ValueError('NodeSpec.multi_turn is for mode="rollout" nodes')
         if self.scorer_param and self.scorer_param not in attrs.fields_dict(self.params):
             raise ValueError(f"NodeSpec.scorer_param names no param: {self.scorer_param!r}")
+        for hook in ("continues", "prompt"):
+            if getattr(self, hook) is not None and self.mode != "rollout":
+                raise ValueError(f'NodeSpec.{hook} is for mode="rollout" nodes')
+        if self.continues is not None:
+            self.continues.check(self.writes)
 
     @property
     def uses_model(self) -> bool:
@@ -314,6 +330,46 @@ class TinyNode:
     tools: tuple[str, ...] = ()  # tools counted from the node's metrics <node>/calls/<tool>[/ok]
     scripted: bool = False  # the tools are called by a scripted first turn, not the policy
     real: dict[str, str] = attrs.field(factory=dict)  # what runs as written: e.g. interaction
+
+
+CONTINUED = ("responses", "response_mask", "rollout_logprobs")  # what rounds append to
+
+
+@attrs.frozen
+class Continuation:
+    """The hook of a rollout node whose responses run.partial_rollout continues over rounds
+    (flowrl/runtime/partial.py). Each round the runtime calls the node with n = 1 and
+    max_new_tokens = the round's tokens on prompts that end with each response so far, and
+    appends what it samples to `CONTINUED`: `responses` and `response_mask` (which the node
+    writes) and `rollout_logprobs` (kept where the node writes them under its params: its
+    `writes` or `optional_writes`). When a response ends, `finish` gives the node's other
+    writes for the whole response:
+
+        def finish(rows, tokenizer):    # rows: DataProto of whole responses (responses,
+            ...                         #   response_mask (b, t), right-padded)
+            return {"response_text": ..., "response_attention": ...}
+        SPEC = NodeSpec(..., continues=Continuation(("response_text", "response_attention"),
+                                                    finish))
+
+    Attributes:
+        columns: the writes `finish` returns (the node's writes besides `CONTINUED`).
+        finish: (rows, tokenizer) -> {column: (b, ...) tensor or (b,) array}.
+    """
+
+    columns: tuple[str, ...]
+    finish: Callable[[Any, Any], dict]
+
+    def check(self, writes: tuple[str, ...]) -> None:
+        """Refuse a node whose writes the rounds would not rebuild."""
+        if not {"responses", "response_mask"} <= set(writes):
+            raise ValueError("NodeSpec.continues needs a node that writes responses, response_mask")
+        missing = [k for k in writes if k not in CONTINUED and k not in self.columns]
+        if missing:
+            raise ValueError(
+                f"NodeSpec.continues: the node writes {', '.join(missing)}, which neither the "
+                f"rounds ({', '.join(CONTINUED)}) nor Continuation.columns rebuild: add them "
+                "to columns and return them from finish"
+            )
 
 
 def split_output(out: Any) -> tuple[dict, dict, list]:

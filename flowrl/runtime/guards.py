@@ -10,6 +10,7 @@ import torch
 
 from flowrl.backends import ROLLOUT_BACKENDS, missing_package
 from flowrl.errors import FlowrlError
+from flowrl.nodespec import RolloutParams
 from flowrl.runtime.run_dir import RunDirError  # noqa: F401 (its home was here)
 from flowrl.runtime.stop import Stopped  # noqa: F401
 
@@ -85,7 +86,14 @@ def check_models(spec, policy: str, tokenizer) -> None:
 
     config = spec.models[policy]
     context = context_length(config.path)
-    longest = max((getattr(d.params, "max_new_tokens", 0) for d in spec.nodes.values()), default=0)
+    longest = max(
+        (
+            d.params.max_new_tokens
+            for d in spec.nodes.values()
+            if isinstance(d.params, RolloutParams)
+        ),
+        default=0,
+    )  # the response cap of every rollout node
     if context and spec.data.max_prompt_len > context:
         raise ModelMismatch(
             f"{spec.file}: data.max_prompt_len = {spec.data.max_prompt_len} exceeds the context "

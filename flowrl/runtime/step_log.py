@@ -20,6 +20,26 @@ def batch_metrics(batch) -> dict:
     return out
 
 
+def step_metrics(step: int, seconds: float, walked, train_set) -> dict:
+    """What metrics.jsonl logs of a step: its walk's metrics (a `StepResult`'s) with the
+    batch's, the prompts the data set dropped or repeats, each item's time, tokens per second
+    and the process's."""
+    batch = walked.batch
+    out = {"step": step, "time_s": seconds, **batch_metrics(batch), **walked.metrics}
+    out["data/dropped_too_long"] = train_set.filtered  # prompts never trained on
+    out["data/duplicates"] = train_set.duplicates
+    for name, value in timings(walked.slices).items():
+        out[f"timing_s/{name}"] = value
+    tokens = (
+        float(batch["prompt_mask"].sum() + batch["response_mask"].sum())
+        if "response_mask" in batch
+        else 0.0
+    )
+    out["tokens_per_s"] = tokens / seconds
+    out.update(process_metrics())
+    return out
+
+
 def process_metrics() -> dict:
     """The controller process's resident memory and open file descriptors (Linux), to see
     leaks in long runs; empty elsewhere."""
