@@ -24,7 +24,7 @@ import attrs
 from flowrl.compat import REMOVED_IN
 from flowrl.errors import Collector, did_you_mean, one_of
 from flowrl.front import overrides
-from flowrl.params import describe, finite
+from flowrl.params import describe, finite, fix_for
 
 
 def read_toml(path: Path, errors: Collector) -> dict:
@@ -169,9 +169,10 @@ def build_attrs(cls, table: dict, where: str, errors: Collector, overridden: Map
             continue
         converted, problem = check_value(value, fields[key])
         if problem:
-            default = f"default: {key} = {toml_value(fields[key].default)}"
+            fix = fix_for(fields[key].validator, value) if "not allowed" in problem else ""
+            fix = fix or f"default: {key} = {toml_value(fields[key].default)}"
             shown = repr(value) if isinstance(value, str) else toml_value(value)
-            errors.add(f"[{where}]", f'{said}"{key}" = {shown}{origin} {problem}', default)
+            errors.add(f"[{where}]", f'{said}"{key}" = {shown}{origin} {problem}', fix)
             ok = False
             continue
         kwargs[key] = converted
