@@ -198,7 +198,15 @@ class VerlInteraction:
         self.instance, self.name = instance, name
 
     async def start(self, request_id: str, **kwargs) -> None:
-        await maybe_await(self.instance.start_interaction(request_id, **kwargs))
+        method = self.instance.start_interaction
+        if problem := binding_problem(method, (request_id,), kwargs):  # say where, not a bare
+            code = method.__func__.__code__ if hasattr(method, "__func__") else None  # TypeError
+            where = f" ({code.co_filename}:{code.co_firstlineno})" if code else ""
+            raise TypeError(
+                f"{type(self.instance).__name__}.start_interaction{where}{problem}: give it "
+                "**kwargs (verl passes the row's interaction_kwargs to it)"
+            )
+        await maybe_await(method(request_id, **kwargs))
 
     async def reply(self, request_id: str, messages: list, **kwargs):
         out = await maybe_await(self.instance.generate_response(request_id, messages, **kwargs))

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import functools
 import inspect
-from pathlib import Path
 
 import attrs
 
 from flowrl import refs
-from flowrl.errors import FlowrlError, did_you_mean
+from flowrl.errors import FlowrlError, did_you_mean, shown_path
 from flowrl.lazy import torch
 from flowrl.math import losses, ops
 from flowrl.math.losses import Loss
@@ -48,16 +47,7 @@ def located(function) -> str:
     call = vars(type(target)).get("__call__")  # a callable object: its class's __call__
     code = getattr(target, "__code__", None) or getattr(call, "__code__", None)
     name = getattr(target, "__qualname__", type(target).__qualname__)
-    return f"{name} ({_short(code.co_filename)}:{code.co_firstlineno})" if code else name
-
-
-def _short(file: str) -> str:
-    """A file relative to the working directory when it is below it, else as it is."""
-    path = Path(file)
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
+    return f"{name} ({shown_path(code.co_filename)}:{code.co_firstlineno})" if code else name
 
 
 def _load(ref: str, base_dir, what: str):

@@ -241,15 +241,12 @@ class Trainer:
         lines = step_log.failure_lines(batch, failed)
         if failed:
             loggers.log({"event": "failed_requests", "step": step, "count": len(failed)})
-            tqdm.write(
-                f"step {step}: {len(failed)} of {len(batch)} requests failed\n" + "\n".join(lines)
-            )
+            tqdm.write(step_log.failure_report(step, batch, failed, lines))
         failed_steps = failed_steps + 1 if step_log.trained_nothing(batch) else 0
         if failed_steps >= self.spec.run.max_failed_steps:
             raise guards.FailedStepsStop(
-                f"{failed_steps} steps in a row (up to step {step}) trained on nothing: every "
-                "request failed or had no sampled token. First failures:\n"
-                + ("\n".join(lines) or "  (none failed: every response was empty)")
+                f"{failed_steps} steps in a row (up to step {step}) trained on nothing: "
+                + step_log.nothing_trained(batch, lines)
                 + f"\nFix the tools or rows (flowrl check {self.spec.file}), then replay with "
                 f"flowrl run {self.spec.file} --resume {self.run_dir} "
                 "(run.max_failed_steps sets how many are tolerated)"
