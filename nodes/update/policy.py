@@ -97,6 +97,10 @@ class PolicyUpdateWorker:
             metrics=("pg_loss", "kl_loss", "entropy") + tuple(self.loss.rates),
             select=lambda mini: contributing_rows(mini["advantages"], p, self.loss),
         )
+        # rows with a learning signal: a zero gradient over them means the weights no longer
+        # respond (the run's guard stops on it); over none, an update is rightly empty
+        signal = (batch["advantages"] != 0).any(-1).float()  # (b,)
+        metrics["signal_rows"] = float(signal.mean()) if len(signal) else 0.0
         return {}, metrics
 
     def micro_loss(self, micro, counts) -> tuple:
