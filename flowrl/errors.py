@@ -9,6 +9,8 @@ its message is complete, so the CLI prints it without a traceback.
 """
 
 import difflib
+import functools
+import inspect
 import re
 import sysconfig
 import traceback
@@ -128,3 +130,16 @@ def shown_path(file: str) -> str:
         return str(Path(file).resolve().relative_to(Path.cwd()))
     except ValueError:
         return file
+
+
+def located(function) -> str:
+    """`name (file:line)` of a function (a bound method's, a partial's, or a callable object's
+    class's `__call__`), for messages about a user's code; the bare name when it has no code."""
+    target = inspect.unwrap(function)
+    if isinstance(target, functools.partial):
+        target = target.func
+    target = getattr(target, "__func__", target)  # a bound method
+    call = vars(type(target)).get("__call__")  # a callable object: its class's __call__
+    code = getattr(target, "__code__", None) or getattr(call, "__code__", None)
+    name = getattr(target, "__qualname__", type(target).__qualname__)
+    return f"{name} ({shown_path(code.co_filename)}:{code.co_firstlineno})" if code else name

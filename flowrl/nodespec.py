@@ -48,6 +48,7 @@ from typing import Any
 
 import attrs
 
+from flowrl.errors import located
 from flowrl.params import MAX_SAMPLES, MAX_TOKENS, checked, count, interval, positive
 
 MODES = ("rollout", "inference", "train")
@@ -208,7 +209,7 @@ class NodeSpec:
         except Exception as e:  # a node author's hook: its failure is a finding, not a traceback
             return [
                 Finding(
-                    f"its check hook {_where(self.check)} raised {type(e).__name__}: {e}",
+                    f"its check hook {located(self.check)} raised {type(e).__name__}: {e}",
                     "fix that function (it must return a list of Finding)",
                 )
             ]
@@ -297,13 +298,6 @@ class Refill:
                 )
 
 
-def _where(function) -> str:
-    """A function as `name (file:line)`, for messages about a node author's code."""
-    code = getattr(function, "__code__", None)
-    name = getattr(function, "__qualname__", repr(function))
-    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code else name
-
-
 def _check_fn_arguments(fn, stateful: bool) -> None:
     """A controller fn takes (batch, params), or (batch, params, state) when stateful."""
     try:
@@ -323,7 +317,7 @@ def _check_fn_arguments(fn, stateful: bool) -> None:
     else:
         fix = "give it two parameters (batch, params), or set stateful=True to get a state dict"
     raise ValueError(
-        f"NodeSpec(stateful={stateful}) calls fn({', '.join(wanted)}), but {_where(fn)} is "
+        f"NodeSpec(stateful={stateful}) calls fn({', '.join(wanted)}), but {located(fn)} is "
         f"{takes}: {fix}"
     )
 

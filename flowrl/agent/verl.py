@@ -27,6 +27,7 @@ from pathlib import Path
 
 from flowrl.agent.objects import ToolError, load_object
 from flowrl.agent.session import maybe_await
+from flowrl.errors import located
 
 
 class Schema(dict):
@@ -199,12 +200,10 @@ class VerlInteraction:
 
     async def start(self, request_id: str, **kwargs) -> None:
         method = self.instance.start_interaction
-        if problem := binding_problem(method, (request_id,), kwargs):  # say where, not a bare
-            code = method.__func__.__code__ if hasattr(method, "__func__") else None  # TypeError
-            where = f" ({code.co_filename}:{code.co_firstlineno})" if code else ""
-            raise TypeError(
-                f"{type(self.instance).__name__}.start_interaction{where}{problem}: give it "
-                "**kwargs (verl passes the row's interaction_kwargs to it)"
+        if problem := binding_problem(method, (request_id,), kwargs):  # where, not a bare
+            raise TypeError(  # TypeError from inside flowrl
+                f"{located(method)}{problem}: give it **kwargs (verl passes the row's "
+                "interaction_kwargs to it)"
             )
         await maybe_await(method(request_id, **kwargs))
 

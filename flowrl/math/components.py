@@ -20,7 +20,7 @@ import inspect
 import attrs
 
 from flowrl import refs
-from flowrl.errors import FlowrlError, did_you_mean, shown_path
+from flowrl.errors import FlowrlError, did_you_mean, located
 from flowrl.lazy import torch
 from flowrl.math import losses, ops
 from flowrl.math.losses import Loss
@@ -37,17 +37,6 @@ class ComponentError(FlowrlError, ValueError):
     def __init__(self, message: str, fix: str = ""):
         super().__init__(f"{message}: {fix}" if fix else message)
         self.message, self.fix = message, fix
-
-
-def located(function) -> str:
-    """`name (file:line)` of a function, or of a callable object's class."""
-    target = inspect.unwrap(function)
-    if isinstance(target, functools.partial):
-        target = target.func
-    call = vars(type(target)).get("__call__")  # a callable object: its class's __call__
-    code = getattr(target, "__code__", None) or getattr(call, "__code__", None)
-    name = getattr(target, "__qualname__", type(target).__qualname__)
-    return f"{name} ({shown_path(code.co_filename)}:{code.co_firstlineno})" if code else name
 
 
 def _load(ref: str, base_dir, what: str):
