@@ -154,15 +154,17 @@ def quoted(name: str) -> str:
 def component_findings(params: Params, context) -> tuple[Loss | None, list[Finding]]:
     """The loss record (None when it cannot be used) and the problems of the loss and the KL
     kind the params name, loaded from the graph's folder when they are references."""
-    out, loss = [], None
+    problems, loss = [], None
     try:
         loss = components.resolve_loss(params.loss, context.base_dir)
-        problems = components.loss_problems(loss, params.loss, Params, "update.policy")
+        problems += components.loss_problems(loss, params.loss, Params, "update.policy")
+    except components.ComponentError as e:
+        problems.append(e)
+    try:
         components.kl_function(params.kl_loss_kind, context.base_dir)
     except components.ComponentError as e:
-        problems = [e]
-    out = [Finding(e.message, e.fix) for e in problems]
-    return (None if out else loss), out
+        problems.append(e)
+    return (None if problems else loss), [Finding(e.message, e.fix) for e in problems]
 
 
 def loss_findings(params: Params, context) -> list[Finding]:

@@ -527,3 +527,10 @@ def test_a_keep_that_is_not_a_bool_mask_over_the_rows_stops_the_call(tmp_path, k
     call = NodeCall("best", spec, {}, spec.params(), "on the controller")
     with pytest.raises(NodeFailure, match=r"keep must be a torch.bool tensor of shape \(3,\)"):
         call_node(call, rows, lambda batch: {"keep": keep})
+
+
+def test_a_bad_loss_and_a_bad_kl_kind_are_both_reported(tmp_path):
+    graph = write_losses(tmp_path, "TOPR = Loss(", "TOPX = Loss(")
+    found = check_problems(graph, 'nodes.update_policy.kl_loss_kind="my_kl.py:half"')
+    assert len(found) == 2
+    assert 'has no "TOPR"' in found[0] and 'KL kind "my_kl.py:half": no file' in found[1]
