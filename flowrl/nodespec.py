@@ -50,11 +50,14 @@ The records that follow one node through the stages: `NodeSpec` (here: what the 
 This module imports neither torch nor ray.
 """
 
+import difflib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 
+from flowrl.errors import located
 from flowrl.params import MAX_SAMPLES, MAX_TOKENS, checked, count, interval, positive
 
 MODES = ("rollout", "inference", "train")
@@ -210,6 +213,10 @@ class NodeSpec:
                 raise ValueError(f'NodeSpec.{hook} is for mode="rollout" nodes')
         if self.continues is not None:
             self.continues.check(self.writes)
+        if self.refill is not None:
+            self.refill.check_names(self.params)
+        if self.fn is not None:
+            _check_fn_arguments(self.fn, self.stateful)
 
     @property
     def uses_model(self) -> bool:
@@ -226,7 +233,18 @@ class NodeSpec:
         return tuple(dict.fromkeys((*self.writes, *extra)))
 
     def findings(self, params: Any, context: CheckContext) -> list[Finding]:
-        return list(self.check(params, context)) if self.check else []
+        """The `check` hook's findings; a hook that raises is one finding naming it."""
+        if self.check is None:
+            return []
+        try:
+            return list(self.check(params, context))
+        except Exception as e:  # a node author's hook: its failure is a finding, not a traceback
+            return [
+                Finding(
+                    f"its check hook {located(self.check)} raised {type(e).__name__}: {e}",
+                    "fix that function (it must return a list of Finding)",
+                )
+            ]
 
     def updates(self, params: Any, rows: int) -> int:
         """Optimizer steps per training step; 1 for a train node without the hook."""
@@ -298,6 +316,42 @@ class Refill:
     def of(self, params: Any) -> tuple[int, int]:
         """(groups to keep, most prompt batches) under these params."""
         return int(getattr(params, self.groups)), int(getattr(params, self.rounds))
+
+    def check_names(self, params_class: type) -> None:
+        """Both names are params of the node (checked when its SPEC is built)."""
+        fields = attrs.fields_dict(params_class)
+        for role, name in (("groups", self.groups), ("rounds", self.rounds)):
+            if name not in fields:
+                close = difflib.get_close_matches(name, fields, n=1)
+                hint = f' (did you mean "{close[0]}"?)' if close else ""
+                raise ValueError(
+                    f'Refill({role}="{name}") names no param of {params_class.__name__}{hint}: '
+                    f"name one of its int fields ({', '.join(fields) or 'it has none'})"
+                )
+
+
+def _check_fn_arguments(fn, stateful: bool) -> None:
+    """A controller fn takes (batch, params), or (batch, params, state) when stateful."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function: nothing to check
+        return
+    wanted = ("batch", "params", "state") if stateful else ("batch", "params")
+    try:
+        signature.bind(*wanted)
+    except TypeError:
+        pass
+    else:
+        return
+    takes = f"{getattr(fn, '__name__', 'fn')}{signature}"
+    if stateful:
+        fix = "give it a third parameter, state (a dict kept across steps and checkpointed)"
+    else:
+        fix = "give it two parameters (batch, params), or set stateful=True to get a state dict"
+    raise ValueError(
+        f"NodeSpec(stateful={stateful}) calls fn({', '.join(wanted)}), but {located(fn)} is "
+        f"{takes}: {fix}"
+    )
 
 
 @attrs.frozen

@@ -32,6 +32,7 @@ import attrs
 
 from flowrl.agent.chat import truncate_chars
 from flowrl.agent.runner import run_call
+from flowrl.errors import described
 
 GENERATING, TOOLS, INTERACTING, DONE = "generating", "tools", "interacting", "done"
 REASONS = (
@@ -264,7 +265,7 @@ class Episode:
         self.state, self.reason = DONE, reason
 
     def _fail(self, error: Exception) -> None:
-        self.error = f"{type(error).__name__}: {error}"
+        self.error = described(error)  # "Type: message (file:line)", the user's line first
         self._end("error")
 
     def _timeout(self) -> float:

@@ -96,6 +96,7 @@ class Trainer:
         self.command = command or f"flowrl run {spec.file}"
         self.started, self.steps_done = False, 0  # for the message of a stopped run
         self.zero_steps: dict[str, int] = {}  # node -> steps in a row of gradient norm 0
+        self.updates = guards.DeadUpdates(plan.spec)  # steps in a row whose updates did nothing
         rng.seed_everything(spec.run.seed)
         policy = _rollout_model(spec)
         self.tokenizer = load_tokenizer(spec.models[policy].path)  # also fills the model cache
@@ -173,7 +174,7 @@ class Trainer:
             raise guards.RunDirError(outcome.failed_write(self, what, e)) from e
 
     def _loop(self, start_step: int, loggers: Loggers, samples_file) -> None:
-        run, nonfinite, failed_steps = self.spec.run, 0, 0
+        run, failed_steps = self.spec.run, 0
         bar = tqdm(
             range(start_step + 1, run.steps + 1),
             initial=start_step,
@@ -195,33 +196,18 @@ class Trainer:
             self.steps_done = step
             failed_steps = self._failures(step, batch, loggers, failed_steps)
             faults.point("logged", step)
-            skipped = sorted(
-                k.rpartition("/")[0]
-                for k, v in metrics.items()
-                if k.endswith("/nonfinite_skipped") and v > 0
-            )
-            nonfinite = nonfinite + 1 if skipped else 0
-            if skipped:
-                event = {"event": "nonfinite", "step": step, "nodes": skipped}
+            for event in self.updates.observe(step, metrics):  # updates that did nothing
+                tqdm.write(event.pop("said"))
                 loggers.log(event)
-                tqdm.write(
-                    f"step {step}: a loss or gradient norm of {', '.join(skipped)} was not "
-                    "finite; the optimizer step was skipped (weights unchanged)"
-                )
-            if nonfinite >= run.max_nonfinite_steps:
-                raise guards.NonFiniteStop(
-                    f"{nonfinite} steps in a row (up to step {step}) had a non-finite loss or "
-                    f"gradient norm in {', '.join(skipped)}; stopping. Lower the learning rate "
-                    f"or check the rewards, then resume: {self.command} --resume "
-                    f"{self.run_dir} (run.max_nonfinite_steps "
-                    "sets how many are tolerated)"
-                )
+            dead = self.updates.streak
+            if dead >= run.max_nonfinite_steps or self.updates.fatal or (last and dead):
+                raise self.updates.stop(step, self.run_dir, self.command)
             if message := step_log.stuck(self.zero_steps, step, metrics):
                 tqdm.write(f"warning: {message}")
                 with self._writing("metrics.jsonl"):
                     loggers.log({"event": "warning", "step": step, "message": message})
-            if last or (run.save_every and step % run.save_every == 0):
-                self.save(step)
+            if (last or (run.save_every and step % run.save_every == 0)) and not dead:
+                self.save(step)  # none while updates do nothing: the last good one is kept
             bar.set_postfix(step_log.postfix(metrics))
 
     def _failures(self, step: int, batch, loggers: Loggers, failed_steps: int) -> int:
@@ -231,15 +217,12 @@ class Trainer:
         lines = step_log.failure_lines(batch, failed)
         if failed:
             loggers.log({"event": "failed_requests", "step": step, "count": len(failed)})
-            tqdm.write(
-                f"step {step}: {len(failed)} of {len(batch)} requests failed\n" + "\n".join(lines)
-            )
+            tqdm.write(step_log.failure_report(step, batch, failed, lines))
         failed_steps = failed_steps + 1 if step_log.trained_nothing(batch) else 0
         if failed_steps >= self.spec.run.max_failed_steps:
             raise guards.FailedStepsStop(
-                f"{failed_steps} steps in a row (up to step {step}) trained on nothing: every "
-                "request failed or had no sampled token. First failures:\n"
-                + ("\n".join(lines) or "  (none failed: every response was empty)")
+                f"{failed_steps} steps in a row (up to step {step}) trained on nothing: "
+                + step_log.nothing_trained(batch, lines)
                 + f"\nFix the tools or rows (flowrl check {self.spec.file}), then replay with "
                 f"flowrl run {self.spec.file} --resume {self.run_dir} "
                 "(run.max_failed_steps sets how many are tolerated)"

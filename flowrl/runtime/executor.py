@@ -14,7 +14,7 @@ import attrs
 
 from flowrl.nodespec import KEEP
 from flowrl.protocol import DataProto
-from flowrl.runtime import weights
+from flowrl.runtime import step_log, weights
 from flowrl.runtime.inputs import Recording
 from flowrl.runtime.node_call import ControllerFn, NodeCall, NodeFailure, call_node
 from flowrl.runtime.trace import Slice
@@ -139,6 +139,7 @@ class Executor(abc.ABC):
 
     def _walk(self, walk: "_Walk", param_changes: dict) -> StepResult:
         while len(walk.done) < len(walk.items):
+            _pass_over_after_failed_requests(walk)
             ready = [i for i in walk.items if walk.ready(i)]
             for item in ready:
                 self._start(item, walk, param_changes)
@@ -274,11 +275,30 @@ class _Walk:
     slices: list = attrs.Factory(list)
     skip: set = attrs.Factory(set)  # ids of items passed over (done once their deps are)
     track: str = "controller"  # the trace track of its controller items
+    requests_checked: bool = False  # the step's failed requests were counted (once a walk)
 
     def ready(self, item) -> bool:
         if item.id in self.done or item.id in self.pending:
             return False
         return all(d in self.done for d in item.deps)
+
+
+def _pass_over_after_failed_requests(walk: _Walk) -> None:
+    """When most of a step's multi-turn requests failed (`step_log.failed_step`), the walk
+    passes over its remaining node items, the update among them, rather than feed them rows
+    without responses; transitions still run, so each pool's residency stays in order. The
+    batch's meta says why (`FAILED_STEP`) for the controller. A walk that trains nothing
+    (validation, the rollout stage of run.staleness) goes on: it scores what the requests
+    gave."""
+    if walk.requests_checked or "rollout_info" not in walk.batch:
+        return
+    walk.requests_checked = True
+    left = [i for i in walk.items if i.id not in walk.done | walk.skip | set(walk.pending)]
+    if not any(i.kind == "call" and i.mode == "train" for i in left):
+        return
+    if failed := step_log.failed_step(walk.batch):
+        walk.skip |= {i.id for i in left if i.kind not in ("reload", "offload")}
+        walk.batch.meta[step_log.FAILED_STEP] = failed
 
 
 def _merge(batch: DataProto, writes: DataProto, decl) -> DataProto:

@@ -187,3 +187,85 @@ def test_the_context_guard_reads_the_response_cap_of_rollout_nodes_only(tmp_path
     spec = compile_text(tmp_path, text, [f"data.max_prompt_len={CONTEXT - 8}"]).spec
     guards.check_models(spec, "policy", testing.tiny_tokenizer())
     assert "exceeds the context" not in capsys.readouterr().err
+
+
+def test_a_stateful_node_whose_run_takes_two_arguments_is_refused_with_the_fix():
+    def run(batch, params):
+        return {"advantages": batch["scores"]}
+
+    with pytest.raises(
+        ValueError,
+        match=r"calls fn\(batch, params, state\), but \S*run \(.*:\d+\) is run\(batch, params\)",
+    ):
+        NodeSpec(("scores",), ("advantages",), NoParams, fn=run, stateful=True)
+    with pytest.raises(ValueError, match="give it a third parameter, state"):
+        NodeSpec(("scores",), ("advantages",), NoParams, fn=run, stateful=True)
+    with pytest.raises(ValueError, match="or set stateful=True to get a state dict"):
+        NodeSpec(("scores",), ("advantages",), NoParams, fn=lambda b, p, s: {})
+    NodeSpec(("scores",), ("advantages",), NoParams, fn=lambda b, p, s=None: {}, stateful=True)
+
+
+def test_a_refill_that_names_no_param_is_refused_with_a_did_you_mean():
+    from flowrl.nodespec import Refill
+
+    @attrs.frozen
+    class Counts:
+        min_groups: int = 2
+        max_rounds: int = 3
+
+    def keep(batch, params):
+        return {"keep": torch.ones(len(batch["scores"]), dtype=torch.bool)}
+
+    with pytest.raises(ValueError, match=r'Refill\(groups="min_group"\).*"min_groups"\?'):
+        NodeSpec(("scores",), (), Counts, fn=keep, rows="filter", refill=Refill("min_group"))
+
+
+def test_a_check_hook_that_raises_is_a_finding_naming_it():
+    from flowrl.nodespec import CheckContext
+
+    def check(params, context):
+        return [context.rows_per_prompt]  # no such field
+
+    spec = NodeSpec(("scores",), ("advantages",), NoParams, fn=forgetful, check=check)
+    (finding,) = spec.findings(NoParams(), CheckContext("a", 8, 4, 2, 1, "."))
+    assert finding.message.startswith("its check hook ")
+    assert "check (" in finding.message and "raised AttributeError" in finding.message
+    assert finding.fix.startswith("fix that function")
+
+
+@pytest.mark.parametrize(
+    ("state", "said"),
+    [
+        ({"seen": {1, 2}}, "state['seen'] = {1, 2} (a set)"),
+        ({"coef": torch.tensor(0.5)}, "state['coef'] = tensor(0.5000) (a Tensor)"),
+        ({"by_uid": {3: 1.0}}, "the key 3 (int) in state['by_uid']"),
+        ({"pairs": [[1, 2], (3, 4)]}, "state['pairs'][1] = (3, 4) (a tuple)"),
+    ],
+)
+def test_node_state_a_checkpoint_cannot_store_stops_the_first_call(state, said):
+    from flowrl.runtime.node_call import ControllerFn
+
+    def keep(batch, params, kept):
+        kept.update(state)
+        return {"advantages": batch["scores"]}
+
+    spec = NodeSpec(("scores",), ("advantages",), NoParams, fn=keep, stateful=True)
+    call = NodeCall("shaping", spec, {}, NoParams(), "on the controller")
+    batch = DataProto.from_dict({"scores": torch.ones(2)})
+    with pytest.raises(NodeFailure, match="node shaping failed on the controller") as raised:
+        call_node(call, batch, ControllerFn(spec, NoParams(), {}))
+    assert f"its state holds {said}, which a checkpoint (JSON) cannot store" in str(raised.value)
+
+
+def test_node_state_of_json_values_passes():
+    from flowrl.runtime.node_call import ControllerFn
+
+    def keep(batch, params, kept):
+        kept.update({"coef": 0.1, "seen": [1, 2], "by_uid": {"3": [1.0, None]}, "on": True})
+        return {"advantages": batch["scores"]}
+
+    spec = NodeSpec(("scores",), ("advantages",), NoParams, fn=keep, stateful=True)
+    call = NodeCall("shaping", spec, {}, NoParams(), "on the controller")
+    state = {}
+    call_node(call, DataProto.from_dict({"scores": torch.ones(2)}), ControllerFn(spec, None, state))
+    assert state["by_uid"] == {"3": [1.0, None]}
