@@ -45,6 +45,9 @@ PUBLIC = {
     "MAX_EPOCHS": "flowrl.params:MAX_EPOCHS",
     # the batch
     "DataProto": "flowrl.protocol:DataProto",
+    # data samplers: which prompts a step draws (docs/data.md, "Choosing the prompts")
+    "UniformSampler": "flowrl.data.samplers:UniformSampler",
+    "PassRateBand": "flowrl.data.samplers:PassRateBand",
     # losses: the record, the chunk a loss sees, helpers (docs/extending.md, "a new loss")
     "Loss": "flowrl.math.losses.base:Loss",
     "Chunk": "flowrl.math.losses.base:Chunk",
@@ -89,6 +92,7 @@ PUBLIC = {
     "ragged_rows": "flowrl.testing:ragged_rows",
     "first_step": "flowrl.testing:first_step",
     "assert_same": "flowrl.testing:assert_same",
+    "check_sampler": "flowrl.testing:check_sampler",
     "loss_params": "flowrl.testing:loss_params",
     "try_loss": "flowrl.testing:try_loss",
     "scripted_request": "flowrl.testing:scripted_request",

@@ -26,6 +26,7 @@ __all__ = [
     "TinyRun",
     "VARIED_SCORER",
     "assert_same",
+    "check_sampler",
     "compile_text",
     "first_step",
     "graph_problems",
@@ -406,3 +407,36 @@ class ScriptedTurns:
 
     def release(self, request_id: str) -> None:
         self.released.append(request_id)
+
+
+def check_sampler(sampler_class, size: int = 20, options=None, batch_size: int = 4, steps=6):
+    """Check a data sampler (flowrl/data/samplers.py's protocol) the way a run relies on it:
+    drawing `steps` batches of `batch_size` from `size` prompts, told made-up scores after each
+    (prompt i passes when i is even), it draws indices in range, its state is plain JSON, two
+    samplers of the same seed draw alike, one of another seed is built as well, and one
+    restored from the state after half the steps draws what the first drew next. Raises
+    AssertionError saying what failed; returns the draws."""
+    options = sampler_class.Options() if options is None else options
+
+    def drawn(sampler, first: int, last: int) -> list[list[int]]:
+        out = []
+        for step in range(first, last + 1):
+            picked = [int(i) for i in sampler.next(batch_size)]
+            assert len(picked) == batch_size, f"step {step}: {len(picked)} of {batch_size} drawn"
+            assert all(0 <= i < size for i in picked), f"step {step}: index out of 0..{size - 1}"
+            sampler.update(picked, [float(i % 2 == 0) for i in picked], step)
+            out.append(picked)
+        return out
+
+    first = sampler_class(size, 0, options)
+    draws = drawn(first, 1, steps)
+    again = drawn(sampler_class(size, 0, options), 1, steps)
+    assert draws == again, "two samplers of the same seed and results drew differently"
+    half = steps // 2
+    paused = sampler_class(size, 0, options)
+    drawn(paused, 1, half)
+    state = json.loads(json.dumps(paused.state_dict()))  # what a checkpoint stores
+    resumed = sampler_class(size, 0, options)
+    resumed.load_state_dict(state)
+    assert drawn(resumed, half + 1, steps) == draws[half:], "a restored sampler drew otherwise"
+    return draws

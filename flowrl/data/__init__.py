@@ -1,9 +1,24 @@
-"""Data: the synthetic arithmetic and calculator tasks, verl-format files, prompt batches."""
+"""Data: the synthetic arithmetic and calculator tasks, verl-format files, prompt batches, and
+the samplers that choose a step's prompts (samplers.py).
 
-from flowrl.data.arithmetic import arithmetic_rows
-from flowrl.data.calculator import calculator_rows
-from flowrl.data.loader import PromptDataset, PromptLoader, make_rows
-from flowrl.data.verl_format import DataError, load_rows
+The names below load on first use (flowrl/lazy.py), so that the front end can read the
+torch-free samplers.py without importing torch through the loader.
+"""
+
+from flowrl.lazy import exports
+
+__getattr__ = exports(
+    __name__,
+    {
+        "DataError": "flowrl.data.verl_format:DataError",
+        "PromptDataset": "flowrl.data.loader:PromptDataset",
+        "PromptLoader": "flowrl.data.loader:PromptLoader",
+        "arithmetic_rows": "flowrl.data.arithmetic:arithmetic_rows",
+        "calculator_rows": "flowrl.data.calculator:calculator_rows",
+        "load_rows": "flowrl.data.verl_format:load_rows",
+        "make_rows": "flowrl.data.loader:make_rows",
+    },
+)
 
 __all__ = [
     "DataError",

@@ -2,12 +2,12 @@
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from flowrl.data.arithmetic import arithmetic_rows
 from flowrl.data.calculator import calculator_rows
 from flowrl.data.preferences import arithmetic_preference_rows
+from flowrl.data.samplers import UniformSampler
 from flowrl.data.verl_format import DataError, load_rows
 from flowrl.front.schema import DATASET_KEYS
 from flowrl.protocol import DataProto
@@ -108,9 +108,12 @@ class PromptDataset:
 
 
 class PromptLoader:
-    """Endless batches over epochs, reshuffled per epoch from the seed; resumable exactly."""
+    """Endless batches of the prompts a sampler draws (flowrl/data/samplers.py; default every
+    prompt once an epoch, reshuffled per epoch from the seed); resumable exactly."""
 
-    def __init__(self, dataset: PromptDataset, batch_size: int, seed: int, shuffle: bool = True):
+    def __init__(
+        self, dataset: PromptDataset, batch_size: int, seed: int, shuffle=True, sampler=None
+    ):
         if batch_size > len(dataset):
             if len(dataset) == 0 and dataset.rows:
                 raise DataError(
@@ -125,29 +128,25 @@ class PromptLoader:
                 f"{max(len(dataset), 1)} or less, or add rows"
                 + (", or raise data.max_prompt_len" if dataset.filtered else "")
             )
-        self.dataset, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
-        self.epoch, self.position = 0, 0
+        self.dataset, self.batch_size = dataset, batch_size
+        self.sampler = sampler or UniformSampler(len(dataset), seed, shuffle=shuffle)
 
     def __len__(self) -> int:
         return len(self.dataset) // self.batch_size
 
-    def _order(self) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(len(self.dataset))
-        return np.random.default_rng(self.seed + self.epoch).permutation(len(self.dataset))
+    @property
+    def learns(self) -> bool:
+        """The sampler chooses prompts from results (the uniform one ignores them)."""
+        return not isinstance(self.sampler, UniformSampler)
 
     def __iter__(self):
         return self
 
     def __next__(self) -> DataProto:
-        if self.position >= len(self):
-            self.epoch, self.position = self.epoch + 1, 0
-        start = self.position * self.batch_size
-        self.position += 1
-        return self.dataset.collate(self._order()[start : start + self.batch_size].tolist())
+        return self.dataset.collate(self.sampler.next(self.batch_size))
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
+        return self.sampler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = state["epoch"], state["position"]
+        self.sampler.load_state_dict(state)

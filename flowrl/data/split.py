@@ -87,3 +87,14 @@ def prompt_sets(spec, tokenizer) -> tuple[PromptDataset, object, list[str]]:
         repeated = "repeat an earlier one" in line
         print(f"flowrl: {'warning: ' if repeated else ''}data: {line}", file=sys.stderr)
     return train, val_batch, notes
+
+
+def make_sampler(spec, size: int):
+    """The sampler `[data] sampler` names over `size` prompts, with its checked options and the
+    run's seed; None for the default ("uniform": the loader's own, with `[data] shuffle`)."""
+    from flowrl.front.sections import sampler_options
+
+    if spec.data.sampler == "uniform":
+        return None
+    cls, options = sampler_options(spec.data, spec.base_dir)
+    return cls(size, spec.run.seed, options)

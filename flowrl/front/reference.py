@@ -12,6 +12,7 @@ from pathlib import Path
 import attrs
 
 from flowrl.backends import ROLLOUT_BACKENDS
+from flowrl.data.samplers import SAMPLERS
 from flowrl.front import registry, schema
 from flowrl.front.typed_toml import toml_value
 from flowrl.params import describe
@@ -73,6 +74,10 @@ def markdown() -> str:
                 *table(record.options),
                 "",
             ]
+    for name, sampler in SAMPLERS.items():
+        if attrs.fields(sampler.Options):
+            parts += [f'### [data.sampler_options] with sampler = "{name}"', ""]
+            parts += [*table(sampler.Options), ""]
     parts += [
         "### Node parameters",
         "",

@@ -92,8 +92,9 @@ def _loggers() -> Rule:
 
 
 def _options() -> Rule:
-    """The backend's own keys are checked against its options record (sections.py)."""
-    return Rule("a table of the backend's options (below)", lambda v: isinstance(v, dict))
+    """A backend's or a sampler's own keys are checked against its options record
+    (sections.py)."""
+    return Rule("a table of its options (below)", lambda v: isinstance(v, dict))
 
 
 def _lora() -> Rule:
@@ -139,6 +140,8 @@ class DataConfig:
     max_prompt_len: int = checked(256, count(1, MAX_TOKENS))  # longer are dropped
     train_size: int = checked(0, count(0, MAX_DATASET))  # synthetic task; 0 = all
     shuffle: bool = True  # reshuffled every epoch from the seed
+    sampler: str = checked("uniform", not_empty())  # "uniform", "pass_rate" or "file.py:Class"
+    sampler_options: dict = attrs.field(factory=dict, validator=_options())  # see below
 
 
 @attrs.frozen

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import attrs
 
+from flowrl import refs
 from flowrl.backends import backend
+from flowrl.data.samplers import SAMPLERS, NoOptions
 from flowrl.errors import Collector, did_you_mean, one_of
 from flowrl.front import schema
 from flowrl.front.overrides import addressable, said
@@ -34,7 +36,8 @@ def model_path(model: schema.ModelConfig, folder: Path) -> schema.ModelConfig:
 
 def check_data(data: schema.DataConfig, base_dir: Path, errors: Collector, overridden) -> None:
     """A data file must exist and have a format the loader reads (its rows are read at run);
-    validation must not be the training file itself (docs/data.md)."""
+    validation must not be the training file itself (docs/data.md); the sampler loads."""
+    check_sampler(data, base_dir, errors, overridden)
     files = [
         Path(s) if Path(s).is_absolute() else base_dir / s for s in (data.source, data.val_source)
     ]
@@ -70,6 +73,53 @@ def check_data(data: schema.DataConfig, base_dir: Path, errors: Collector, overr
                 "data paths are relative to the graph file's folder; name one .parquet or "
                 ".jsonl file",
             )
+
+
+SAMPLER_METHODS = ("next", "update", "state_dict", "load_state_dict")
+
+
+def sampler_class(data: schema.DataConfig, base_dir: Path):
+    """The class `[data] sampler` names: a built-in ("uniform", "pass_rate") or a user's
+    "file.py:Class" (flowrl/data/samplers.py says what it must do)."""
+    if data.sampler in SAMPLERS:
+        return SAMPLERS[data.sampler]
+    if ":" not in data.sampler:
+        raise ValueError(
+            f'"{data.sampler}" is not a sampler{did_you_mean(data.sampler, SAMPLERS)}: use '
+            f'{one_of(SAMPLERS)}, or your own class as "file.py:Class"'
+        )
+    return refs.load(data.sampler, base_dir, what="sampler")
+
+
+def check_sampler(data: schema.DataConfig, base_dir: Path, errors: Collector, overridden):
+    """`[data] sampler` loads, has the sampler's methods, and `[data.sampler_options]` are
+    its options."""
+    where, said_it = "[data] sampler", said(overridden, "data.sampler")
+    try:
+        cls = sampler_class(data, base_dir)
+    except Exception as e:  # a user's file may raise anything while loading
+        errors.add(where, f"{said_it}{e}", 'see docs/data.md, "Choosing the prompts"')
+        return
+    missing = [m for m in SAMPLER_METHODS if not callable(getattr(cls, m, None))]
+    if missing:
+        errors.add(
+            where,
+            f'{said_it}"{data.sampler}" has no {", ".join(missing)}',
+            "a sampler has next(batch_size), update(indices, scores, step), state_dict() and "
+            "load_state_dict(state) (docs/data.md)",
+        )
+    options = getattr(cls, "Options", NoOptions)
+    build_attrs(options, data.sampler_options, "data.sampler_options", errors, overridden)
+
+
+def sampler_options(data: schema.DataConfig, base_dir: Path):
+    """The options instance of the run's sampler, from its checked table."""
+    errors = Collector("[data]")
+    cls = sampler_class(data, base_dir)
+    options = getattr(cls, "Options", NoOptions)
+    built = build_attrs(options, data.sampler_options, "data.sampler_options", errors)
+    errors.raise_if_any()
+    return cls, built
 
 
 def _not_a_file(path: Path) -> str:

@@ -21,7 +21,7 @@ import toml
 from tqdm import tqdm
 
 from flowrl.data import PromptLoader
-from flowrl.data.split import prompt_sets
+from flowrl.data.split import make_sampler, prompt_sets
 from flowrl.models import load_tokenizer
 from flowrl.nodespec import GREEDY
 from flowrl.runtime import checkpoint, faults, guards, make_executor, outcome, rng, step_log, stop
@@ -105,7 +105,11 @@ class Trainer:
         batch_meta = {"seed": spec.run.seed, "policy_tokenizer": spec.models[policy].path}
         self.train_set, self.val_batch, _ = prompt_sets(spec, self.tokenizer)
         self.loader = PromptLoader(
-            self.train_set, spec.data.batch_size, spec.run.seed, spec.data.shuffle
+            self.train_set,
+            spec.data.batch_size,
+            spec.run.seed,
+            spec.data.shuffle,
+            sampler=make_sampler(spec, len(self.train_set)),
         )
         run = spec.run
         self.feed = PromptFeed(
@@ -264,15 +268,18 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save(self, step: int) -> None:
+        queued = self.source.checkpoint(step)  # run.staleness's queue, or None
+        if queued is None:  # the prompts: the loader's state now
+            loader = self.feed.checkpoint(step)
+        else:  # or the rollout stage's after the queue, when it has run ahead
+            loader = self.feed.checkpoint(step, ahead=queued.loader or self.feed.state())
         state = {  # plain JSON: opening a run directory never unpickles anything
             "step": step,
-            "loader": self.loader.state_dict(),
+            "loader": loader,
             "node_state": self.executor.node_state,
             "rng": rng.state(),
         }
-        queued = self.source.checkpoint(step)  # run.staleness's queue, or None
-        if queued is not None:  # the loader has run ahead: its state after the queue
-            state["loader"] = queued.loader or state["loader"]
+        if queued is not None:
             state.update(pipelines.entries(queued))
         keep, graph = self.spec.run.keep_checkpoints, self.spec.raw
         with self._writing(f"the checkpoint of step {step}", step=step):
@@ -294,7 +301,7 @@ class Trainer:
         state = json.loads((directory / "controller.json").read_text())
         self.executor.broadcast("load", str(directory))
         self.executor.sync_rollout_pools()  # a separate rollout copy gets the loaded weights
-        self.loader.load_state_dict(state["loader"])
+        self.feed.load(state["loader"])
         queued = pipelines.load_queue(directory, state)
         self.executor.node_state.update(state["node_state"])
         rng.set_state(state["rng"])

@@ -33,6 +33,7 @@ class StepResult:
     batch: DataProto
     metrics: dict
     slices: list
+    seen: DataProto | None = None  # every row generated, when more than `batch` (a refill)
 
 
 class Executor(abc.ABC):
@@ -145,7 +146,7 @@ class Executor(abc.ABC):
                 self._start(item, walk, param_changes)
             if not ready:
                 self._wait(walk)
-        return StepResult(walk.batch, walk.metrics, walk.slices)
+        return StepResult(walk.batch, walk.metrics, walk.slices, walk.seen)
 
     def _skipped(self, only: set | None) -> set:
         """Ids of the items a walk over the nodes in `only` passes over."""
@@ -172,6 +173,8 @@ class Executor(abc.ABC):
             return
         start = time.time()
         if item.kind == "controller":
+            if self.controller_calls[item.node].spec.rows == "filter" and walk.seen is None:
+                walk.seen = walk.batch  # every row generated, before a filter drops some
             walk.batch = self._controller(item.node, walk.batch, walk.metrics, walk.record)
         elif item.kind == "dispatch":
             walk.chunks[item.node] = self._dispatch(item, walk.batch)
@@ -276,6 +279,7 @@ class _Walk:
     skip: set = attrs.Factory(set)  # ids of items passed over (done once their deps are)
     track: str = "controller"  # the trace track of its controller items
     requests_checked: bool = False  # the step's failed requests were counted (once a walk)
+    seen: DataProto | None = None  # the batch before the walk's first filter node
 
     def ready(self, item) -> bool:
         if item.id in self.done or item.id in self.pending:

@@ -38,11 +38,12 @@ def refilled_step(
         StepResult: the trained batch, metrics and slices, as `Executor.run_step`. When
         nothing is kept, the nodes after the filter do not run (no update this step).
     """
-    parts, metrics, slices = [], [], []
+    parts, metrics, slices, seen = [], [], [], []
     batch = first
     for round_ in range(1, refill.rounds + 1):
         walked = executor.run_step(batch, only=set(refill.before), record=record)
         parts.append(walked.batch)
+        seen.append(walked.seen if walked.seen is not None else walked.batch)
         metrics.append(walked.metrics)
         slices += walked.slices
         if not refill.groups or group_count(parts) >= refill.groups or round_ == refill.rounds:
@@ -54,10 +55,12 @@ def refilled_step(
         kept = first_groups(kept, refill.groups)
     summary = {"refill/rounds": len(parts), "refill/groups": found, "refill/rows": len(kept)}
     step_metrics = {**ops.mean_metrics(metrics), **summary}
+    seen = DataProto.concat_padded(seen, LEFT_PADDED)  # the filter's dropped groups too
     if len(kept) == 0:
-        return StepResult(kept, step_metrics, slices)
+        return StepResult(kept, step_metrics, slices, seen)
     after = executor.run_step(kept, only=set(refill.after), record=record)
-    return StepResult(after.batch, {**step_metrics, **after.metrics}, slices + after.slices)
+    metrics = {**step_metrics, **after.metrics}
+    return StepResult(after.batch, metrics, slices + after.slices, seen)
 
 
 def group_count(parts: list[DataProto]) -> int:

@@ -57,7 +57,9 @@ class Walk:
         batch, only = self.feed.next(step), None
         if step <= self.plan.spec.run.critic_warmup:  # the critic alone trains
             only = set(self.plan.spec.nodes) - set(self.plan.after_warmup)
-        return self.executor.run_step(batch, only=only, record=self.feed.record(step, step - 1))
+        walked = self.executor.run_step(batch, only=only, record=self.feed.record(step, step - 1))
+        self.feed.told(step, walked.seen if walked.seen is not None else walked.batch)
+        return walked
 
     def checkpoint(self, step: int) -> Queued | None:
         return None
@@ -76,7 +78,9 @@ class Refill(Walk):
     def next(self, step: int) -> StepResult:
         first, more = self.feed.next(step), functools.partial(self.feed.next, step)
         record = self.feed.record(step, step - 1)
-        return refilled_step(self.executor, self.plan.refill, first, more, record)
+        walked = refilled_step(self.executor, self.plan.refill, first, more, record)
+        self.feed.told(step, walked.seen if walked.seen is not None else walked.batch)
+        return walked
 
 
 class Pipelined:
@@ -90,6 +94,7 @@ class Pipelined:
 
     def start(self, done: int, queued: Queued | None) -> None:
         stages, steps = self.plan.pipeline, self.plan.spec.run.steps
+        self.feed.retain = True  # a checkpoint's loader state is the rollout stage's, behind
         if stages.partial:  # rounds of partial rollouts
             self.pipeline = PartialPipeline(
                 self.executor, stages, self.feed.produce, self.tokenizer, done, steps, queued
@@ -102,6 +107,7 @@ class Pipelined:
         record = self.feed.record(step, step - 1)
         ids = self.plan.pipeline.train_items
         walked = self.executor.run_stage(rollout.result.batch, ids, record)
+        self.feed.told(step, walked.batch)  # before the export: batches it makes see them
         self.pipeline.export(step)
         metrics = {**rollout.result.metrics, **walked.metrics, **metrics}
         slices = rollout.result.slices + walked.slices + self.pipeline.drain_slices()

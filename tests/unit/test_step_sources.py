@@ -23,6 +23,8 @@ ASYNC = ("run.staleness=1", "nodes.generate.return_logprobs=true", "nodes.update
 class Loader:
     """A prompt loader that counts the batches it gave."""
 
+    learns = False  # its sampler ignores results (the uniform one's way)
+
     def __init__(self):
         self.read = 0
 
