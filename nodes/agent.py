@@ -58,6 +58,7 @@ class Params(RolloutParams):
     )  # response_text; full = verl
     interaction: str = ""  # "file.py:reply" (a function) or "file.py:Cls" (verl interaction)
     interaction_config: str = ""  # a verl interaction YAML; rows pick by interaction_kwargs.name
+    interact_on_cut: bool = False  # the interaction answers a turn cut by max_turn_tokens
     script_first_turn: bool = False  # first turn = a call of each tool (--tiny sets it)
 
 
@@ -71,7 +72,7 @@ def limits(p: Params):
         **{f: getattr(p, f) for f in ("max_parallel_calls", "max_tool_response_length")},
         **{f: getattr(p, f) for f in ("tool_response_truncate_side", "max_obs_tokens")},
         **{f: getattr(p, f) for f in ("tool_timeout_s", "request_timeout_s")},
-        **{f: getattr(p, f) for f in ("max_invalid_calls", "obs_role")},
+        **{f: getattr(p, f) for f in ("max_invalid_calls", "obs_role", "interact_on_cut")},
     )
 
 
