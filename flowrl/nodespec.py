@@ -313,7 +313,9 @@ class TinyNode:
     model_role: str = ""  # e.g. "reward model": the summary lists it as random weights
     tools: tuple[str, ...] = ()  # tools counted from the node's metrics <node>/calls/<tool>[/ok]
     scripted: bool = False  # the tools are called by a scripted first turn, not the policy
-    real: dict[str, str] = attrs.field(factory=dict)  # what runs as written: e.g. interaction
+    real: dict[str, str] = attrs.field(factory=dict)  # what runs as written: what -> reference
+    # interaction name -> where it comes from; counted from <node>/interactions/<name>
+    interactions: dict[str, str] = attrs.field(factory=dict)
 
 
 def split_output(out: Any) -> tuple[dict, dict, list]:

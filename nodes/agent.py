@@ -95,33 +95,13 @@ def scripted_turn(setup, p: Params) -> list[int]:
 
 
 def tiny(p: Params, base_dir: str) -> TinyNode:
-    """A tiny run's first turn calls each tool once (flowrl/agent/script.py), so the tool code,
-    its arguments and its rewards run, which a random policy's never would. The budget fits
-    that turn (the tiny tokenizer: one token per character), the tools' answers and a sampled
-    turn after them; every call is allowed in the one turn. No script for a tool that does not
-    load (`flowrl check` reports it) or a parser of the user's own (its format is unknown)."""
-    from flowrl.agent.script import first_turn_text
-    from flowrl.agent.tools import Toolbox
+    """A tiny run's first turn calls each tool once, and its turns and budget leave room for
+    two interaction replies (interact_on_cut: the random policy's turns are cut), so the
+    tools and the interactions run, which a random policy's never would
+    (flowrl/agent/tiny.py)."""
+    from flowrl.agent.tiny import tiny_node
 
-    real = {"interaction": p.interaction} if p.interaction else {}
-    if not (p.tools or p.tool_config):
-        return TinyNode(real=real)
-    try:
-        toolbox = Toolbox(p.tools, base_dir, p.tool_config)
-    except Exception:
-        return TinyNode(real=real)
-    counted = {"tools": tuple(toolbox.names), "scripted": p.script_first_turn, "real": real}
-    text = first_turn_text(toolbox.schemas, p.parser)
-    if not text:
-        return TinyNode(**counted)
-    turn, calls = len(text) + 1, len(toolbox.schemas)  # + the turn's eos
-    budget = {
-        "script_first_turn": True,
-        "max_turn_tokens": turn,
-        "max_new_tokens": 2 * turn + calls * (p.max_obs_tokens + 32),
-        "max_parallel_calls": max(p.max_parallel_calls, calls),
-    }
-    return TinyNode(budget, **counted)
+    return tiny_node(p, base_dir)
 
 
 class AgentWorker:

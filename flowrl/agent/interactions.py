@@ -24,6 +24,7 @@ from flowrl.agent.verl import (
     VerlInteraction,
     binding_problem,
     default_name,
+    interaction_entries,
     is_verl_interaction,
     load_interaction_config,
     make_interaction,
@@ -86,6 +87,20 @@ def as_interaction(target, label: str = ""):
         f'interaction "{label}" is a {type(target).__name__}: give a function reply(messages, '
         "**kwargs) -> (done, text, reward) or a verl BaseInteraction class"
     )
+
+
+def interaction_sources(reference: str, config: str, base_dir: str) -> dict[str, str]:
+    """{name: where it comes from} of the interactions `load_interactions` would give, under
+    the names their requests' metrics use, without instantiating any: a YAML's entries
+    ("interaction.yaml: pkg.module.Class"), or the one reference (its file imported)."""
+    if config:
+        entries = interaction_entries(config, base_dir)
+        return {name: f"{config}: {item['class_name']}" for name, item in entries.items()}
+    if not reference:
+        return {}
+    target = load_object(reference, base_dir, "interaction")
+    name = getattr(target, "__name__", reference)
+    return {default_name(name) if inspect.isclass(target) else name: reference}
 
 
 def pick_interaction(interactions: dict, kwargs: dict):
