@@ -1,5 +1,5 @@
 """A rollout pool's weight sync on Ray: exported weights from one actor to another, sent as
-torch pickles them and as `flowrl.runtime.pool_worker.Weights` (each tensor's bytes a buffer).
+torch pickles them and as `flowrl.runtime.weights.Weights` (each tensor's bytes a buffer).
 
     python bench/weight_transfer.py [--params 135] [--repeats 5] [--cores]
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.runtime.pool_worker import Weights
+from flowrl.runtime.weights import Weights
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,6 +25,7 @@ PUBLIC = {
     "Refill": "flowrl.nodespec:Refill",
     "TruncatedIS": "flowrl.nodespec:TruncatedIS",
     "TinyNode": "flowrl.nodespec:TinyNode",
+    "Continuation": "flowrl.nodespec:Continuation",
     # param validators that state their rule (flowrl/params.py)
     "Rule": "flowrl.params:Rule",
     "checked": "flowrl.params:checked",
@@ -50,6 +51,10 @@ PUBLIC = {
     "approx_kl": "flowrl.math.losses.base:approx_kl",
     "tis_weights": "flowrl.math.losses.base:tis_weights",
     "ops": "flowrl.math.ops",
+    # losses and KL kinds of your own, by reference (docs/extending.md, "A policy loss")
+    "resolve_loss": "flowrl.math.components:resolve_loss",
+    "kl_function": "flowrl.math.components:kl_function",
+    "ComponentError": "flowrl.math.components:ComponentError",
     # the rollout contract and backend records (docs/extending.md, "a rollout backend")
     "Request": "flowrl.engines.rollout:Request",
     "Result": "flowrl.engines.rollout:Result",
@@ -85,6 +90,7 @@ PUBLIC = {
     "first_step": "flowrl.testing:first_step",
     "assert_same": "flowrl.testing:assert_same",
     "loss_params": "flowrl.testing:loss_params",
+    "try_loss": "flowrl.testing:try_loss",
     "scripted_request": "flowrl.testing:scripted_request",
     "ScriptedTurns": "flowrl.testing:ScriptedTurns",
 }

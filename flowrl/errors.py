@@ -9,7 +9,13 @@ its message is complete, so the CLI prints it without a traceback.
 """
 
 import difflib
+import functools
+import inspect
+import re
+import sysconfig
+import traceback
 from collections.abc import Iterable
+from pathlib import Path
 
 import attrs
 
@@ -76,3 +82,64 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
 
 def one_of(choices: Iterable[str]) -> str:
     return ", ".join(f'"{c}"' for c in sorted(choices))
+
+
+_FLOWRL = Path(__file__).resolve().parent
+# code that is neither flowrl's nor the user's: the standard library and installed packages
+_LIBRARIES = tuple(
+    Path(p).resolve() for p in {sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")}
+)
+
+
+def where_raised(error: BaseException) -> str:
+    """file:line where `error` began: in the error it was raised from, if any (the first cause
+    first), the deepest frame of the user's own code (not flowrl's, not a library's), else
+    flowrl's deepest frame of `error`; '' when it carries no traceback."""
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    for cause in reversed(chain):
+        for frame in reversed(traceback.extract_tb(cause.__traceback__)):
+            if _users(Path(frame.filename)):
+                return f"{shown_path(frame.filename)}:{frame.lineno}"
+    frames = traceback.extract_tb(chain[0].__traceback__) if chain else []
+    return f"{shown_path(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+
+
+def described(error: BaseException) -> str:
+    """ "Type: message (file:line)", the line from `where_raised` (none added when the message
+    names a file:line of its own)."""
+    text = f"{type(error).__name__}: {error}"
+    if re.search(r"\.py:\d+", text):  # the message names its place already
+        return text
+    where = where_raised(error)
+    return text + (f" ({where})" if where else "")
+
+
+def _users(path: Path) -> bool:
+    path = path.resolve()
+    mine = (_FLOWRL, (_FLOWRL / "nodes").resolve(), *_LIBRARIES)
+    return path.is_file() and not any(path.is_relative_to(root) for root in mine)
+
+
+def shown_path(file: str) -> str:
+    """A file relative to the working directory when below it."""
+    try:
+        return str(Path(file).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return file
+
+
+def located(function) -> str:
+    """`name (file:line)` of a function (a bound method's, a partial's, or a callable object's
+    class's `__call__`), for messages about a user's code; the bare name when it has no code."""
+    target = inspect.unwrap(function)
+    if isinstance(target, functools.partial):
+        target = target.func
+    target = getattr(target, "__func__", target)  # a bound method
+    call = vars(type(target)).get("__call__")  # a callable object: its class's __call__
+    code = getattr(target, "__code__", None) or getattr(call, "__code__", None)
+    name = getattr(target, "__qualname__", type(target).__qualname__)
+    return f"{name} ({shown_path(code.co_filename)}:{code.co_firstlineno})" if code else name

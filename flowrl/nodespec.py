@@ -36,7 +36,11 @@ spec, never by reading a param name itself:
 - `refill` (filter nodes): how many groups to keep and in how many prompt batches, so the
   controller samples more prompts until the filter has kept enough (DAPO's dynamic sampling);
 - rollout nodes' params subclass `RolloutParams`, so validation can ask any of them for greedy
-  decoding and the compiler can size the KV cache.
+  decoding and the compiler can size the KV cache;
+- `continues` (rollout nodes): a `Continuation`, so run.partial_rollout can continue the
+  node's responses over rounds and rebuild its other columns when they end;
+- `prompt` (rollout nodes): `(params, base_dir, tokenizer) -> row -> prompt text`, how the
+  data loader renders every prompt the node samples from (the agent node shows its tools).
 
 The records that follow one node through the stages: `NodeSpec` (here: what the module declares),
 `NodeRef` (registry: where the module is), `NodeDecl` (the graph file's `[nodes.<id>]`, resolved),
@@ -46,11 +50,14 @@ The records that follow one node through the stages: `NodeSpec` (here: what the 
 This module imports neither torch nor ray.
 """
 
+import difflib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 
+from flowrl.errors import located
 from flowrl.params import MAX_SAMPLES, MAX_TOKENS, checked, count, interval, positive
 
 MODES = ("rollout", "inference", "train")
@@ -144,6 +151,11 @@ class NodeSpec:
             (`multi_turn` in flowrl/backends.py).
         scorer_param: the param holding a reward scorer reference ("auto", a built-in name
             or "file.py:function"), for tools that swap scorers (`flowrl run --tiny`).
+        continues: a rollout node whose responses run.partial_rollout may continue over
+            rounds: the `Continuation` saying how (None: the graph is refused with it).
+        prompt: (params, base_dir, tokenizer) -> a renderer, `row -> prompt text`, that the
+            data loader templates every prompt with (the agent node's shows the row's tools);
+            None: the tokenizer's chat template on the row's messages.
     """
 
     reads: tuple[str, ...]
@@ -166,6 +178,8 @@ class NodeSpec:
     tiny: "Callable[[Any, str], TinyNode] | None" = None
     multi_turn: bool = False
     scorer_param: str = ""
+    continues: "Continuation | None" = None
+    prompt: Callable[[Any, str, Any], Callable[[dict], str]] | None = None
 
     def __attrs_post_init__(self):
         if (self.fn is None) == (self.worker is None):
@@ -194,6 +208,15 @@ class NodeSpec:
             raise ValueError('NodeSpec.multi_turn is for mode="rollout" nodes')
         if self.scorer_param and self.scorer_param not in attrs.fields_dict(self.params):
             raise ValueError(f"NodeSpec.scorer_param names no param: {self.scorer_param!r}")
+        for hook in ("continues", "prompt"):
+            if getattr(self, hook) is not None and self.mode != "rollout":
+                raise ValueError(f'NodeSpec.{hook} is for mode="rollout" nodes')
+        if self.continues is not None:
+            self.continues.check(self.writes)
+        if self.refill is not None:
+            self.refill.check_names(self.params)
+        if self.fn is not None:
+            _check_fn_arguments(self.fn, self.stateful)
 
     @property
     def uses_model(self) -> bool:
@@ -210,7 +233,18 @@ class NodeSpec:
         return tuple(dict.fromkeys((*self.writes, *extra)))
 
     def findings(self, params: Any, context: CheckContext) -> list[Finding]:
-        return list(self.check(params, context)) if self.check else []
+        """The `check` hook's findings; a hook that raises is one finding naming it."""
+        if self.check is None:
+            return []
+        try:
+            return list(self.check(params, context))
+        except Exception as e:  # a node author's hook: its failure is a finding, not a traceback
+            return [
+                Finding(
+                    f"its check hook {located(self.check)} raised {type(e).__name__}: {e}",
+                    "fix that function (it must return a list of Finding)",
+                )
+            ]
 
     def updates(self, params: Any, rows: int) -> int:
         """Optimizer steps per training step; 1 for a train node without the hook."""
@@ -283,6 +317,42 @@ class Refill:
         """(groups to keep, most prompt batches) under these params."""
         return int(getattr(params, self.groups)), int(getattr(params, self.rounds))
 
+    def check_names(self, params_class: type) -> None:
+        """Both names are params of the node (checked when its SPEC is built)."""
+        fields = attrs.fields_dict(params_class)
+        for role, name in (("groups", self.groups), ("rounds", self.rounds)):
+            if name not in fields:
+                close = difflib.get_close_matches(name, fields, n=1)
+                hint = f' (did you mean "{close[0]}"?)' if close else ""
+                raise ValueError(
+                    f'Refill({role}="{name}") names no param of {params_class.__name__}{hint}: '
+                    f"name one of its int fields ({', '.join(fields) or 'it has none'})"
+                )
+
+
+def _check_fn_arguments(fn, stateful: bool) -> None:
+    """A controller fn takes (batch, params), or (batch, params, state) when stateful."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function: nothing to check
+        return
+    wanted = ("batch", "params", "state") if stateful else ("batch", "params")
+    try:
+        signature.bind(*wanted)
+    except TypeError:
+        pass
+    else:
+        return
+    takes = f"{getattr(fn, '__name__', 'fn')}{signature}"
+    if stateful:
+        fix = "give it a third parameter, state (a dict kept across steps and checkpointed)"
+    else:
+        fix = "give it two parameters (batch, params), or set stateful=True to get a state dict"
+    raise ValueError(
+        f"NodeSpec(stateful={stateful}) calls fn({', '.join(wanted)}), but {located(fn)} is "
+        f"{takes}: {fix}"
+    )
+
 
 @attrs.frozen
 class TruncatedIS:
@@ -316,6 +386,46 @@ class TinyNode:
     real: dict[str, str] = attrs.field(factory=dict)  # what runs as written: what -> reference
     # interaction name -> where it comes from; counted from <node>/interactions/<name>
     interactions: dict[str, str] = attrs.field(factory=dict)
+
+
+CONTINUED = ("responses", "response_mask", "rollout_logprobs")  # what rounds append to
+
+
+@attrs.frozen
+class Continuation:
+    """The hook of a rollout node whose responses run.partial_rollout continues over rounds
+    (flowrl/runtime/partial.py). Each round the runtime calls the node with n = 1 and
+    max_new_tokens = the round's tokens on prompts that end with each response so far, and
+    appends what it samples to `CONTINUED`: `responses` and `response_mask` (which the node
+    writes) and `rollout_logprobs` (kept where the node writes them under its params: its
+    `writes` or `optional_writes`). When a response ends, `finish` gives the node's other
+    writes for the whole response:
+
+        def finish(rows, tokenizer):    # rows: DataProto of whole responses (responses,
+            ...                         #   response_mask (b, t), right-padded)
+            return {"response_text": ..., "response_attention": ...}
+        SPEC = NodeSpec(..., continues=Continuation(("response_text", "response_attention"),
+                                                    finish))
+
+    Attributes:
+        columns: the writes `finish` returns (the node's writes besides `CONTINUED`).
+        finish: (rows, tokenizer) -> {column: (b, ...) tensor or (b,) array}.
+    """
+
+    columns: tuple[str, ...]
+    finish: Callable[[Any, Any], dict]
+
+    def check(self, writes: tuple[str, ...]) -> None:
+        """Refuse a node whose writes the rounds would not rebuild."""
+        if not {"responses", "response_mask"} <= set(writes):
+            raise ValueError("NodeSpec.continues needs a node that writes responses, response_mask")
+        missing = [k for k in writes if k not in CONTINUED and k not in self.columns]
+        if missing:
+            raise ValueError(
+                f"NodeSpec.continues: the node writes {', '.join(missing)}, which neither the "
+                f"rounds ({', '.join(CONTINUED)}) nor Continuation.columns rebuild: add them "
+                "to columns and return them from finish"
+            )
 
 
 def split_output(out: Any) -> tuple[dict, dict, list]:

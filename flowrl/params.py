@@ -40,10 +40,12 @@ class Rule:
     Attributes:
         text: what a good value is, completing "must be ...", e.g. "> 0" or "from 1 to 8".
         test: value -> True when the value is good.
+        fix: bad value -> what to do instead (e.g. a did-you-mean); None = set the default.
     """
 
     text: str
     test: Callable[[Any], bool]
+    fix: Callable[[Any], str] | None = None
 
     def __call__(self, instance, attribute, value) -> None:
         if not self.test(value):
@@ -127,6 +129,13 @@ def finite(value: Any) -> bool:
     if isinstance(value, list | tuple):
         return all(finite(v) for v in value)
     return True
+
+
+def fix_for(validator, value) -> str:
+    """What a rule says to do about a bad value ("" when it says nothing: set the default)."""
+    if isinstance(validator, Rule) and validator.fix is not None:
+        return validator.fix(value)
+    return ""
 
 
 def describe(validator) -> str:

@@ -61,6 +61,12 @@ def load(ref: str, base_dir: str | Path = ".", what: str = "reference", error=Re
     return getattr(module, name)
 
 
+def is_reference(text: str) -> bool:
+    """`text` has a reference's form, "<file or module>:<name>" (not a built-in's name)."""
+    module_ref, _, name = str(text).rpartition(":")
+    return bool(module_ref and name)
+
+
 def resolve(file: str | Path, base_dir: str | Path = ".") -> Path:
     """`file` as an absolute path: as written if absolute, else under `base_dir`."""
     path = Path(file) if Path(file).is_absolute() else Path(base_dir) / file

@@ -295,3 +295,24 @@ def loss_params(**fields):
     from flowrl.nodes.update.policy import Params
 
     return SimpleNamespace(**(attrs.asdict(Params()) | fields))
+
+
+def try_loss(loss: str, base_dir: str | Path = ".", **fields):
+    """A policy loss taken as `update.policy` takes it: `loss`, a built-in name or a reference
+    ("my_losses.py:TOPR", relative to base_dir), loaded and checked as `flowrl check` checks it,
+    then called once on `update_rows()` (log-probs that carry a gradient, the node's params
+    overridden by `fields`) and its return value checked as every call's is. Returns (the
+    scalar loss, its rates as floats); raises `ComponentError` naming the function's file:line
+    and the fix."""
+    from flowrl.math import components
+    from flowrl.math.losses import Chunk
+    from flowrl.nodes.update.policy import Params
+
+    record = components.resolve_loss(loss, base_dir)
+    for problem in components.loss_problems(record, loss, Params, "update.policy"):
+        raise problem
+    rows = update_rows()
+    old = rows["old_logprobs"]
+    logprobs = (old + 0.1 * old.sign()).requires_grad_()  # (b, t): a step away from the old
+    args = (logprobs, old, rows["advantages"], rows["response_mask"], loss_params(**fields))
+    return components.checked_loss(record, loss, record.fn(*args, Chunk()))

@@ -13,8 +13,8 @@ decodes while others run their tools, and the engine keeps each request's KV bet
 names and counts), for
 reward.rule with `rollout_info = true`. Tools are functions, classes, or verl's tool YAML
 (`tool_config`); interactions a function, a verl class or verl's YAML; the prompt carries the
-tools' schemas (the data loader templates it with `tools=`). Replaces [nodes.generate] in a
-graph; docs/multi-turn.md.
+tools' schemas (the data loader templates it with `tools=`, as the SPEC's `prompt` hook asks).
+Replaces [nodes.generate] in a graph; docs/multi-turn.md.
 """
 
 from __future__ import annotations
@@ -81,6 +81,14 @@ def check(p: Params, context: CheckContext) -> list[Finding]:
     from flowrl.agent.checks import agent_findings
 
     return agent_findings(p, context)
+
+
+def prompt(p: Params, base_dir: str, tokenizer):
+    """The renderer the data loader templates every prompt with: the row's messages with the
+    schemas of the tools it may use (flowrl/agent/prompt.py)."""
+    from flowrl.agent.prompt import agent_prompt
+
+    return agent_prompt(p, base_dir, tokenizer)
 
 
 def scripted_turn(setup, p: Params) -> list[int]:
@@ -152,4 +160,5 @@ SPEC = NodeSpec(
     multi_turn=True,
     check=check,
     tiny=tiny,
+    prompt=prompt,
 )

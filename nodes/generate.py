@@ -8,7 +8,7 @@ response_mask (the tokens trained on); a multi-turn rollout makes them differ.
 Every row is one request of the rollout contract (flowrl/engines/rollout.py, batch.py), from
 its own random stream. Rows come back interleaved (all samples of prompt 0, then prompt 1,
 ...); the runtime repeats the batch's other columns to match, so `uid` groups the samples of a
-prompt.
+prompt. Its responses can be continued over rounds (run.partial_rollout): `finished`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 import attrs
 
 from flowrl.lazy import np
-from flowrl.nodespec import NodeSpec, RolloutParams
+from flowrl.nodespec import Continuation, NodeSpec, RolloutParams
 
 
 @attrs.frozen
@@ -77,6 +77,18 @@ class GenerateWorker:
         return {**out, "response_attention": attention, "response_text": texts}, metrics
 
 
+def finished(rows, tokenizer) -> dict:
+    """Whole responses continued over rounds -> the columns the worker writes besides the
+    tokens: response_attention (b, t) = response_mask, response_text (b,) decoded."""
+    mask = rows["response_mask"]  # (b, t)
+    texts = np.empty(len(rows), dtype=object)
+    texts[:] = tokenizer.batch_decode(
+        [ids[m.bool()].tolist() for ids, m in zip(rows["responses"], mask, strict=True)],
+        skip_special_tokens=True,
+    )
+    return {"response_attention": mask.clone(), "response_text": texts}
+
+
 SPEC = NodeSpec(
     reads=("prompts", "prompt_mask"),
     writes=("responses", "response_mask", "response_attention", "response_text"),
@@ -86,4 +98,5 @@ SPEC = NodeSpec(
     head="lm",
     rows="repeat",
     optional_writes={"rollout_logprobs": lambda p: p.return_logprobs},
+    continues=Continuation(("response_attention", "response_text"), finished),
 )

@@ -34,6 +34,7 @@ import attrs
 
 from flowrl.agent.chat import truncate_chars
 from flowrl.agent.runner import run_call
+from flowrl.errors import described
 
 GENERATING, TOOLS, INTERACTING, DONE = "generating", "tools", "interacting", "done"
 REASONS = (
@@ -270,7 +271,7 @@ class Episode:
 
     def _fail(self, error: Exception) -> None:
         self.exception = error
-        self.error = f"{type(error).__name__}: {error}"
+        self.error = described(error)  # "Type: message (file:line)", the user's line first
         self._end("error")
 
     def _timeout(self) -> float:

@@ -1,7 +1,8 @@
 """An agent prompt as the model sees it: the row's messages templated with the schemas of the
 tools the row may use, as verl templates them (`apply_chat_template(messages, tools=...)`).
 
-The data loader renders every prompt of a graph with an agent node through `AgentPrompt`, so
+The data loader renders every prompt of a graph with an agent node through `AgentPrompt` (the
+node's `NodeSpec.prompt` hook, `agent_prompt`), so
 the tool block counts toward `data.max_prompt_len`, the `prompts` ids every node reads are the
 ones the policy sampled from, and samples.jsonl's `prompt_text` is what the model saw. Which
 tools a row sees is `Toolbox.select` (verl's SGLang rollout: the tools its `tools_kwargs` name,
@@ -100,15 +101,12 @@ class AgentPrompt:
         return render(self.tokenizer, messages, schemas, self.chat_template)
 
 
-def agent_prompt(spec, tokenizer) -> AgentPrompt | None:
-    """The prompt renderer of the graph's agent node (a node with `tools` and
-    `tool_config` params), or None for a graph without one."""
+def agent_prompt(params, base_dir, tokenizer) -> AgentPrompt:
+    """The agent node's `NodeSpec.prompt` hook: its prompts' renderer, from its `tools`,
+    `tool_config`, `chat_template` and `system_prompt` params (relative paths from
+    `base_dir`, the graph's folder)."""
     from flowrl.agent.tools import Toolbox
 
-    for decl in spec.nodes.values():
-        params = decl.params
-        if hasattr(params, "tool_config") and hasattr(params, "tools"):
-            toolbox = Toolbox(params.tools, spec.base_dir, params.tool_config)
-            template = read_template(params.chat_template, spec.base_dir)
-            return AgentPrompt(tokenizer, toolbox, template, params.system_prompt)
-    return None
+    toolbox = Toolbox(params.tools, base_dir, params.tool_config)
+    template = read_template(params.chat_template, base_dir)
+    return AgentPrompt(tokenizer, toolbox, template, params.system_prompt)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from flowrl.agent.objects import BUILTIN_TOOLS, ToolError, load_object
 from flowrl.agent.session import maybe_await
+from flowrl.errors import located
 
 
 class Schema(dict):
@@ -203,7 +204,13 @@ class VerlInteraction:
         self.instance, self.name = instance, name
 
     async def start(self, request_id: str, **kwargs) -> None:
-        await maybe_await(self.instance.start_interaction(request_id, **kwargs))
+        method = self.instance.start_interaction
+        if problem := binding_problem(method, (request_id,), kwargs):  # where, not a bare
+            raise TypeError(  # TypeError from inside flowrl
+                f"{located(method)}{problem}: give it **kwargs (verl passes the row's "
+                "interaction_kwargs to it)"
+            )
+        await maybe_await(method(request_id, **kwargs))
 
     async def reply(self, request_id: str, messages: list, **kwargs):
         out = await maybe_await(self.instance.generate_response(request_id, messages, **kwargs))

@@ -56,11 +56,21 @@ def train_and_validation_rows(data, val_size: int, seed: int, base_dir) -> tuple
     return train, val, note
 
 
-def prompt_sets(spec, tokenizer, render=None) -> tuple[PromptDataset, object, list[str]]:
+def prompt_renderer(spec, tokenizer):
+    """`row -> prompt text` from the graph's node with a `NodeSpec.prompt` hook (the agent
+    node's: its tools in the prompt), or None: the tokenizer's chat template."""
+    for decl in spec.nodes.values():
+        if decl.spec.prompt is not None:
+            return decl.spec.prompt(decl.params, str(spec.base_dir), tokenizer)
+    return None
+
+
+def prompt_sets(spec, tokenizer) -> tuple[PromptDataset, object, list[str]]:
     """(the training prompts, the validation batch or None, notes) of a graph's [data]: each
-    file checked (flowrl/data/verl_format.py); where validation comes from, and what was
-    dropped or repeated, said on stderr and returned as notes."""
-    data = spec.data
+    file checked (flowrl/data/verl_format.py), each prompt rendered as the node that samples
+    from it asks (`prompt_renderer`); where validation comes from, and what was dropped or
+    repeated, said on stderr and returned as notes."""
+    data, render = spec.data, prompt_renderer(spec, tokenizer)
     rows, val_rows, note = train_and_validation_rows(
         data, spec.run.val_size, spec.run.seed, spec.base_dir
     )  # never validates on training rows

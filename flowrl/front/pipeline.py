@@ -4,13 +4,13 @@ bounded queue of batches (asynchronous, off-policy training; docs/scaling.md).
 The rollout stage is every node placed on the rollout pool (generate) and every controller
 node computed only from what that stage wrote (reward, advantage): it needs no trained model,
 so it can run ahead. The train stage is the rest (reference / old log-probs, the updates).
-The batch of step s is generated with the weights of update max(s - 1 - k, start), `start`
-the steps done when the run started (0) or resumed (runtime/pipeline.py `version_for`; with
-run.partial_rollout a round uses update max(c - k, start), c the steps with a full batch so
-far: runtime/partial.py): exactly k updates old once the pipeline is full, never more, never
-fewer, so a run is reproducible whatever the timing. After update s the trainer exports the
-weights; the rollout pool loads them just before it generates step s + 1 + k. At most k
-batches wait in the queue.
+The batch of step s is generated with the weights of update `version(s - 1, k, start)` =
+max(s - 1 - k, start), `start` the steps done when the run started (0) or resumed; with
+run.partial_rollout a round uses update `version(c, k, start)` = max(c - k, start), c the steps
+with a full batch so far (runtime/partial.py): exactly k updates old once the pipeline is full,
+never more, never fewer, so a run is reproducible whatever the timing. After update s the
+trainer exports the weights; the rollout pool loads them just before it generates step
+s + 1 + k. At most k batches wait in the queue.
 
 The checks refuse what the pipeline cannot honour, naming the key and the fix. No torch here.
 """
@@ -24,6 +24,15 @@ FIX_POOLS = (
     'generate on a pool of its own: models.{model}.rollout_pool = "gen" with a [pools.gen] '
     "table, as graphs/grpo_disaggregated.toml does, or set run.staleness = 0"
 )
+
+
+def version(done: int, k: int, floor: int) -> int:
+    """The update whose weights generate the next batch (or round) of the rollout stage, with
+    `done` steps' batches assembled before it: k updates behind them, never older than `floor`
+    (the weights the run started or resumed with). It reads counts only, never timing, so a
+    run is reproducible and a resume continues it exactly; both the whole batches
+    (flowrl/runtime/pipeline.py) and the rounds of partial rollouts (partial.py) use it."""
+    return max(done - k, floor)
 
 
 @attrs.frozen
@@ -113,20 +122,23 @@ def split(graph, items: list, rows: int, refill, errors: Collector, warnings: li
 
 def _partial(graph, rollout: list[str], items: list, stage_items: tuple, errors) -> dict:
     """run.partial_rollout's fields of the PipelinePlan ({} when off); refuses what a round
-    cannot continue: a rollout node other than one `generate`, a segment as long as the
-    response cap."""
+    cannot continue: other than one rollout node whose spec declares how its responses
+    continue (`NodeSpec.continues`, as `generate` does), a segment as long as the response
+    cap."""
     spec, tokens = graph.spec, graph.spec.run.partial_rollout
     if not tokens:
         return {}
     node = rollout[0]
     decl = spec.nodes[node]
-    if len(rollout) > 1 or decl.uses != "generate":
+    if len(rollout) > 1 or decl.spec.continues is None:
         errors.add(
             "[run]",
-            f"partial_rollout = {tokens} continues single-turn responses of one "
-            f'`uses = "generate"` node; this graph generates with '
+            f"partial_rollout = {tokens} continues the responses of one rollout node that "
+            'declares how (NodeSpec.continues, as `uses = "generate"` does); this graph '
+            "generates with "
             + ", ".join(f'[nodes.{n}] (uses = "{spec.nodes[n].uses}")' for n in rollout),
-            "set run.partial_rollout = 0",
+            "set run.partial_rollout = 0, or give a node file of your own "
+            '`continues=Continuation(...)` in its SPEC (docs/extending.md, "A node")',
         )
         return {}
     cap = decl.params.max_new_tokens
@@ -151,7 +163,7 @@ def _partial(graph, rollout: list[str], items: list, stage_items: tuple, errors)
         "generate_node": node,
         "samples": decl.params.n,
         "max_new_tokens": cap,
-        "logprobs": bool(getattr(decl.params, "return_logprobs", False)),
+        "logprobs": "rollout_logprobs" in decl.spec.writes_for(decl.params),
     }
 
 

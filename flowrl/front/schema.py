@@ -116,10 +116,12 @@ class RunConfig:
     save_every: int = checked(0, count(0, MAX_STEPS))  # 0 = at the end only
     keep_checkpoints: int = checked(2, count(1, MAX_STEPS))  # newest kept
     log_samples: int = checked(2, count(0, MAX_ROWS))  # generations per step
-    # stop after this many steps in a row whose update had a non-finite loss or gradient norm
-    # (each such optimizer step is skipped: the weights stay as they were)
+    # stop after this many steps in a row whose updates did nothing: a non-finite loss or
+    # gradient norm (that optimizer step is skipped: the weights stay as they were), or a
+    # gradient norm of 0 over rows with a learning signal (flowrl/runtime/guards.py)
     max_nonfinite_steps: int = checked(3, count(1, MAX_STEPS))
-    # stop after this many steps in a row that trained on nothing (every request failed)
+    # stop after this many steps in a row that trained on nothing (more than half of the
+    # requests failed, so the update was skipped, or no response had a sampled token)
     max_failed_steps: int = checked(2, count(1, MAX_STEPS))
     save_inputs: list[str] = checked([], _names())  # nodes whose inputs are kept, to replay
     save_inputs_last: int = checked(1, count(1, MAX_STEPS))  # of the last K steps

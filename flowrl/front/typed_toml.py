@@ -24,7 +24,7 @@ import attrs
 from flowrl.compat import REMOVED_IN
 from flowrl.errors import Collector, did_you_mean, one_of
 from flowrl.front import overrides
-from flowrl.params import describe, finite
+from flowrl.params import describe, finite, fix_for
 
 
 def read_toml(path: Path, errors: Collector) -> dict:
@@ -80,14 +80,64 @@ def _toml_problem(error: str, text: str) -> tuple[str, str, str]:
     elif message == "Cannot overwrite a value":
         message = "this line defines again a table or key already defined above"
         fix = "define each key and table once; [x] (a table) and [[x]] (a list of tables) differ"
+    elif message == "Unclosed array":  # within the line: two elements without a comma
+        message = "unclosed array"
+        fix = 'separate the elements with commas and close the array with "]"'
     else:
         message = message[:1].lower() + message[1:]
         fix = "fix the syntax on that line"
     lines = text.splitlines()
-    if match and int(match.group(1)) <= len(lines):
-        source = lines[int(match.group(1)) - 1].strip()
-        message += f": {source}" if source else ""
+    error_line = int(match.group(1)) if match else len(lines) + 1
+    source = lines[error_line - 1] if error_line <= len(lines) else ""
+    # inside an array, a [table] line reads as a nested array and a key as a bad value
+    new_entry = re.match(r"\s*(\[|[\w.\"'-]+\s*=)", source)
+    opened = None
+    if new_entry or (message == "unclosed array" and not match):
+        opened = _open_array(lines[: error_line - 1])
+    if opened:  # tomllib notices it at the next line that is not an element: name the opener
+        line, key = opened
+        noticed = f"line {error_line}" if match else "the end of the file"
+        where = f"line {line}"
+        message = f"the array {key} = [ opened on this line is not closed (seen at {noticed})"
+        fix = f'close it with "]" after its last element: {lines[line - 1].strip()}'
+    elif match and source.strip():
+        message += f": {source.strip()}"
     return where, message, fix
+
+
+def _open_array(lines: list[str]) -> tuple[int, str] | None:
+    """(line, dotted key) of the array still open at the end of `lines`, if one is: brackets
+    are counted outside strings and comments; a header line ([table]) outside a value sets the
+    table its keys belong to."""
+    table, depth, opener, quote = "", 0, None, ""
+    for number, text in enumerate(lines, start=1):
+        stripped = text.strip()
+        if depth == 0 and not quote and re.fullmatch(r"\[\[?[^\[\]=]+\]\]?(\s*#.*)?", stripped):
+            table = stripped.split("#")[0].strip("[] ")
+            continue
+        key = re.match(r"\s*([\w.\"'-]+)\s*=", text) if depth == 0 and not quote else None
+        start = key.end() if key else 0
+        i = start
+        while i < len(text):
+            char = text[i]
+            if quote:
+                if char == "\\" and quote == '"':
+                    i += 1
+                elif char == quote:
+                    quote = ""
+            elif char in "\"'":
+                quote = char
+            elif char == "#":
+                break
+            elif char == "[":
+                depth += 1
+                if depth == 1:
+                    opener = (number, ".".join(p for p in (table, key and key.group(1)) if p))
+            elif char == "]":
+                depth = max(depth - 1, 0)
+            i += 1
+        quote = ""  # a single-line string ends with its line
+    return opener if depth > 0 else None
 
 
 def build_attrs(cls, table: dict, where: str, errors: Collector, overridden: Mapping | None = None):
@@ -119,9 +169,10 @@ def build_attrs(cls, table: dict, where: str, errors: Collector, overridden: Map
             continue
         converted, problem = check_value(value, fields[key])
         if problem:
-            default = f"default: {key} = {toml_value(fields[key].default)}"
+            fix = fix_for(fields[key].validator, value) if "not allowed" in problem else ""
+            fix = fix or f"default: {key} = {toml_value(fields[key].default)}"
             shown = repr(value) if isinstance(value, str) else toml_value(value)
-            errors.add(f"[{where}]", f'{said}"{key}" = {shown}{origin} {problem}', default)
+            errors.add(f"[{where}]", f'{said}"{key}" = {shown}{origin} {problem}', fix)
             ok = False
             continue
         kwargs[key] = converted

@@ -128,14 +128,15 @@ def manifest(directory: Path) -> dict:
 def newest_complete(run_dir: Path, below: Path | None = None) -> Path | None:
     """The newest checkpoint without problems (older than `below`, when given)."""
     for directory in reversed(checkpoints(run_dir)):
-        if below is not None and _step(directory) >= _step(below):
+        if below is not None and step_of(directory) >= step_of(below):
             continue
         if not problems(directory):
             return directory
     return None
 
 
-def _step(directory: Path) -> int:
+def step_of(directory: Path) -> int:
+    """The step of a checkpoint directory (step_NNNNNN)."""
     return int(directory.name[len(PREFIX) :])
 
 
@@ -145,7 +146,7 @@ def set_aside_newer(directory: Path) -> list[Path]:
     their place, and not deleted either. Returns their new paths."""
     moved = []
     for newer in checkpoints(directory.parent.parent):
-        if _step(newer) > _step(directory):
+        if step_of(newer) > step_of(directory):
             target = newer.with_name(f".superseded-{newer.name}-{os.getpid()}")
             os.rename(newer, target)
             moved.append(target)

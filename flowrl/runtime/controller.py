@@ -1,8 +1,9 @@
 """The controller loop: for each step, a prompt batch -> the plan's items -> metrics and logs.
 
+    source = steps.source(executor, plan, feed)   # how a step's batch is made, chosen once
     for step in steps:
-        batch = next(loader)                      # prompts, prompt_mask, uid, ground truths
-        result = executor.run_step(batch)         # every plan item, independent ones overlapped
+        result = source.next(step)                # prompts -> every plan item, independent
+                                                  #   ones overlapped (flowrl/runtime/steps.py)
         log(result.metrics); validate / checkpoint when due
 
 A run directory holds graph.toml (the resolved graph), run.json (where the graph file was:
@@ -12,7 +13,6 @@ inputs of a failed node call (failures/) and of the nodes in run.save_inputs (in
 """
 
 import contextlib
-import functools
 import json
 import time
 from pathlib import Path
@@ -20,7 +20,6 @@ from pathlib import Path
 import toml
 from tqdm import tqdm
 
-from flowrl.agent.prompt import agent_prompt
 from flowrl.data import PromptLoader
 from flowrl.data.split import prompt_sets
 from flowrl.models import load_tokenizer
@@ -29,11 +28,10 @@ from flowrl.runtime import checkpoint, faults, guards, make_executor, outcome, r
 from flowrl.runtime import pipeline as pipelines
 from flowrl.runtime import resume as resuming
 from flowrl.runtime import run_dir as run_dirs
+from flowrl.runtime import steps as step_sources
 from flowrl.runtime.executor import StepResult
-from flowrl.runtime.inputs import Recording
+from flowrl.runtime.feed import PromptFeed
 from flowrl.runtime.loggers import Loggers
-from flowrl.runtime.partial import PartialPipeline
-from flowrl.runtime.refill import refilled_step
 from flowrl.runtime.trace import Trace
 
 
@@ -86,6 +84,10 @@ def run(
 
 
 class Trainer:
+    """One run's loop over its steps, with its guards (non-finite losses, failed requests,
+    stuck updates), validation, logs and checkpoints; how each step's batch is made is its
+    `StepSource` (flowrl/runtime/steps.py)."""
+
     def __init__(self, plan, run_dir: Path, backend: str, command: str | None = None):
         guards.check_devices(plan)
         guards.check_packages(plan)
@@ -94,26 +96,29 @@ class Trainer:
         self.command = command or f"flowrl run {spec.file}"
         self.started, self.steps_done = False, 0  # for the message of a stopped run
         self.zero_steps: dict[str, int] = {}  # node -> steps in a row of gradient norm 0
+        self.updates = guards.DeadUpdates(plan.spec)  # steps in a row whose updates did nothing
         rng.seed_everything(spec.run.seed)
         policy = _rollout_model(spec)
         self.tokenizer = load_tokenizer(spec.models[policy].path)  # also fills the model cache
         guards.check_models(spec, policy, self.tokenizer)
         # a reward model with its own tokenizer compares vocabularies with it (reward.model)
-        self.batch_meta = {"seed": spec.run.seed, "policy_tokenizer": spec.models[policy].path}
-        render = agent_prompt(spec, self.tokenizer)  # an agent node's prompts show its tools
-        self.train_set, self.val_batch, _ = prompt_sets(spec, self.tokenizer, render)
+        batch_meta = {"seed": spec.run.seed, "policy_tokenizer": spec.models[policy].path}
+        self.train_set, self.val_batch, _ = prompt_sets(spec, self.tokenizer)
         self.loader = PromptLoader(
             self.train_set, spec.data.batch_size, spec.run.seed, spec.data.shuffle
         )
+        run = spec.run
+        self.feed = PromptFeed(
+            self.loader, batch_meta, run_dir, run.save_inputs, run.save_inputs_last
+        )
         self.executor = make_executor(backend, plan, num_cpus=spec.run.num_cpus or None)
+        self.source = step_sources.source(self.executor, plan, self.feed, self.tokenizer)
         self.trace = Trace()
-        self.pipeline, self.queued = None, None  # run.staleness > 0: the stages' queue
 
     def close(self) -> None:
         from flowrl.rewards.pool import close_all
 
-        if self.pipeline is not None:
-            self.pipeline.close()
+        self.source.close()
         self.executor.shutdown()
         close_all()  # scorer processes
 
@@ -122,9 +127,9 @@ class Trainer:
         """Train from step 0, or with `resume` (True: the newest checkpoint, or a checkpoint
         directory) from a checkpoint, to run.steps."""
         guards.writable(self.run_dir)
-        self.started, start_step = True, 0
+        self.started, start_step, queued = True, 0, None
         if resume:
-            start_step = self._resume(None if resume is True else Path(resume))
+            start_step, queued = self._resume(None if resume is True else Path(resume))
         else:
             with self._writing("graph.toml and run.json"):
                 self._write_run_files()
@@ -143,21 +148,7 @@ class Trainer:
                 scores = self.validate(0)
                 with self._writing("metrics.jsonl"):
                     loggers.log({"step": 0, **scores})
-            stages, steps = self.plan.pipeline, self.spec.run.steps
-            if stages is not None and stages.partial:  # rounds of partial rollouts
-                self.pipeline = PartialPipeline(
-                    self.executor,
-                    stages,
-                    self._round,
-                    self.tokenizer,
-                    start_step,
-                    steps,
-                    self.queued,
-                )
-            elif stages is not None:  # the rollout stage starts running ahead
-                self.pipeline = pipelines.Pipeline(
-                    self.executor, stages, self._rollout, start_step, steps, self.queued
-                )
+            self.source.start(start_step, queued)  # a rollout stage starts running ahead
             self._loop(start_step, loggers, samples_file)
 
     def _write_run_files(self) -> None:
@@ -183,7 +174,7 @@ class Trainer:
             raise guards.RunDirError(outcome.failed_write(self, what, e)) from e
 
     def _loop(self, start_step: int, loggers: Loggers, samples_file) -> None:
-        run, nonfinite, failed_steps = self.spec.run, 0, 0
+        run, failed_steps = self.spec.run, 0
         bar = tqdm(
             range(start_step + 1, run.steps + 1),
             initial=start_step,
@@ -205,33 +196,18 @@ class Trainer:
             self.steps_done = step
             failed_steps = self._failures(step, batch, loggers, failed_steps)
             faults.point("logged", step)
-            skipped = sorted(
-                k.rpartition("/")[0]
-                for k, v in metrics.items()
-                if k.endswith("/nonfinite_skipped") and v > 0
-            )
-            nonfinite = nonfinite + 1 if skipped else 0
-            if skipped:
-                event = {"event": "nonfinite", "step": step, "nodes": skipped}
+            for event in self.updates.observe(step, metrics):  # updates that did nothing
+                tqdm.write(event.pop("said"))
                 loggers.log(event)
-                tqdm.write(
-                    f"step {step}: a loss or gradient norm of {', '.join(skipped)} was not "
-                    "finite; the optimizer step was skipped (weights unchanged)"
-                )
-            if nonfinite >= run.max_nonfinite_steps:
-                raise guards.NonFiniteStop(
-                    f"{nonfinite} steps in a row (up to step {step}) had a non-finite loss or "
-                    f"gradient norm in {', '.join(skipped)}; stopping. Lower the learning rate "
-                    f"or check the rewards, then resume: {self.command} --resume "
-                    f"{self.run_dir} (run.max_nonfinite_steps "
-                    "sets how many are tolerated)"
-                )
+            dead = self.updates.streak
+            if dead >= run.max_nonfinite_steps or self.updates.fatal or (last and dead):
+                raise self.updates.stop(step, self.run_dir, self.command)
             if message := step_log.stuck(self.zero_steps, step, metrics):
                 tqdm.write(f"warning: {message}")
                 with self._writing("metrics.jsonl"):
                     loggers.log({"event": "warning", "step": step, "message": message})
-            if last or (run.save_every and step % run.save_every == 0):
-                self.save(step)
+            if (last or (run.save_every and step % run.save_every == 0)) and not dead:
+                self.save(step)  # none while updates do nothing: the last good one is kept
             bar.set_postfix(step_log.postfix(metrics))
 
     def _failures(self, step: int, batch, loggers: Loggers, failed_steps: int) -> int:
@@ -241,15 +217,12 @@ class Trainer:
         lines = step_log.failure_lines(batch, failed)
         if failed:
             loggers.log({"event": "failed_requests", "step": step, "count": len(failed)})
-            tqdm.write(
-                f"step {step}: {len(failed)} of {len(batch)} requests failed\n" + "\n".join(lines)
-            )
+            tqdm.write(step_log.failure_report(step, batch, failed, lines))
         failed_steps = failed_steps + 1 if step_log.trained_nothing(batch) else 0
         if failed_steps >= self.spec.run.max_failed_steps:
             raise guards.FailedStepsStop(
-                f"{failed_steps} steps in a row (up to step {step}) trained on nothing: every "
-                "request failed or had no sampled token. First failures:\n"
-                + ("\n".join(lines) or "  (none failed: every response was empty)")
+                f"{failed_steps} steps in a row (up to step {step}) trained on nothing: "
+                + step_log.nothing_trained(batch, lines)
                 + f"\nFix the tools or rows (flowrl check {self.spec.file}), then replay with "
                 f"flowrl run {self.spec.file} --resume {self.run_dir} "
                 "(run.max_failed_steps sets how many are tolerated)"
@@ -260,77 +233,11 @@ class Trainer:
         """One training step: the walk's StepResult, its metrics completed with the step's
         timings, throughput and process metrics (what metrics.jsonl logs)."""
         start = time.time()
-        run = self.spec.run
-        record = self._record(step, step - 1, keep=tuple(run.save_inputs))
-        if self.pipeline is not None:
-            walked = self._pipelined(step, record)
-        elif self.plan.refill is not None:  # a filter that samples more prompts (DAPO)
-            batch = self._prompts(step)
-            more = functools.partial(self._prompts, step)
-            walked = refilled_step(self.executor, self.plan.refill, batch, more, record)
-        else:
-            batch, only = self._prompts(step), None
-            if step <= run.critic_warmup:  # the critic alone trains
-                only = set(self.spec.nodes) - set(self.plan.after_warmup)
-            walked = self.executor.run_step(batch, only=only, record=record)
-        batch, metrics, slices = walked.batch, walked.metrics, walked.slices
+        walked = self.source.next(step)
         seconds = time.time() - start
-        self.trace.add(slices, step)
-        out = {"step": step, "time_s": seconds, **step_log.batch_metrics(batch), **metrics}
-        out["data/dropped_too_long"] = self.train_set.filtered  # prompts never trained on
-        out["data/duplicates"] = self.train_set.duplicates
-        for name, value in step_log.timings(slices).items():
-            out[f"timing_s/{name}"] = value
-        tokens = (
-            float(batch["prompt_mask"].sum() + batch["response_mask"].sum())
-            if "response_mask" in batch
-            else 0.0
-        )
-        out["tokens_per_s"] = tokens / seconds
-        out.update(step_log.process_metrics())
-        return StepResult(batch, out, slices)
-
-    def _pipelined(self, step: int, record: Recording) -> StepResult:
-        """The train stage on the queued batch of `step`, then the weights exported for the
-        rollout stage (run.staleness > 0, flowrl/runtime/pipeline.py)."""
-        rollout, metrics = self.pipeline.take(step)
-        ids = self.plan.pipeline.train_items
-        walked = self.executor.run_stage(rollout.result.batch, ids, record)
-        self.pipeline.export(step)
-        metrics = {**rollout.result.metrics, **walked.metrics, **metrics}
-        slices = rollout.result.slices + walked.slices + self.pipeline.drain_slices()
-        return StepResult(walked.batch, metrics, slices)
-
-    def _rollout(self, step: int) -> tuple[StepResult, dict]:
-        """The rollout stage of `step` on its prompts, and the loader's state after them (in
-        the rollout stage's thread: the loader is read there alone while the pipeline runs)."""
-        batch = self._prompts(step)
-        loader = self.loader.state_dict()
-        record = self._record(step, step - 1, keep=tuple(self.spec.run.save_inputs))
-        ids = self.plan.pipeline.rollout_items
-        return self.executor.run_stage(batch, ids, record, "controller/rollout stage"), loader
-
-    def _round(self, r: int, version: int) -> tuple:
-        """Round r of partial rollouts, on the weights of update `version`: its prompts, the
-        loader's state after them and where its node calls keep their inputs (in the rollout
-        stage's thread, as `_rollout`)."""
-        batch = self._prompts(r)
-        record = self._record(r, version, keep=tuple(self.spec.run.save_inputs))
-        return batch, self.loader.state_dict(), record
-
-    def _prompts(self, step: int, round_: int = 0):
-        """The next prompt batch, with the meta that seeds its sampling."""
-        batch = next(self.loader)
-        batch.meta.update(self.batch_meta, step=step)
-        if round_:
-            batch.meta["round"] = round_
-        return batch
-
-    def _record(self, step: int, state_step: int, keep=(), validation=False) -> Recording:
-        """Where this walk's node calls keep their inputs (flowrl/runtime/inputs.py)."""
-        run_dir = str(self.run_dir.resolve())
-        last = self.spec.run.save_inputs_last
-        return Recording(run_dir, step, state_step, keep, last, validation)
+        self.trace.add(walked.slices, step)
+        out = step_log.step_metrics(step, seconds, walked, self.train_set)
+        return StepResult(walked.batch, out, walked.slices)
 
     def validate(self, step: int = 0) -> dict:
         """Greedy decoding on the validation prompts, scored by the graph's own reward nodes;
@@ -340,10 +247,9 @@ class Trainer:
             return {}
         greedy = dict.fromkeys(validation.greedy, GREEDY)
         batch = self.val_batch.index(slice(0, len(self.val_batch)))
-        batch.meta.update(self.batch_meta, step=0)
-        record = self._record(step, step, validation=True)
-        held = self.pipeline.weights_of(step) if self.pipeline else contextlib.nullcontext()
-        with held:  # the rollout pool, with this step's weights
+        batch.meta.update(self.feed.batch_meta, step=0)
+        record = self.feed.record(step, step, validation=True)
+        with self.source.weights_of(step):  # the rollout pool, with this step's weights
             walked = self.executor.run_step(
                 batch, only=set(validation.nodes), param_changes=greedy, record=record
             )
@@ -364,20 +270,21 @@ class Trainer:
             "node_state": self.executor.node_state,
             "rng": rng.state(),
         }
-        queued = pipelines.Queued()
-        if self.pipeline is not None:  # the loader has run ahead: its state after the queue
-            queued = self.pipeline.queued(step)
+        queued = self.source.checkpoint(step)  # run.staleness's queue, or None
+        if queued is not None:  # the loader has run ahead: its state after the queue
             state["loader"] = queued.loader or state["loader"]
             state.update(pipelines.entries(queued))
         keep, graph = self.spec.run.keep_checkpoints, self.spec.raw
         with self._writing(f"the checkpoint of step {step}", step=step):
             with checkpoint.writing(self.run_dir, step, keep, graph) as out:
-                pipelines.save_queue(out, queued)
+                if queued is not None:
+                    pipelines.save_queue(out, queued)
                 self.executor.broadcast("save", str(out))
                 (out / "controller.json").write_text(_state_json(state))
 
-    def _resume(self, directory: Path | None) -> int:
-        """Load a checkpoint (None: the newest, verified) and cut the logs back to its step."""
+    def _resume(self, directory: Path | None) -> tuple[int, pipelines.Queued]:
+        """Load a checkpoint (None: the newest, verified) and cut the logs back to its step.
+        Returns its step and what it kept of run.staleness's queue."""
         if directory is None:
             directory = resuming.choose(self.run_dir, None, self.command)
         for temp in checkpoint.remove_temps(self.run_dir):
@@ -388,14 +295,14 @@ class Trainer:
         self.executor.broadcast("load", str(directory))
         self.executor.sync_rollout_pools()  # a separate rollout copy gets the loaded weights
         self.loader.load_state_dict(state["loader"])
-        self.queued = pipelines.load_queue(directory, state)
+        queued = pipelines.load_queue(directory, state)
         self.executor.node_state.update(state["node_state"])
         rng.set_state(state["rng"])
         with self._writing("metrics.jsonl and samples.jsonl"):
             for name in ("metrics.jsonl", "samples.jsonl"):  # drop steps the resumed run redoes
                 step_log.truncate_log(self.run_dir / name, state["step"])
         print(f"resumed from {directory} (step {state['step']})")
-        return state["step"]
+        return state["step"], queued
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -14,35 +14,14 @@ import attrs
 
 from flowrl.nodespec import KEEP
 from flowrl.protocol import DataProto
+from flowrl.runtime import step_log, weights
 from flowrl.runtime.inputs import Recording
 from flowrl.runtime.node_call import ControllerFn, NodeCall, NodeFailure, call_node
+from flowrl.runtime.trace import Slice
 
 # 2-D columns padded on the left (the loader left-pads prompts); every other one is response-
 # aligned and padded on the right
 LEFT_PADDED = ("prompts", "prompt_mask")
-
-
-@attrs.define
-class Slice:
-    """One item's run on one rank (or the controller), for timing and the trace."""
-
-    name: str
-    kind: str
-    track: str  # "controller" or "<pool>/rank<k>"
-    start: float
-    end: float
-    rows: int = 0
-
-
-def sync_slices(model: str, pool: str, to_pool: str, loads: list) -> list[Slice]:
-    """A sync to another pool as slices: the export on the train pool's rank 0 (its times come
-    back with each load's `Timed.value`) and every rollout rank's load. The gap between them
-    is the transfer."""
-    exported = Slice(f"export:{model}", "sync", f"{pool}/rank0", *loads[0].value)
-    return [exported] + [
-        Slice(f"sync:{model}", "sync", f"{to_pool}/rank{rank}", t.start, t.end)
-        for rank, t in enumerate(loads)
-    ]
 
 
 @attrs.frozen
@@ -160,6 +139,7 @@ class Executor(abc.ABC):
 
     def _walk(self, walk: "_Walk", param_changes: dict) -> StepResult:
         while len(walk.done) < len(walk.items):
+            _pass_over_after_failed_requests(walk)
             ready = [i for i in walk.items if walk.ready(i)]
             for item in ready:
                 self._start(item, walk, param_changes)
@@ -204,7 +184,7 @@ class Executor(abc.ABC):
         elif item.kind == "collect":
             walk.batch = self._collect(item, walk.batch, walk.outputs.pop(item.node), walk.metrics)
         elif item.kind == "sync" and item.to_pool:
-            walk.pending[item.id] = self._send_weights(item)
+            walk.pending[item.id] = weights.send(self, item.model, item.pool, item.to_pool)
             return
         else:  # reload / offload / sync in place
             args = [(item.kind, item.model, item.parts)] * self.ranks(item.pool)
@@ -228,7 +208,7 @@ class Executor(abc.ABC):
             del walk.pending[item.id]
             walk.done.add(item.id)
             if item.kind == "sync" and item.to_pool:
-                walk.slices += sync_slices(item.model, item.pool, item.to_pool, results)
+                walk.slices += weights.slices(item.model, item.pool, item.to_pool, results)
                 continue
             for rank, result in enumerate(results):  # CallResult for a call, else Timed
                 rows = len(result.writes) if item.kind == "call" else 0
@@ -242,19 +222,11 @@ class Executor(abc.ABC):
             if item.kind == "call":
                 walk.outputs[item.node] = results
 
-    def _send_weights(self, item):
-        """A sync to another pool: rank 0 of the train pool exports the model's weights, every
-        rank of the rollout pool loads them. Returns the handle of the loading."""
-        exported = self.submit(item.pool, "export_weights", [(item.model,)] * self.ranks(item.pool))
-        weights = self.rank0_output(exported)
-        args = [(item.model, weights)] * self.ranks(item.to_pool)
-        return self.submit(item.to_pool, "import_weights", args)
-
     def sync_rollout_pools(self) -> None:
         """Send every trained model's weights to its rollout pool now (after a resume)."""
         for item in self.plan.items:
             if item.kind == "sync" and item.to_pool:
-                self.results(self._send_weights(item))
+                weights.sent(self, item.model, item.pool, item.to_pool)
 
     def _dispatch(self, item, batch: DataProto) -> list[DataProto]:
         rows = batch.select(item.keys)
@@ -303,11 +275,30 @@ class _Walk:
     slices: list = attrs.Factory(list)
     skip: set = attrs.Factory(set)  # ids of items passed over (done once their deps are)
     track: str = "controller"  # the trace track of its controller items
+    requests_checked: bool = False  # the step's failed requests were counted (once a walk)
 
     def ready(self, item) -> bool:
         if item.id in self.done or item.id in self.pending:
             return False
         return all(d in self.done for d in item.deps)
+
+
+def _pass_over_after_failed_requests(walk: _Walk) -> None:
+    """When most of a step's multi-turn requests failed (`step_log.failed_step`), the walk
+    passes over its remaining node items, the update among them, rather than feed them rows
+    without responses; transitions still run, so each pool's residency stays in order. The
+    batch's meta says why (`FAILED_STEP`) for the controller. A walk that trains nothing
+    (validation, the rollout stage of run.staleness) goes on: it scores what the requests
+    gave."""
+    if walk.requests_checked or "rollout_info" not in walk.batch:
+        return
+    walk.requests_checked = True
+    left = [i for i in walk.items if i.id not in walk.done | walk.skip | set(walk.pending)]
+    if not any(i.kind == "call" and i.mode == "train" for i in left):
+        return
+    if failed := step_log.failed_step(walk.batch):
+        walk.skip |= {i.id for i in left if i.kind not in ("reload", "offload")}
+        walk.batch.meta[step_log.FAILED_STEP] = failed
 
 
 def _merge(batch: DataProto, writes: DataProto, decl) -> DataProto:

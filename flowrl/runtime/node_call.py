@@ -54,9 +54,35 @@ class ControllerFn:
     state: dict | None = None  # the node's state, when it is stateful
 
     def __call__(self, batch: DataProto):
-        if self.spec.stateful:
-            return self.spec.fn(batch, self.params, self.state)
-        return self.spec.fn(batch, self.params)
+        if not self.spec.stateful:
+            return self.spec.fn(batch, self.params)
+        out = self.spec.fn(batch, self.params, self.state)
+        if problem := unstorable(self.state):  # found at the call, not at the next checkpoint
+            raise TypeError(
+                f"its state holds {problem}, which a checkpoint (JSON) cannot store: keep "
+                "numbers, strings, lists and dicts with string keys (a list for a set or a "
+                "tuple, float(x) or x.tolist() for a tensor)"
+            )
+        return out
+
+
+def unstorable(value, path: str = "state") -> str:
+    """'' when JSON stores `value` as it is, else where the first value it cannot is and what
+    it is, e.g. "state['seen'] = {1, 2} (a set)"."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return ""
+    if isinstance(value, list):
+        return next((p for i, v in enumerate(value) if (p := unstorable(v, f"{path}[{i}]"))), "")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"the key {key!r} ({type(key).__name__}) in {path}"
+            if problem := unstorable(item, f"{path}[{key!r}]"):
+                return problem
+        return ""
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return f"{path} = {shown} (a {type(value).__name__})"
 
 
 @attrs.frozen

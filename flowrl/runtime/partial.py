@@ -3,7 +3,7 @@ run.staleness = k > 0 (docs/scaling.md, "Partial rollouts").
 
 The rollout stage works in rounds instead of whole batches. Round r:
 
-    v = max(complete - k, start)     complete: the steps whose batch is assembled so far
+    v = version(complete, k, start)  complete: the steps whose batch is assembled so far
     rows = the groups still in flight + the next prompt batch (n rows per prompt)
     every unfinished row samples at most L more tokens on the weights of update v, from its
         prompt and its response so far (its KV computed again on these weights)
@@ -27,17 +27,21 @@ checkpoint's weights, as the uninterrupted run did.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import attrs
 import torch
 
-from flowrl.lazy import np
 from flowrl.protocol import DataProto
 from flowrl.runtime.executor import LEFT_PADDED, StepResult
-from flowrl.runtime.pipeline import VERSION_KEY, Pipeline, Queued, Rollout
+from flowrl.runtime.pipeline import (
+    TRACK,
+    VERSION_KEY,
+    Pipeline,
+    Producer,
+    Queued,
+    Rollout,
+    next_version,
+)
 
-TRACK = "controller/rollout stage"
 TOKEN_VERSION = "token_version"  # (b, t) int64: the update whose weights sampled each token
 RESPONSE = ("responses", "response_mask", "rollout_logprobs", TOKEN_VERSION)  # right-padded
 # a row's bookkeeping: its group, whether it ended, the rounds it sampled in
@@ -67,16 +71,18 @@ class PartialPipeline(Pipeline):
     """`Pipeline` with rounds of at most `stages.partial` tokens per response.
 
     Args:
-        prompts: (round, its version) -> (the next prompt batch with its meta, the loader's
-            state after it, the round's Recording); called in the rollout thread (or inline).
-        tokenizer: the policy's: its eos ends a response, it decodes response_text.
+        produce: the `Producer` of each round's prompts (the round's number and version);
+            called in the rollout thread (or inline).
+        tokenizer: the policy's: its eos ends a response; the generating node's
+            `Continuation.finish` gets it (generate decodes response_text with it).
         The others: see `Pipeline`.
     """
 
     def __init__(
-        self, executor, stages, prompts: Callable, tokenizer, start, steps, queued: Queued | None
+        self, executor, stages, produce: Producer, tokenizer, start, steps, queued: Queued | None
     ):
         self.tokenizer = tokenizer
+        self.continues = executor.spec.nodes[stages.generate_node].spec.continues
         self.stop_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         if queued is not None and queued.batches and queued.rounds is None:
@@ -97,12 +103,12 @@ class PartialPipeline(Pipeline):
         )
         self.assembled = {r.step: r for r in (queued.batches if queued else [])}
         self.pending_slices: list = []  # the rounds' slices not yet given to a batch
-        need = _version(self.rounds.complete, stages.staleness, start, steps)
+        need = next_version(self.rounds.complete, stages.staleness, start, steps)
         self.snapshots = [_Snapshot(need, self.rounds)]  # before the rollout thread starts
-        super().__init__(executor, stages, prompts, start, steps, queued)
+        super().__init__(executor, stages, produce, start, steps, queued)
 
-    def _need(self) -> int | None:
-        return _version(self.rounds.complete, self.k, self.start, self.steps)
+    def _done(self) -> int:
+        return self.rounds.complete
 
     def _produce_next(self, version: int) -> None:
         with self.gen:
@@ -112,10 +118,8 @@ class PartialPipeline(Pipeline):
             self.rounds = rounds
             for rollout in batches:
                 self.ready[rollout.step] = self.assembled[rollout.step] = rollout
-            need = self._need()
-            self.snapshots.append(_Snapshot(need, rounds))
-            floor = self.latest if need is None else min(need, self.latest)
-            self.weights = {v: w for v, w in self.weights.items() if v >= floor}
+            self.snapshots.append(_Snapshot(self._need(), rounds))
+            self._forget()
             self.cond.notify_all()
 
     # -- one round ------------------------------------------------------------------------
@@ -237,20 +241,22 @@ class PartialPipeline(Pipeline):
         return DataProto.from_columns(kept, rows.meta)
 
     def _completed(self, rows: DataProto, meta: dict) -> DataProto:
-        """Finished rows as the generate node's output: its columns added (response_attention,
-        response_text; rollout_logprobs only if the node returns them) and each row's
-        weight_version, the version of its oldest token."""
+        """Finished rows as the generating node's output: the columns of its `Continuation`
+        added (generate's response_attention and response_text; rollout_logprobs kept only if
+        the node returns them) and each row's weight_version, the version of its oldest
+        token."""
         columns = {k: rows[k] for k in rows.keys() if k != ENDED}
         if not self.stages.logprobs:
             del columns["rollout_logprobs"]
+        made = self.continues.finish(rows, self.tokenizer)
+        if set(made) != set(self.continues.columns):
+            raise ValueError(
+                f"[nodes.{self.stages.generate_node}]: its Continuation.finish returned "
+                f"{sorted(made)}, not its columns {sorted(self.continues.columns)}: return "
+                "exactly the columns it declares"
+            )
+        columns.update(made)
         mask = rows["response_mask"]
-        columns["response_attention"] = mask.clone()
-        texts = np.empty(len(rows), dtype=object)
-        texts[:] = self.tokenizer.batch_decode(
-            [_real(t, m) for t, m in zip(rows["responses"], mask, strict=True)],
-            skip_special_tokens=True,
-        )
-        columns["response_text"] = texts
         huge = torch.iinfo(torch.long).max
         oldest = torch.where(mask.bool(), rows[TOKEN_VERSION], huge).min(-1).values
         columns[VERSION_KEY] = torch.where(oldest == huge, 0, oldest)  # (b,)
@@ -293,12 +299,6 @@ class PartialPipeline(Pipeline):
             if not _before(snapshot.need, step):
                 return snapshot
         return None
-
-
-def _version(complete: int, k: int, start: int, steps: int) -> int | None:
-    """The version of the next round, `complete` steps with a full batch (None: no round
-    is left to generate)."""
-    return None if complete >= steps else max(complete - k, start)
 
 
 def _before(need: int | None, step: int) -> bool:

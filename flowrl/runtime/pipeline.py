@@ -3,7 +3,7 @@ version rule: flowrl/front/pipeline.py; docs/scaling.md).
 
     rollout stage (a thread)                    train stage (the controller loop)
     for r in steps:                             for s in steps:
-        wait for version v = max(r - 1 - k, 0)      take batch s from the queue
+        wait for v = version(r - 1, k, start)       take batch s from the queue
         load v on the rollout pool                  run the train stage on it
         generate, reward ... on step r's prompts    export the weights: version s
         queue batch r, every row stamped v
@@ -21,16 +21,33 @@ older than the checkpoint's) and the prompt loader's position after them (`Pipel
 import contextlib
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import attrs
 import torch
 
+from flowrl.front.pipeline import version
 from flowrl.protocol import DataProto
-from flowrl.runtime.executor import Slice, StepResult, sync_slices
+from flowrl.runtime import weights as transfer
+from flowrl.runtime.executor import StepResult
+from flowrl.runtime.inputs import Recording
+from flowrl.runtime.trace import Slice
 
 VERSION_KEY = "weight_version"  # (b,) int64: the update whose weights generated the row
+TRACK = "controller/rollout stage"  # the trace track of the rollout stage's controller items
+
+
+class Producer(Protocol):
+    """What the rollout stage asks for its next prompts, for whole batches and rounds alike
+    (flowrl/runtime/feed.py: `PromptFeed.produce`).
+
+    `number` is the prompt batch's number (a step's, or a round's of partial rollouts: it
+    seeds the sampling), `version` the update whose weights generate from it. Answers the
+    prompt batch with its meta, the prompt loader's state after it, and the `Recording` of
+    its node calls (the weights they see: `version`)."""
+
+    def __call__(self, number: int, version: int) -> tuple[DataProto, dict, Recording]: ...
 
 
 @attrs.define
@@ -63,8 +80,8 @@ class Pipeline:
     Args:
         executor: runs the walks (`run_stage`), the weight export and import.
         stages: the plan's PipelinePlan.
-        produce: step -> (the rollout stage's StepResult on that step's prompts, the loader's
-            state after them); called in the rollout thread (or inline, locally).
+        produce: the `Producer` of the prompts; called in the rollout thread (or inline,
+            locally), so the loader is read there alone while the pipeline runs.
         start: the steps done (the checkpoint's step when resuming); the rollout pool holds
             their weights.
         steps: the last step (run.steps).
@@ -72,7 +89,7 @@ class Pipeline:
     """
 
     def __init__(
-        self, executor, stages, produce: Callable, start: int, steps: int, queued: Queued | None
+        self, executor, stages, produce: Producer, start: int, steps: int, queued: Queued | None
     ):
         if queued is not None and queued.rounds is not None and not stages.partial:
             raise ValueError(
@@ -97,12 +114,6 @@ class Pipeline:
             self.thread = threading.Thread(target=self._run, name="rollout-stage", daemon=True)
             self.thread.start()
 
-    def version_for(self, step: int) -> int:
-        """The update whose weights generate step `step`'s batch: s - 1 - k, never older than
-        the weights the run started (or resumed) with. A resume finds the queue full, so this
-        floor matters only for a run extended past its last step, which refills the queue."""
-        return max(step - 1 - self.k, self.start)
-
     # -- the rollout stage ----------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -120,9 +131,14 @@ class Pipeline:
                 self.error = e
                 self.cond.notify_all()
 
+    def _done(self) -> int:
+        """The steps whose batch is assembled (generated or kept by the checkpoint)."""
+        return self.next - 1
+
     def _need(self) -> int | None:
-        """The version the next batch is generated with (None: every batch is generated)."""
-        return None if self.next > self.steps else self.version_for(self.next)
+        """The version the next batch (or round) is generated with (None: every batch is
+        generated)."""
+        return next_version(self._done(), self.k, self.start, self.steps)
 
     def _produce_next(self, version: int) -> None:
         self._produce(self.next, version)
@@ -130,14 +146,20 @@ class Pipeline:
     def _produce(self, r: int, version: int) -> None:
         with self.gen:
             self._load(version)
-            result, loader = self.produce(r)
+            batch, loader, record = self.produce(r, version)
+            result = self.executor.run_stage(batch, self.stages.rollout_items, record, TRACK)
         result.batch[VERSION_KEY] = torch.full((len(result.batch),), version, dtype=torch.long)
         with self.cond:
             self.ready[r], self.loaders[r] = Rollout(r, version, result, loader), loader
             self.next = r + 1
-            needed = min(self.version_for(self.next), self.latest)
-            self.weights = {v: w for v, w in self.weights.items() if v >= needed}
+            self._forget()
             self.cond.notify_all()
+
+    def _forget(self) -> None:
+        """Drop the exported weights no batch still to generate needs (under `cond`)."""
+        need = self._need()
+        floor = self.latest if need is None else min(need, self.latest)
+        self.weights = {v: w for v, w in self.weights.items() if v >= floor}
 
     def _load(self, version: int) -> None:
         """Load the weights of update `version` on the rollout pool, unless they are there."""
@@ -145,10 +167,8 @@ class Pipeline:
             return
         with self.cond:
             weights = self.weights[version]
-        pool, model = self.stages.rollout_pool, self.stages.model
-        ranks = self.executor.ranks(pool)
-        handle = self.executor.submit(pool, "import_weights", [(model, weights)] * ranks)
-        slices = sync_slices(model, self.train_pool, pool, self.executor.results(handle))
+        model, pool = self.stages.model, self.stages.rollout_pool
+        slices = transfer.sent(self.executor, model, self.train_pool, pool, weights)
         with self.cond:
             self.sync_slices += slices
         self.loaded = version
@@ -181,10 +201,7 @@ class Pipeline:
 
     def export(self, version: int) -> None:
         """After update `version`: its weights, for the rollout pool to load when due."""
-        model, pool = self.stages.model, self.train_pool
-        ranks = self.executor.ranks(pool)
-        handle = self.executor.submit(pool, "export_weights", [(model,)] * ranks)
-        weights = self.executor.rank0_output(handle)  # on Ray a reference: not waited for
+        weights = transfer.export(self.executor, self.stages.model, self.train_pool)
         with self.cond:
             self.weights[version], self.latest = weights, version
             self.cond.notify_all()
@@ -224,6 +241,14 @@ class Pipeline:
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
+
+
+def next_version(done: int, k: int, start: int, steps: int) -> int | None:
+    """The version of the rollout stage's next batch or round, `done` steps' batches assembled
+    (None: every batch of the run is). The floor `start`, the weights the run started (or
+    resumed) with, matters only for a run extended past its last step, which refills the queue:
+    a resume finds it full."""
+    return None if done >= steps else version(done, k, start)
 
 
 # -- the queue in a checkpoint ------------------------------------------------------------

@@ -10,7 +10,6 @@ executor turns into the step's timings and trace.
 import copy
 import os
 import time
-import warnings
 from pathlib import Path
 
 import attrs
@@ -21,6 +20,7 @@ from flowrl.models import lora
 from flowrl.protocol import DataProto
 from flowrl.runtime.node_call import CallResult, NodeCall, Timed, call_node
 from flowrl.runtime.setup import PoolSetup
+from flowrl.runtime.weights import Weights
 
 
 @attrs.frozen
@@ -33,36 +33,6 @@ class _Node:
     uses: str
     engine: object  # the rank's train or rollout engine of the node's model
     worker: object
-
-
-class Weights(dict):
-    """Exported weights, a state dict whose pickle carries each tensor's bytes as a buffer
-    (`numpy`'s out-of-band pickle buffers) instead of torch's own pickling. Between Ray actors
-    the bytes then go through the object store without a serialising copy and load on the
-    other side as views of it: 135M fp32 parameters from one actor to another took 0.33 s this
-    way against 4.06 s (bench/weight_transfer.py, medians). In one process it is the dict."""
-
-    def __reduce__(self):
-        raw = {k: (_bytes(v), str(v.dtype), tuple(v.shape)) for k, v in self.items()}
-        return _weights, (raw,)
-
-
-def _bytes(tensor: torch.Tensor):
-    """A tensor's bytes as a flat numpy uint8 array (a view when it is contiguous on the CPU)."""
-    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-
-
-def _weights(raw: dict) -> Weights:
-    with warnings.catch_warnings():  # read-only memory: loading into a module only reads it
-        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-        return Weights(
-            {
-                k: torch.from_numpy(a)
-                .view(getattr(torch, dtype.removeprefix("torch.")))
-                .reshape(shape)
-                for k, (a, dtype, shape) in raw.items()
-            }
-        )
 
 
 class PoolWorker:

@@ -138,7 +138,7 @@ def _checkpoint(run_dir, state_step: int, notes) -> Path | None:
     if state_step == 0:
         notes.append("model state: the initial weights (as the run had them)")
         return None
-    kept = [p for p in checkpoint.checkpoints(run_dir) if _step_of(p) <= state_step]
+    kept = [p for p in checkpoint.checkpoints(run_dir) if checkpoint.step_of(p) <= state_step]
     if not kept:
         notes.append(
             f"model state: the initial weights; the run kept no checkpoint at or before step "
@@ -147,16 +147,12 @@ def _checkpoint(run_dir, state_step: int, notes) -> Path | None:
         )
         return None
     found = kept[-1]
-    exact = _step_of(found) == state_step
+    exact = checkpoint.step_of(found) == state_step
     notes.append(
         f"model state: {found.name}"
         + ("" if exact else f", not step {state_step} whose weights the call saw (not exact)")
     )
     return found
-
-
-def _step_of(path: Path) -> int:
-    return int(path.name[len(checkpoint.PREFIX) :])
 
 
 def describe(writes: DataProto, metrics: dict, values: int = 4) -> str:

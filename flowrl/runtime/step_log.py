@@ -20,6 +20,26 @@ def batch_metrics(batch) -> dict:
     return out
 
 
+def step_metrics(step: int, seconds: float, walked, train_set) -> dict:
+    """What metrics.jsonl logs of a step: its walk's metrics (a `StepResult`'s) with the
+    batch's, the prompts the data set dropped or repeats, each item's time, tokens per second
+    and the process's."""
+    batch = walked.batch
+    out = {"step": step, "time_s": seconds, **batch_metrics(batch), **walked.metrics}
+    out["data/dropped_too_long"] = train_set.filtered  # prompts never trained on
+    out["data/duplicates"] = train_set.duplicates
+    for name, value in timings(walked.slices).items():
+        out[f"timing_s/{name}"] = value
+    tokens = (
+        float(batch["prompt_mask"].sum() + batch["response_mask"].sum())
+        if "response_mask" in batch
+        else 0.0
+    )
+    out["tokens_per_s"] = tokens / seconds
+    out.update(process_metrics())
+    return out
+
+
 def process_metrics() -> dict:
     """The controller process's resident memory and open file descriptors (Linux), to see
     leaks in long runs; empty elsewhere."""
@@ -90,6 +110,24 @@ def truncate_log(path: Path, step: int) -> None:
     temp.replace(path)
 
 
+FAILED_SHARE = 0.5  # a step in which more than this share of the requests failed trains not
+FAILED_STEP = "failed_requests"  # the batch meta key of such a step: what failed, first error
+
+
+def failed_step(batch) -> str:
+    """'' unless more than FAILED_SHARE of a multi-turn step's requests failed (ended in an
+    error or ran out of time: they train on nothing); then "k of m requests failed; first:
+    <the first one's error, with the file:line it came from>"."""
+    if "rollout_info" not in batch or len(batch) == 0:
+        return ""
+    infos = batch["rollout_info"]
+    failed = [info for info in infos if info["termination"] in ("error", "timeout")]
+    if len(failed) <= FAILED_SHARE * len(infos):
+        return ""
+    first = failed[0].get("error") or "ran out of time (request_timeout_s)"
+    return f"{len(failed)} of {len(infos)} requests failed; first: {first}"
+
+
 def failed_requests(batch) -> list[int]:
     """Rows of a multi-turn batch whose request failed (an error, a timeout, a tool that
     could not be released): their text goes to samples.jsonl and the first few to the log."""
@@ -115,9 +153,29 @@ def failure_lines(batch, rows: list[int], count: int = 3) -> list[str]:
     return out
 
 
+def failure_report(step: int, batch, failed: list[int], lines: list[str]) -> str:
+    """The log's lines about a step's failed requests: how many, and whether the step's update
+    was passed over (most failed) or trained on the rest."""
+    head = batch.meta.get(FAILED_STEP) or f"{len(failed)} of {len(batch)} requests failed"
+    skipped = "; the step's update was skipped" if batch.meta.get(FAILED_STEP) else ""
+    return f"step {step}: {head}{skipped}\n" + "\n".join(lines)
+
+
+def nothing_trained(batch, lines: list[str]) -> str:
+    """Why the last step trained on nothing, its first errors after it."""
+    why = batch.meta.get(FAILED_STEP)
+    if why:
+        return f"{why}. The first, with their rows:\n" + "\n".join(lines)
+    return "every request failed or had no sampled token. First failures:\n" + (
+        "\n".join(lines) or "  (none failed: every response was empty)"
+    )
+
+
 def trained_nothing(batch) -> bool:
-    """A step whose rollouts gave no trained token (every request failed, or was cut to
-    nothing): its update learned nothing."""
+    """A step whose update learned nothing: most of its requests failed (the walk passed the
+    update over), or its rollouts gave no trained token (every response cut to nothing)."""
+    if batch.meta.get(FAILED_STEP):
+        return True
     return "response_mask" in batch and int(batch["response_mask"].sum()) == 0
 
 

@@ -7,6 +7,20 @@ One track per pool rank and one for the controller; every plan item a slice name
 import json
 from pathlib import Path
 
+import attrs
+
+
+@attrs.define
+class Slice:
+    """One item's run on one rank (or the controller), for timing and the trace."""
+
+    name: str
+    kind: str
+    track: str  # "controller" or "<pool>/rank<k>"
+    start: float
+    end: float
+    rows: int = 0
+
 
 class Trace:
     def __init__(self):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import attrs
 
 from flowrl.lazy import torch
-from flowrl.math import ops
-from flowrl.nodespec import NodeSpec
+from flowrl.math import components, ops
+from flowrl.nodespec import Finding, NodeSpec
 from flowrl.params import at_least, checked, count, one_of, positive
 
 # what the adaptive controller compares with target_kl: each row's mean KL per trained token,
@@ -25,7 +25,7 @@ KL_INPUTS = ("token-mean", "seq-sum")
 @attrs.frozen
 class Params:
     kl_coef: float = checked(0.001, at_least(0))  # beta (the adaptive controller's start)
-    kl_kind: str = checked("k1", one_of(ops.KL_KINDS))  # KL estimator
+    kl_kind: str = checked("k1", components.KNOWN_KL)  # KL estimator
     controller: str = checked("fixed", one_of(("fixed", "adaptive")))  # how beta evolves
     kl_input: str = checked("token-mean", one_of(KL_INPUTS))  # adaptive: KL per token or per row
     target_kl: float = checked(0.1, positive())  # adaptive: the KL to steer toward (verl's)
@@ -42,9 +42,11 @@ def next_kl_coef(coef: float, current_kl: float, rows: int, params) -> float:
 
 
 def kl_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef, kind):
-    """(b,), (b, t) x3 -> token_rewards (b, t) and the per-row KL (b,)."""
+    """(b,), (b, t) x3 -> token_rewards (b, t) and the per-row KL (b,); `kind` a built-in KL
+    kind's name or a function kl(logprobs, ref_logprobs) -> (b, t)."""
     mask = response_mask.to(logprobs.dtype)
-    kl = ops.kl_estimate(logprobs, ref_logprobs, kind) * mask  # (b, t)
+    estimate = kind if callable(kind) else components.kl_function(kind)
+    kl = estimate(logprobs, ref_logprobs) * mask  # (b, t)
     rewards = -kl_coef * kl
     last = ops.last_one(response_mask)  # (b,): the last trained token, after any hole
     has_tokens = (mask.sum(-1) > 0).to(rewards.dtype)
@@ -54,13 +56,14 @@ def kl_token_rewards(scores, logprobs, ref_logprobs, response_mask, kl_coef, kin
 
 def run(batch, params, state):
     coef = state.setdefault("kl_coef", params.kl_coef)  # kept across steps and checkpoints
+    kind = components.kl_function(params.kl_kind, batch.meta.get("base_dir", "."))
     rewards, kl = kl_token_rewards(
         batch["scores"],
         batch["old_logprobs"],
         batch["ref_logprobs"],
         batch["response_mask"],
         coef,
-        params.kl_kind,
+        kind,
     )
     lengths = batch["response_mask"].sum(-1).clamp(min=1)  # (b,)
     seq_sum = float(kl.mean()) if len(kl) else 0.0
@@ -70,10 +73,20 @@ def run(batch, params, state):
     return {"token_rewards": rewards}, {"kl": seq_sum, "kl_token_mean": token_mean, "kl_coef": coef}
 
 
+def check(params: Params, context) -> list[Finding]:
+    """A KL kind by reference must load and take (logprobs, ref_logprobs)."""
+    try:
+        components.kl_function(params.kl_kind, context.base_dir)
+    except components.ComponentError as e:
+        return [Finding(e.message, e.fix)]
+    return []
+
+
 SPEC = NodeSpec(
     reads=("scores", "old_logprobs", "ref_logprobs", "response_mask"),
     writes=("token_rewards",),
     params=Params,
     fn=run,
     stateful=True,
+    check=check,
 )

@@ -1,7 +1,8 @@
 """Policy update: PPO's clipped surrogate (arXiv 1707.06347) by default, or another policy
 loss of the table `flowrl.math.losses.LOSSES` by the `loss` param (GSPO, CISPO, GPG, GMPO,
-SAPO, Clip-Cov, KL-Cov), with an entropy bonus and an optional KL loss against the reference
-(GRPO, arXiv 2402.03300).
+SAPO, Clip-Cov, KL-Cov) or one of your own by reference ("my_losses.py:topr",
+flowrl/math/components.py), with an entropy bonus and an optional KL loss against the
+reference (GRPO, arXiv 2402.03300).
 
 reads: prompts, prompt_mask, responses, response_mask, response_attention, advantages,
        old_logprobs (+ ref_logprobs when kl_loss_coef > 0, rollout_logprobs when tis_cap > 0;
@@ -13,9 +14,10 @@ from __future__ import annotations
 
 import attrs
 
+from flowrl import refs
 from flowrl.lazy import torch
-from flowrl.math import ops
-from flowrl.math.losses import LOSSES, Chunk, loss_params, tis_weights
+from flowrl.math import components, ops
+from flowrl.math.losses import LOSSES, Chunk, Loss, loss_params, tis_weights
 from flowrl.nodespec import MINI_BATCHES, Finding, NodeSpec, TruncatedIS
 from flowrl.params import (
     MAX_EPOCHS,
@@ -32,8 +34,13 @@ from flowrl.params import (
     zero_or,
 )
 
-# the table is read when a value is checked, so a loss added to it at run time is accepted too
-KNOWN_LOSS = Rule(one_of(LOSSES).text, lambda name: name in LOSSES)
+# the table is read when a value is checked, so a loss added to it at run time is accepted too;
+# a reference is loaded and checked by the node's check hook, where the graph's folder is known
+KNOWN_LOSS = Rule(
+    one_of(LOSSES).text + ', or "file.py:function" (a loss of your own)',
+    lambda name: name in LOSSES or refs.is_reference(name),
+    components.loss_fix,
+)
 
 
 @attrs.frozen
@@ -46,11 +53,11 @@ class Params:
     agg: str = checked("token-mean", one_of(ops.AGG_MODES))  # loss aggregation
     entropy_coef: float = 0.0  # entropy bonus weight
     kl_loss_coef: float = checked(0.0, at_least(0))  # weight of the KL(policy || ref) loss term
-    kl_loss_kind: str = checked("k3", one_of(ops.KL_KINDS))  # KL estimator of the loss
+    kl_loss_kind: str = checked("k3", components.KNOWN_KL)  # KL estimator of the loss
     temperature: float = checked(1.0, positive())  # divide logits as the sampler did
     on_policy: bool = False  # old log-probs = this forward's, detached (epochs = 1, 1 mini-batch)
     skip_zero_rows: bool = True  # skip rows with no gradient (zero advantage, no KL/entropy)
-    loss: str = checked("ppo", KNOWN_LOSS)  # the policy loss: flowrl/math/losses/ LOSSES
+    loss: str = checked("ppo", KNOWN_LOSS)  # the policy loss: LOSSES, or your own by reference
     tis_cap: float = checked(0.0, at_least(0))  # truncated IS cap C on exp(old - rollout); 0 = off
     norm_length: int = checked(0, count(0, MAX_TOKENS))  # seq-mean-token-sum-norm divisor; 0 = t
     tau_pos: float = checked(1.0, positive())  # loss sapo: gate temperature where A > 0
@@ -59,13 +66,14 @@ class Params:
     cov_kl_coef: float = checked(1.0, at_least(0))  # loss kl_cov: weight of abs(log r) there
 
 
-def contributing_rows(advantages, params: Params):
+def contributing_rows(advantages, params: Params, loss: Loss | None = None):
     """(b,) bool: rows whose loss terms have a gradient. With no KL or entropy term, a row
     whose advantage is zero everywhere adds exactly zero to the loss and its gradient, so its
     forward and backward are skipped (the loss normaliser still counts it). A loss with
-    `all_rows` (Clip-Cov, KL-Cov: a statistic over the chunk's tokens) needs every row."""
+    `all_rows` (Clip-Cov, KL-Cov: a statistic over the chunk's tokens) needs every row.
+    `loss`: the params' loss record (default: the built-in of that name)."""
     every = params.kl_loss_coef > 0 or params.entropy_coef > 0 or not params.skip_zero_rows
-    if every or LOSSES[params.loss].all_rows:
+    if every or (loss or LOSSES[params.loss]).all_rows:
         return torch.ones(advantages.shape[0], dtype=torch.bool)
     return (advantages != 0).any(-1)
 
@@ -73,18 +81,26 @@ def contributing_rows(advantages, params: Params):
 class PolicyUpdateWorker:
     def __init__(self, engine, params: Params):
         self.engine, self.params = engine, params
-        self.loss = LOSSES[params.loss]
+        self.loss, self.kl = None, None  # resolved at the first call, from the graph's folder
 
     def __call__(self, batch):
         p = self.params
+        if self.loss is None:
+            base_dir = batch.meta.get("base_dir", ".")
+            self.loss = components.resolve_loss(p.loss, base_dir)
+            self.kl = components.kl_function(p.kl_loss_kind, base_dir)
         metrics = self.engine.update(
             batch,
             self.micro_loss,
             epochs=p.epochs,
             mini_batch_size=p.mini_batch_size,
-            metrics=("pg_loss", "kl_loss", "entropy") + self.loss.rates,
-            select=lambda mini: contributing_rows(mini["advantages"], p),
+            metrics=("pg_loss", "kl_loss", "entropy") + tuple(self.loss.rates),
+            select=lambda mini: contributing_rows(mini["advantages"], p, self.loss),
         )
+        # rows with a learning signal: a zero gradient over them means the weights no longer
+        # respond (the run's guard stops on it); over none, an update is rightly empty
+        signal = (batch["advantages"] != 0).any(-1).float()  # (b,)
+        metrics["signal_rows"] = float(signal.mean()) if len(signal) else 0.0
         return {}, metrics
 
     def micro_loss(self, micro, counts) -> tuple:
@@ -98,7 +114,8 @@ class PolicyUpdateWorker:
             weights = tis_weights(old, micro["rollout_logprobs"], p.tis_cap)
         norm_length = p.norm_length or None
         chunk = Chunk(counts.num_tokens, counts.num_seqs, norm_length, weights)
-        loss, rates = self.loss.fn(logprobs, old, micro["advantages"], mask, p, chunk)
+        returned = self.loss.fn(logprobs, old, micro["advantages"], mask, p, chunk)
+        loss, rates = components.checked_loss(self.loss, p.loss, returned)
         share = counts.share(mask)
         metrics = {"pg_loss": float(loss.detach())}
         metrics |= {key: rates[key] * share for key in self.loss.rates}
@@ -106,7 +123,7 @@ class PolicyUpdateWorker:
         if p.entropy_coef > 0:
             loss = loss - p.entropy_coef * chunk.aggregate(out["entropy"], mask, p.agg)
         if p.kl_loss_coef > 0:
-            kl = ops.kl_estimate(logprobs, micro["ref_logprobs"], p.kl_loss_kind)
+            kl = self.kl(logprobs, micro["ref_logprobs"])  # (b, t)
             kl_loss = chunk.aggregate(kl, mask, p.agg)
             loss = loss + p.kl_loss_coef * kl_loss
             metrics["kl_loss"] = float(kl_loss.detach())
@@ -134,10 +151,30 @@ def quoted(name: str) -> str:
     return f'"{name}"'
 
 
+def component_findings(params: Params, context) -> tuple[Loss | None, list[Finding]]:
+    """The loss record (None when it cannot be used) and the problems of the loss and the KL
+    kind the params name, loaded from the graph's folder when they are references."""
+    problems, loss = [], None
+    try:
+        loss = components.resolve_loss(params.loss, context.base_dir)
+        problems += components.loss_problems(loss, params.loss, Params, "update.policy")
+    except components.ComponentError as e:
+        problems.append(e)
+    try:
+        components.kl_function(params.kl_loss_kind, context.base_dir)
+    except components.ComponentError as e:
+        problems.append(e)
+    return (None if problems else loss), [Finding(e.message, e.fix) for e in problems]
+
+
 def loss_findings(params: Params, context) -> list[Finding]:
-    """A loss-only param set away from its default under a loss that does not read it is an
-    error; an `agg` other than the one the loss's paper (and verl) fixes is a warning."""
-    loss, out, defaults = LOSSES[params.loss], [], attrs.fields_dict(Params)
+    """The loss and KL kind must load and fit (a reference's as a built-in's); a loss-only
+    param set away from its default under a loss that does not read it is an error; an `agg`
+    other than the one the loss's paper (and verl) fixes is a warning."""
+    loss, out = component_findings(params, context)
+    if loss is None:
+        return out
+    defaults = attrs.fields_dict(Params)
     for name in loss_params():
         value = getattr(params, name)
         if name not in loss.params and value != defaults[name].default:

@@ -142,3 +142,87 @@ def test_a_run_whose_requests_all_fail_stops_with_the_error_and_the_replay_comma
     samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 8  # every failed request, not only the logged ones
     assert all("ConnectionError: sandbox unreachable" in s["error"] for s in samples)
+
+
+TUTOR = """
+class Tutor:
+    def __init__(self, config):
+        self.config = config
+
+    async def start_interaction(self, instance_id=None):  # no **kwargs: the rows' are refused
+        return instance_id
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        return False, "try again", 0.0, {}
+"""
+TUTOR_GRAPH = """
+[run]
+steps = 4
+val_size = 0
+out_dir = "runs"
+[data]
+source = "rows.jsonl"
+batch_size = 2
+[models.policy]
+path = "tiny"
+trainable = true
+[models.ref]
+path = "tiny"
+[nodes.generate]
+uses = "agent"
+model = "policy"
+n = 2
+interaction = "tutor.py:Tutor"
+max_new_tokens = 16
+[nodes.reward]
+uses = "reward.rule"
+[nodes.ref_logprob]
+uses = "logprob"
+model = "ref"
+rename = { logprobs = "ref_logprobs" }
+[nodes.advantage]
+uses = "advantage.grpo"
+[nodes.update_policy]
+uses = "update.policy"
+model = "policy"
+kl_loss_coef = 0.001
+on_policy = true
+"""
+
+
+def test_a_step_whose_requests_all_fail_stops_with_the_first_error_not_a_later_one(tmp_path):
+    """Every request ends at its start (the interaction refuses the row's kwargs): the step's
+    update is passed over, and the run stops with "k of m requests failed; first: ..." and
+    the line of the user's method, where the reference log-probs used to fail on responses of
+    no tokens ("cannot reshape tensor of 0 elements")."""
+    (tmp_path / "tutor.py").write_text(TUTOR)
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"What is {a} + 3?"}],
+            "data_source": "arithmetic",
+            "reward_model": {"ground_truth": str(a + 3)},
+            "extra_info": {"interaction_kwargs": {"ground_truth": str(a + 3)}},
+        }
+        for a in range(8)
+    ]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "graph.toml").write_text(TUTOR_GRAPH)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "flowrl.cli", "run", "graph.toml", "--backend", "local"]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and "cannot reshape" not in out and "Traceback" not in out
+    first = (
+        "4 of 4 requests failed; first: TypeError: Tutor.start_interaction "
+        "(tutor.py:6): got an unexpected keyword argument 'ground_truth': "  # cwd-relative
+        "give it **kwargs"
+    )
+    assert f"step 1: {first}" in out and "the step's update was skipped" in out
+    assert f"2 steps in a row (up to step 2) trained on nothing: {first}" in out
+    run_dir = next((tmp_path / "runs").iterdir())
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "time_s" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert not any(key.startswith("update_policy/") for m in steps for key in m)  # skipped
+    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 8 and all("give it **kwargs" in s["error"] for s in samples)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from flowrl.agent import rows as agent_rows
+from flowrl.api import RolloutBase
 from flowrl.cli import main
 
 pytestmark = pytest.mark.slow  # the integration tier: a tiny training run
@@ -29,17 +30,13 @@ def compute_score(data_source, solution_str, ground_truth, extra_info):
 QUESTION = re.compile(r"sells (\d+) boxes of (\d+) pencils and (\d+) loose")
 
 
-class HermesPolicy:
+class HermesPolicy(RolloutBase):
     """Stands in for the rollout engine (the request contract): a request reads its question
     from its conversation; turn 0 calls calc_gsm8k_reward, later turns write "#### answer".
     Greedy requests (validation) and requests of even seed answer right, the others one too
     many; `wrong` records the request ids that answered wrong."""
 
     wrong: set = set()
-
-    def __init__(self, module, tokenizer, device="cpu"):
-        self.tokenizer, self.device = tokenizer, device
-        self.pad = tokenizer.pad_token_id
 
     async def generate(self, request):
         from flowrl.engines.rollout import Result
@@ -56,18 +53,6 @@ class HermesPolicy:
         ids = self.tokenizer(reply, add_special_tokens=False)["input_ids"]
         ids = (ids + [self.tokenizer.eos_token_id])[: request.max_new_tokens]
         return Result(ids, [-1.0] * len(ids), "stop")
-
-    def release(self, request_id):
-        pass
-
-    def offload(self, parts):
-        pass
-
-    def reload(self, parts):
-        pass
-
-    def sync_weights(self, source):
-        pass
 
 
 def test_verls_gsm8k_recipe_runs_as_it_is(tmp_path, monkeypatch):

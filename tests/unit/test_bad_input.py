@@ -351,6 +351,15 @@ FILE_CASES = [
         GRPO.replace("steps = 20", "steps = = 20").encode(),
         ["line 6, column", "not valid TOML", "steps = = 20"],
     ),
+    (  # tomllib notices it at the next table; the message names where the array opened
+        "unclosed-array",
+        GRPO.replace("[nodes.reward]", 'stop = ["\\n", "]"\n\n[nodes.reward]').encode(),
+        [
+            f"line {GRPO[: GRPO.index('[nodes.reward]')].count(chr(10)) + 1}: not valid TOML",
+            "the array nodes.generate.stop = [ opened on this line is not closed",
+            'close it with "]" after its last element: stop = ["\\n", "]"',
+        ],
+    ),
 ]
 
 

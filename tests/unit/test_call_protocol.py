@@ -11,8 +11,9 @@ import torch
 from flowrl.front import schema
 from flowrl.protocol import DataProto
 from flowrl.runtime.node_call import CallResult, Timed
-from flowrl.runtime.pool_worker import PoolWorker, Weights
+from flowrl.runtime.pool_worker import PoolWorker
 from flowrl.runtime.setup import NodeSetup, PoolSetup
+from flowrl.runtime.weights import Weights
 
 ROOT = Path(__file__).resolve().parents[2]
 

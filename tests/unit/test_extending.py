@@ -10,6 +10,7 @@ import attrs
 import pytest
 import torch
 
+from flowrl import refs
 from flowrl.engines import TrainEngine
 from flowrl.errors import GraphErrors
 from flowrl.front import compiler, dsl, registry
@@ -189,39 +190,259 @@ def test_the_scorer_example_scores_and_is_named_by_path(tmp_path):
     assert plan.spec.nodes["reward"].params.scorer == "my_scorer.py:compute_score"
 
 
-def test_the_policy_loss_example_is_one_function_and_one_table_line(tmp_path, monkeypatch):
-    # the page's function, saved as a module, and its table line, evaluated as it stands in
-    # LOSSES: update.policy with loss = "plain" then takes the gradient of -A r (token-mean)
-    from flowrl.math import losses
+def write_losses(tmp_path, old: str = "", new: str = "") -> Path:
+    """The page's my_losses.py in tmp_path (with `old` replaced by `new`), and the page's
+    graph line set on graphs/grpo.toml's update node, as tmp_path/g.toml."""
+    text = example("# my_losses.py")
+    assert old in text
+    (tmp_path / "my_losses.py").write_text(text.replace(old, new))
+    (line,) = [x for x in example_toml('loss = "my_losses.py:TOPR"').splitlines() if "loss" in x]
+    graph = (ROOT / "graphs/grpo.toml").read_text()
+    graph = graph.replace('uses = "update.policy"\n', f'uses = "update.policy"\n{line}\n')
+    (tmp_path / "g.toml").write_text(graph)
+    return tmp_path / "g.toml"
+
+
+def page_test(tmp_path, name: str):
+    """The page's test file `name`.py, written to tmp_path and imported there."""
+    test_file = tmp_path / f"{name}.py"
+    test_file.write_text(example(f"# {name}.py"))
+    module_spec = importlib.util.spec_from_file_location(name, test_file)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def test_the_loss_example_checks_and_its_own_test_passes(tmp_path):
+    graph = write_losses(tmp_path)
+    plan = compiler.compile_file(graph)
+    assert plan.spec.nodes["update_policy"].params.loss == "my_losses.py:TOPR"
+    page_test(tmp_path, "test_my_losses").test_topr_tapers_only_negative_rows()
+
+
+def test_the_loss_example_takes_its_formulas_gradient_in_update_policy(tmp_path):
     from flowrl.nodes.update import policy
 
-    path = tmp_path / "plain.py"
-    path.write_text(example("# flowrl/math/losses/plain.py"))
-    module_spec = importlib.util.spec_from_file_location("plain", path)
-    plain = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(plain)
-    line = re.search(r"```python\n(    \"plain\": Loss\(.*?\),)\n```", PAGE).group(1)
-    entry = eval("{" + line + "}", {"Loss": losses.Loss, "plain": plain})
-    monkeypatch.setattr(losses, "LOSSES", losses.LOSSES | entry)
-    monkeypatch.setattr(policy, "LOSSES", losses.LOSSES)
-
+    write_losses(tmp_path)
     model, rows = tiny_model(seed=0), update_rows()
-    params = policy.Params(loss="plain")
-    assert policy.check(params, context(rows)) == []
-    refused = policy.check(attrs.evolve(params, tau_pos=2.0), context(rows))
-    assert [f.message.split(" = ")[0] for f in refused] == ["tau_pos"]
-
+    rows.meta["base_dir"] = str(tmp_path)  # as the pool worker passes it
+    params = policy.Params(loss="my_losses.py:TOPR", skip_zero_rows=False)
     engine, grads = recording_engine(model)
     _, metrics = policy.PolicyUpdateWorker(engine, params)(rows)
     reference = TrainEngine(copy.deepcopy(model), tiny_tokenizer())
     logprobs = reference.forward(rows, grad=True)["logprobs"]
-    mask = rows["response_mask"].float()
-    ratio = torch.exp(logprobs - rows["old_logprobs"])
-    loss = -(rows["advantages"] * ratio * mask).sum() / mask.sum()
+    mask, adv = rows["response_mask"].float(), rows["advantages"]
+    ratio = torch.exp(logprobs.detach() - rows["old_logprobs"])
+    weight = torch.where(adv > 0, torch.ones_like(ratio), ratio.clamp(max=1.0))
+    loss = -(adv * weight * logprobs * mask).sum() / mask.sum()  # token-mean
     loss.backward()
     expected = {n: p.grad for n, p in reference.module.named_parameters()}
     assert_same(grads[0], expected)
-    assert abs(metrics["pg_loss"] - float(loss.detach())) < 1e-5 and "approx_kl" in metrics
+    truncated = ((adv < 0) & (ratio > 1)).float()
+    assert metrics["truncated_frac"] == pytest.approx(float((truncated * mask).sum() / mask.sum()))
+
+
+def write_estimator_and_loss(tmp_path) -> Path:
+    """The page's estimator and loss beside graphs/grpo.toml changed as the page says."""
+    graph = write_losses(tmp_path)
+    (tmp_path / "my_estimators.py").write_text(example("# my_estimators.py"))
+    table = example_toml('uses = "my_estimators.py"')
+    text = graph.read_text().replace('[nodes.advantage]\nuses = "advantage.grpo"\n', table)
+    assert 'uses = "my_estimators.py"' in text
+    graph.write_text(text)
+    return graph
+
+
+def test_the_estimator_example_checks_and_its_own_test_passes(tmp_path):
+    graph = write_estimator_and_loss(tmp_path)
+    assert compiler.compile_file(graph).spec.nodes["advantage"].uses == "my_estimators.py"
+    page_test(tmp_path, "test_my_estimators").test_centred_ranks_of_two_groups()
+    one_sample = check_problems(graph, "nodes.generate.n=1")
+    assert any("compares the samples of each prompt" in p for p in one_sample)
+
+
+def test_the_estimator_and_loss_examples_run_tiny(tmp_path):
+    from flowrl.testing import run_tiny
+
+    run = run_tiny(write_estimator_and_loss(tmp_path), tmp_path / "runs")
+    steps = [m for m in run.metrics if "time_s" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all("update_policy/truncated_frac" in m for m in steps)
+    assert any(m["update_policy/grad_norm"] > 0 for m in steps)
+
+
+def test_the_table_line_of_the_page_makes_the_loss_a_built_in(tmp_path, monkeypatch):
+    from flowrl.math import losses
+    from flowrl.nodes.update import policy
+
+    write_losses(tmp_path)
+    topr = refs.load("my_losses.py:TOPR", tmp_path)
+    line = re.search(r"```python\n(    \"topr\": Loss\(.*?\),)\n```", PAGE).group(1)
+    entry = eval("{" + line + "}", {"Loss": losses.Loss, "topr": inspect.getmodule(topr.fn)})
+    monkeypatch.setattr(losses, "LOSSES", losses.LOSSES | entry)
+    monkeypatch.setattr(policy, "LOSSES", losses.LOSSES)
+    params = policy.Params(loss="topr")
+    assert policy.check(params, context(update_rows())) == []
+    refused = policy.check(attrs.evolve(params, tau_pos=2.0), context(update_rows()))
+    assert [f.message.split(" = ")[0] for f in refused] == ["tau_pos"]
+
+
+def check_problems(graph: Path, *overrides) -> list[str]:
+    try:
+        compiler.compile_file(graph, list(overrides))
+    except GraphErrors as e:
+        return [f"{p.message} | fix: {p.fix}" for p in e.problems]
+    return []
+
+
+def test_a_misspelled_loss_gets_a_did_you_mean_and_the_way_to_write_your_own(tmp_path):
+    (problem,) = check_problems(write_losses(tmp_path), "nodes.update_policy.loss=ppoo")
+    assert 'must be one of "ppo", "gspo"' in problem and '"file.py:function"' in problem
+    assert 'fix: did you mean "ppo"? Or write your own in a file' in problem
+    assert 'loss = "my_losses.py:my_loss"' in problem
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "said"),
+    [
+        (
+            "TOPR = Loss(topr_loss,",
+            "TOPR = Loss(lambda logprobs, advantages: 0,",
+            r'loss "my_losses.py:TOPR": <lambda> \(.*my_losses.py:\d+\) cannot be called as '
+            r"\(logprobs, old_logprobs, .*chunk\).*\| fix: take \(logprobs",
+        ),
+        (
+            'rates=("truncated_frac",))',
+            'rates=("truncated_frac",), params=("tau",))',
+            r'topr_loss \(.*my_losses.py:9\) declares the param "tau", which update.policy '
+            r'does not have \(did you mean "tau_pos"\?\).*fix: a loss reads its node',
+        ),
+        (
+            'rates=("truncated_frac",))',
+            'rates="truncated_frac")',
+            r"its record's rates = 'truncated_frac' is not a tuple of names",
+        ),
+        (
+            'rates=("truncated_frac",))',
+            'rates=("truncated_frac",), agg="token_mean")',
+            r'agg = "token_mean" is unknown \| fix: use one of "token-mean"',
+        ),
+        ("TOPR = Loss(", "TOPX = Loss(", r'my_losses.py has no "TOPR"; define it there'),
+    ],
+    ids=["signature", "unknown-param", "rates-not-a-tuple", "agg", "missing-name"],
+)
+def test_a_loss_of_your_own_that_cannot_work_is_refused_at_check(tmp_path, old, new, said):
+    (problem,) = check_problems(write_losses(tmp_path, old, new))
+    assert re.search(said, problem), problem
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "said"),
+    [
+        (
+            "return chunk.aggregate(loss, response_mask, params.agg), rates",
+            "return loss, rates",
+            r"topr_loss \(.*my_losses.py:9\) returned a loss of shape \(6, 4\), not a scalar: "
+            r"reduce the per-token loss \(b, t\) with chunk.aggregate",
+        ),
+        (
+            'rates = {"truncated_frac"',
+            'rates = {"tapered"',
+            r"declares the rates \['truncated_frac'\] but returned no value for them: return "
+            r"each in its rates dict, or drop it",
+        ),
+        (
+            "return chunk.aggregate(loss, response_mask, params.agg), rates",
+            "return chunk.aggregate(loss, response_mask, params.agg), rates | {'kl': 0.0}",
+            r"returned the rates \['kl'\], which its record does not declare: declare them, "
+            r"Loss\(fn, rates=\('truncated_frac', 'kl'\)\)",
+        ),
+        (
+            "weight * logprobs)",
+            "weight * logprobs.detach())",
+            r"returned a loss without a gradient: compute it from logprobs",
+        ),
+        (
+            '{"truncated_frac": float(ops.masked_mean(truncated, response_mask))}',
+            '{"truncated_frac": truncated}',
+            r'returned the rate "truncated_frac" as \(6, 4\), not a number',
+        ),
+    ],
+    ids=["token-loss", "missing-rate", "extra-rate", "no-gradient", "rate-not-a-number"],
+)
+def test_a_loss_of_your_own_that_returns_the_wrong_thing_is_stopped_at_its_call(
+    tmp_path, old, new, said
+):
+    from flowrl.math.components import ComponentError
+    from flowrl.testing import try_loss
+
+    write_losses(tmp_path, old, new)
+    with pytest.raises(ComponentError, match=said):
+        try_loss("my_losses.py:TOPR", tmp_path)
+
+
+def test_a_loss_returning_token_losses_stops_the_update_naming_it(tmp_path):
+    from flowrl.math.components import ComponentError
+    from flowrl.nodes.update import policy
+
+    old = "return chunk.aggregate(loss, response_mask, params.agg), rates"
+    write_losses(tmp_path, old, "return loss, rates")
+    rows = update_rows()
+    rows.meta["base_dir"] = str(tmp_path)
+    worker = policy.PolicyUpdateWorker(
+        recording_engine(tiny_model(seed=0))[0], policy.Params(loss="my_losses.py:TOPR")
+    )
+    with pytest.raises(ComponentError, match=r"my_losses.py:9\) returned a loss of shape"):
+        worker(rows)
+
+
+KL = """
+import torch
+
+
+def half_k2(logprobs, ref_logprobs):
+    return 0.25 * (logprobs - ref_logprobs) ** 2  # (b, t)
+
+
+def per_row(logprobs, ref_logprobs):
+    return (logprobs - ref_logprobs).sum(-1)  # (b,): wrong
+"""
+
+
+def test_a_kl_kind_of_your_own_is_checked_and_used_by_both_nodes(tmp_path):
+    from flowrl.math.components import ComponentError, kl_function
+    from flowrl.nodes.reward import kl_penalty
+
+    (tmp_path / "my_kl.py").write_text(KL)
+    graph = write_losses(tmp_path)
+    assert check_problems(graph, 'nodes.update_policy.kl_loss_kind="my_kl.py:half_k2"') == []
+    (problem,) = check_problems(graph, 'nodes.update_policy.kl_loss_kind="my_kl.py:half"')
+    assert 'my_kl.py has no "half"' in problem
+    (problem,) = check_problems(graph, "nodes.update_policy.kl_loss_kind=k33")
+    assert 'fix: did you mean "k3"? Or write your own, kl(logprobs, ref_logprobs)' in problem
+    logp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-2.0, -2.0]])
+    torch.testing.assert_close(
+        kl_function("my_kl.py:half_k2", tmp_path)(logp, ref), torch.tensor([[0.25, 0.0]])
+    )
+    with pytest.raises(ComponentError, match=r"per_row \(.*my_kl.py:9\) returned \(1,\) for "):
+        kl_function("my_kl.py:per_row", tmp_path)(logp, ref)
+    rows = DataProto.from_dict(
+        {
+            "scores": torch.tensor([1.0]),
+            "old_logprobs": logp,
+            "ref_logprobs": ref,
+            "response_mask": torch.ones(1, 2, dtype=torch.long),
+        }
+    )
+    rows.meta["base_dir"] = str(tmp_path)
+    params = kl_penalty.Params(kl_kind="my_kl.py:half_k2", kl_coef=1.0)
+    out, metrics = kl_penalty.run(rows, params, {})
+    # -beta KL per token, the score on the last: [-0.25, -0.0 + 1.0]
+    torch.testing.assert_close(out["token_rewards"], torch.tensor([[-0.25, 1.0]]))
+    here = attrs.evolve(context(rows), base_dir=str(tmp_path))
+    assert kl_penalty.check(params, here) == []
+    (finding,) = kl_penalty.check(attrs.evolve(params, kl_kind="my_kl.py:nope"), here)
+    assert 'my_kl.py has no "nope"' in finding.message
 
 
 def context(rows):
@@ -306,3 +527,10 @@ def test_a_keep_that_is_not_a_bool_mask_over_the_rows_stops_the_call(tmp_path, k
     call = NodeCall("best", spec, {}, spec.params(), "on the controller")
     with pytest.raises(NodeFailure, match=r"keep must be a torch.bool tensor of shape \(3,\)"):
         call_node(call, rows, lambda batch: {"keep": keep})
+
+
+def test_a_bad_loss_and_a_bad_kl_kind_are_both_reported(tmp_path):
+    graph = write_losses(tmp_path, "TOPR = Loss(", "TOPX = Loss(")
+    found = check_problems(graph, 'nodes.update_policy.kl_loss_kind="my_kl.py:half"')
+    assert len(found) == 2
+    assert 'has no "TOPR"' in found[0] and 'KL kind "my_kl.py:half": no file' in found[1]

@@ -95,3 +95,177 @@ def test_node_call_renames_in_and_out():
     out = out.writes
     assert out.keys() == ["adv"]
     torch.testing.assert_close(out["adv"], torch.tensor([1.0, 2.0]))
+
+
+# -- a user's rollout node gets partial rollouts and its own prompts (toy/sampler.py) -------
+SAMPLER = GOOD.replace('uses = "{toy}/gen.py"', 'uses = "{toy}/sampler.py"')
+GEN_POOL = '\n[pools.gen]\nworkers = 1\noffload = "never"\n'
+PARTIAL = [
+    'models.policy.rollout_pool="gen"',
+    'models.policy.pool="main"',
+    'models.ref.pool="main"',
+]
+PARTIAL += ["run.staleness=1", "run.partial_rollout=2"]
+
+
+def test_user_rollout_node_with_other_param_names_gets_partial_rollouts(tmp_path):
+    plan = compile_text(
+        tmp_path, SAMPLER + GEN_POOL, [*PARTIAL, "nodes.generate.keep_logprobs=true"]
+    )
+    p = plan.pipeline
+    # its `keep_logprobs` (generate's `return_logprobs`) is read through its optional writes
+    assert (p.partial, p.generate_node, p.samples, p.logprobs) == (2, "generate", 4, True)
+    assert not compile_text(tmp_path, SAMPLER + GEN_POOL, PARTIAL).pipeline.logprobs
+    # a rollout node without the hook (toy/gen.py) is refused, with the hook named
+    found = problems(tmp_path, GOOD + GEN_POOL, PARTIAL)
+    assert [p.where for p in found] == ["[run]"]
+    assert "declares how (NodeSpec.continues" in found[0].message
+    assert '[nodes.generate] (uses = "' in found[0].message
+    assert found[0].fix.startswith("set run.partial_rollout = 0, or give a node file")
+
+
+def test_a_continuation_must_rebuild_every_write():
+    from flowrl.nodespec import Continuation
+
+    keep = Continuation(("answer",), lambda rows, tokenizer: {})
+    base = {"params": RolloutParams, "worker": object, "mode": "rollout", "rows": "repeat"}
+    NodeSpec(("prompts",), ("responses", "response_mask", "answer"), continues=keep, **base)
+    with pytest.raises(ValueError, match="writes extra, which neither the rounds"):
+        writes = ("responses", "response_mask", "answer", "extra")
+        NodeSpec(("prompts",), writes, continues=keep, **base)
+    with pytest.raises(ValueError, match='continues is for mode="rollout"'):
+        NodeSpec(("responses",), ("scores",), NoParams, fn=forgetful, continues=keep)
+
+
+def test_user_rollout_node_renders_the_prompts_it_samples_from(tmp_path):
+    """The loader asks the node's `prompt` hook (its `banner` param), as it asks the agent
+    node's for its tool schemas; without a hook, the tokenizer's chat template."""
+    from flowrl.data.split import prompt_renderer, prompt_sets
+
+    tokenizer = testing.tiny_tokenizer()
+    spec = compile_text(tmp_path, SAMPLER, ['nodes.generate.banner="Solve: "']).spec
+    row = {"prompt": [{"role": "user", "content": "What is 2 + 3?"}]}
+    assert prompt_renderer(spec, tokenizer)(row) == "Solve: What is 2 + 3?"
+    train, _, _ = prompt_sets(spec, tokenizer)
+    first = train.collate([0])
+    text = tokenizer.decode(first["prompts"][0][first["prompt_mask"][0].bool()])
+    assert text.startswith("Solve: What is ")
+    plain = compile_text(tmp_path, GOOD).spec
+    assert prompt_renderer(plain, tokenizer) is None
+
+
+LONG_SCORE = """
+import attrs
+from flowrl.nodespec import NodeSpec
+
+
+@attrs.frozen
+class Params:
+    max_new_tokens: int = 100_000  # a scorer's own setting of that name, not a response cap
+
+
+def run(batch, params):
+    return {"scores": batch["responses"].float().sum(-1)}
+
+
+SPEC = NodeSpec(reads=("responses",), writes=("scores",), params=Params, fn=run)
+"""
+
+
+def test_the_context_guard_reads_the_response_cap_of_rollout_nodes_only(tmp_path, capsys):
+    """A prompt plus the longest response must fit the policy's context: the response caps
+    are the rollout nodes' (RolloutParams.max_new_tokens, the user's sampler's here), never
+    another node's param that happens to share the name."""
+    from flowrl.models.tiny import CONTEXT
+    from flowrl.runtime import guards
+
+    (tmp_path / "long_score.py").write_text(LONG_SCORE)
+    text = SAMPLER.replace('uses = "{toy}/score.py"', 'uses = "long_score.py"')
+    spec = compile_text(tmp_path, text, [f"data.max_prompt_len={CONTEXT - 4}"]).spec
+    guards.check_models(spec, "policy", testing.tiny_tokenizer())
+    assert "plus max_new_tokens = 8 exceeds the context" in capsys.readouterr().err
+    spec = compile_text(tmp_path, text, [f"data.max_prompt_len={CONTEXT - 8}"]).spec
+    guards.check_models(spec, "policy", testing.tiny_tokenizer())
+    assert "exceeds the context" not in capsys.readouterr().err
+
+
+def test_a_stateful_node_whose_run_takes_two_arguments_is_refused_with_the_fix():
+    def run(batch, params):
+        return {"advantages": batch["scores"]}
+
+    with pytest.raises(
+        ValueError,
+        match=r"calls fn\(batch, params, state\), but \S*run \(.*:\d+\) is run\(batch, params\)",
+    ):
+        NodeSpec(("scores",), ("advantages",), NoParams, fn=run, stateful=True)
+    with pytest.raises(ValueError, match="give it a third parameter, state"):
+        NodeSpec(("scores",), ("advantages",), NoParams, fn=run, stateful=True)
+    with pytest.raises(ValueError, match="or set stateful=True to get a state dict"):
+        NodeSpec(("scores",), ("advantages",), NoParams, fn=lambda b, p, s: {})
+    NodeSpec(("scores",), ("advantages",), NoParams, fn=lambda b, p, s=None: {}, stateful=True)
+
+
+def test_a_refill_that_names_no_param_is_refused_with_a_did_you_mean():
+    from flowrl.nodespec import Refill
+
+    @attrs.frozen
+    class Counts:
+        min_groups: int = 2
+        max_rounds: int = 3
+
+    def keep(batch, params):
+        return {"keep": torch.ones(len(batch["scores"]), dtype=torch.bool)}
+
+    with pytest.raises(ValueError, match=r'Refill\(groups="min_group"\).*"min_groups"\?'):
+        NodeSpec(("scores",), (), Counts, fn=keep, rows="filter", refill=Refill("min_group"))
+
+
+def test_a_check_hook_that_raises_is_a_finding_naming_it():
+    from flowrl.nodespec import CheckContext
+
+    def check(params, context):
+        return [context.rows_per_prompt]  # no such field
+
+    spec = NodeSpec(("scores",), ("advantages",), NoParams, fn=forgetful, check=check)
+    (finding,) = spec.findings(NoParams(), CheckContext("a", 8, 4, 2, 1, "."))
+    assert finding.message.startswith("its check hook ")
+    assert "check (" in finding.message and "raised AttributeError" in finding.message
+    assert finding.fix.startswith("fix that function")
+
+
+@pytest.mark.parametrize(
+    ("state", "said"),
+    [
+        ({"seen": {1, 2}}, "state['seen'] = {1, 2} (a set)"),
+        ({"coef": torch.tensor(0.5)}, "state['coef'] = tensor(0.5000) (a Tensor)"),
+        ({"by_uid": {3: 1.0}}, "the key 3 (int) in state['by_uid']"),
+        ({"pairs": [[1, 2], (3, 4)]}, "state['pairs'][1] = (3, 4) (a tuple)"),
+    ],
+)
+def test_node_state_a_checkpoint_cannot_store_stops_the_first_call(state, said):
+    from flowrl.runtime.node_call import ControllerFn
+
+    def keep(batch, params, kept):
+        kept.update(state)
+        return {"advantages": batch["scores"]}
+
+    spec = NodeSpec(("scores",), ("advantages",), NoParams, fn=keep, stateful=True)
+    call = NodeCall("shaping", spec, {}, NoParams(), "on the controller")
+    batch = DataProto.from_dict({"scores": torch.ones(2)})
+    with pytest.raises(NodeFailure, match="node shaping failed on the controller") as raised:
+        call_node(call, batch, ControllerFn(spec, NoParams(), {}))
+    assert f"its state holds {said}, which a checkpoint (JSON) cannot store" in str(raised.value)
+
+
+def test_node_state_of_json_values_passes():
+    from flowrl.runtime.node_call import ControllerFn
+
+    def keep(batch, params, kept):
+        kept.update({"coef": 0.1, "seen": [1, 2], "by_uid": {"3": [1.0, None]}, "on": True})
+        return {"advantages": batch["scores"]}
+
+    spec = NodeSpec(("scores",), ("advantages",), NoParams, fn=keep, stateful=True)
+    call = NodeCall("shaping", spec, {}, NoParams(), "on the controller")
+    state = {}
+    call_node(call, DataProto.from_dict({"scores": torch.ones(2)}), ControllerFn(spec, None, state))
+    assert state["by_uid"] == {"3": [1.0, None]}

@@ -14,10 +14,12 @@ import torch
 from flowrl.errors import GraphErrors
 from flowrl.front.compiler import compile_file
 from flowrl.front.pipeline import PipelinePlan
+from flowrl.nodes import generate
 from flowrl.protocol import DataProto
 from flowrl.runtime.executor import StepResult
 from flowrl.runtime.partial import TOKEN_VERSION, PartialPipeline
 from flowrl.runtime.pipeline import VERSION_KEY, entries, load_queue, save_queue
+from flowrl.testing import load_node
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
 DISAGGREGATED = str(GRAPHS / "grpo_disaggregated.toml")
@@ -110,9 +112,11 @@ class Executor:
 
     concurrent = False
 
-    def __init__(self, first=0):
+    def __init__(self, first=0, node_spec=generate.SPEC):
         self.loads, self.limits, self.exported = [], [], first - 1  # the versions exported
-        self.spec = type("Spec", (), {"models": {"policy": type("M", (), {"pool": "train"})}})
+        models = {"policy": type("M", (), {"pool": "train"})}
+        nodes = {"generate": type("Decl", (), {"spec": node_spec})}  # its Continuation
+        self.spec = type("Spec", (), {"models": models, "nodes": nodes})
 
     def ranks(self, pool):
         return 1
@@ -316,6 +320,33 @@ def test_a_response_is_cut_at_max_new_tokens_within_a_round():
             else:
                 assert ids == [TOKEN, TOKEN, EOS]
     assert long_rows
+
+
+def test_a_users_rollout_node_gets_its_own_columns_rebuilt():
+    """The rounds ask the generating node's `Continuation` for its columns of a whole
+    response: a user's node (tests/unit/toy/sampler.py) gets its `answer`, not generate's
+    response_text and response_attention."""
+    sampler = load_node(Path(__file__).parent / "toy" / "sampler.py").SPEC
+    pipeline = PartialPipeline(
+        Executor(node_spec=sampler), stages(), prompts, Tokenizer(), 0, 3, None
+    )
+    for _, rollout, _ in train(pipeline, 3):
+        batch = rollout.result.batch
+        assert "answer" in batch.keys() and "response_text" not in batch.keys()
+        assert "response_attention" not in batch.keys()
+        for row in range(len(batch)):
+            want = int(batch["prompts"][row, -3])  # the whole response, over its rounds
+            ids = " ".join(map(str, [TOKEN] * (want - 1) + [EOS]))
+            assert batch["answer"][row] == "sampler: " + ids
+
+
+def test_a_continuation_that_returns_other_columns_is_named():
+    sampler = load_node(Path(__file__).parent / "toy" / "sampler.py").SPEC
+    wrong = attrs.evolve(sampler.continues, finish=lambda rows, tokenizer: {"text": []})
+    spec = attrs.evolve(sampler, continues=wrong)
+    pipeline = PartialPipeline(Executor(node_spec=spec), stages(), prompts, Tokenizer(), 0, 3, None)
+    with pytest.raises(ValueError, match=r"\[nodes.generate\]: its Continuation.finish returned"):
+        train(pipeline, 3)
 
 
 def test_a_queue_of_the_other_kind_is_refused():

@@ -213,9 +213,8 @@ def test_the_verl_example_keeps_its_prompts_under_tiny(tmp_path, monkeypatch):
     """examples/verl_gsm8k templates its prompts with Qwen2.5's tool block: 1024 tokens of a
     real tokenizer, ~1360 characters, which the tiny tokenizer spends as ~1360 tokens. The
     tiny run leaves room for them: no row is dropped, the tool block is in every prompt."""
-    from flowrl.agent.prompt import agent_prompt
     from flowrl.data.loader import PromptDataset
-    from flowrl.data.split import train_and_validation_rows
+    from flowrl.data.split import prompt_renderer, train_and_validation_rows
     from flowrl.models.tiny import tiny_tokenizer
 
     example = tmp_path / "examples" / "verl_gsm8k"
@@ -230,7 +229,7 @@ def test_the_verl_example_keeps_its_prompts_under_tiny(tmp_path, monkeypatch):
     spec = compiler.compile_file(graph, tiny_overrides(graph, tmp_path)).spec
     tokenizer = tiny_tokenizer()
     rows, _, _ = train_and_validation_rows(spec.data, spec.run.val_size, 0, spec.base_dir)
-    render = agent_prompt(spec, tokenizer)
+    render = prompt_renderer(spec, tokenizer)
     dataset = PromptDataset(rows, tokenizer, spec.data.max_prompt_len, render)
     assert dataset.filtered == 0 and len(dataset) == len(rows)
     assert "# Tools" in render(rows[0]) and len(render(rows[0])) > 1024

@@ -112,3 +112,23 @@ def test_check_across_fields_is_reported():
     assert build_attrs(Window, {"low": 3}, "w", errors) is None
     (problem,) = errors.problems
     assert problem.where == "[w]" and problem.message == "low = 3 must be below high = 1"
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "key", "seen"),
+    [
+        ("[x]\na = [\n  1,  # a ] in a comment\n  2,\n\n[y]\nb = 1\n", "line 2", "x.a", "line 6"),
+        ('[x]\nb = "[" # [\nc = [[1, 2], [3\n', "line 3", "x.c", "the end of the file"),
+    ],
+)
+def test_an_unclosed_array_is_named_where_it_opens(text, where, key, seen):
+    import tomllib
+
+    from flowrl.front.typed_toml import _toml_problem
+
+    with pytest.raises(tomllib.TOMLDecodeError) as raised:
+        tomllib.loads(text)
+    got_where, message, fix = _toml_problem(str(raised.value), text)
+    assert got_where == where
+    assert message == f"the array {key} = [ opened on this line is not closed (seen at {seen})"
+    assert fix.startswith('close it with "]" after its last element')

@@ -239,11 +239,21 @@ class TrainEngine(UpdateLoop):
         norm = self.sharding.clip_grads(params, self.grad_clip if self.grad_clip > 0 else math.inf)
         lr = self.optimizer.param_groups[0]["lr"]
         finite = math.isfinite(norm)  # the same on every rank: the grads were summed
+        broken = 0.0
         if finite:  # a NaN or inf loss or gradient would poison every weight: skip the step
             self.optimizer.step()
             self.scheduler.step()
+            # a finite step can still overflow the weights (a learning rate far too large,
+            # weight decay multiplying them by 1 - lr * decay): one pass over them says so
+            broken = float(not all(bool(torch.isfinite(_local(p)).all()) for p in params))
+            broken = self._all_reduce(broken, dist.ReduceOp.MAX)
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": norm, "lr": lr, "nonfinite_skipped": float(not finite)}
+        return {
+            "grad_norm": norm,
+            "lr": lr,
+            "nonfinite_skipped": float(not finite),
+            "nonfinite_weights": broken,
+        }
 
     def all_reduce_sum(self, value: float) -> float:
         return self._all_reduce(value, dist.ReduceOp.SUM)
@@ -354,3 +364,8 @@ def _trim(tokens: torch.Tensor, mask: torch.Tensor, left: bool):
 def _pad_right(x: torch.Tensor, t: int) -> torch.Tensor:
     x = x.cpu()
     return torch.nn.functional.pad(x, (0, t - x.shape[1])) if x.shape[1] < t else x
+
+
+def _local(parameter):
+    """This rank's part of a parameter (its shard under fsdp)."""
+    return parameter.to_local() if hasattr(parameter, "to_local") else parameter
