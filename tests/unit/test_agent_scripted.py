@@ -125,7 +125,8 @@ def test_a_failure_inside_the_interaction_is_raised(judge):
     info = scripted_request(
         ["70"], interaction="judge.py:Broken", base_dir=folder, raise_errors=False
     ).info()
-    assert info["termination"] == "error" and info["error"] == "KeyError: 'nope'"
+    assert info["termination"] == "error"
+    assert info["error"].startswith("KeyError: 'nope' (") and "judge.py:" in info["error"]
 
 
 def test_a_yaml_row_must_name_its_interaction(judge):
@@ -156,3 +157,23 @@ def test_a_script_that_runs_out_says_so(judge):
         scripted_request(
             ["70", "71"], interaction=module.reply, interaction_kwargs={"ground_truth": "72"}
         )
+
+
+def test_replies_are_counted_per_interaction_over_the_requests_that_have_it(judge):
+    from flowrl.agent.rows import interaction_metrics
+
+    _, folder = judge
+
+    def request(turns, name):
+        kwargs = {"name": name, "ground_truth": "72"}
+        yaml = {"interaction_config": "interaction.yaml", "interaction_kwargs": kwargs}
+        return scripted_request(turns, base_dir=folder, **yaml)
+
+    strict = request(["70", "72"], "strict")  # wrong, then right: 2 replies
+    lenient = [request(["72"], "lenient"), request(["70", "71", "72"], "lenient")]  # 1 and 3
+    alone = scripted_request(["hello"])  # no interaction: not counted
+    episodes = [strict, *lenient, alone]
+    assert interaction_metrics(episodes) == {
+        "interactions/lenient": 2.0,
+        "interactions/strict": 2.0,
+    }
