@@ -383,7 +383,9 @@ class TinyNode:
     model_role: str = ""  # e.g. "reward model": the summary lists it as random weights
     tools: tuple[str, ...] = ()  # tools counted from the node's metrics <node>/calls/<tool>[/ok]
     scripted: bool = False  # the tools are called by a scripted first turn, not the policy
-    real: dict[str, str] = attrs.field(factory=dict)  # what runs as written: e.g. interaction
+    real: dict[str, str] = attrs.field(factory=dict)  # what runs as written: what -> reference
+    # interaction name -> where it comes from; counted from <node>/interactions/<name>
+    interactions: dict[str, str] = attrs.field(factory=dict)
 
 
 CONTINUED = ("responses", "response_mask", "rollout_logprobs")  # what rounds append to

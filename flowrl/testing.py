@@ -7,8 +7,9 @@
         assert run.metrics[-1]["update_policy/grad_norm"] > 0
 
 The tokenizer and model behind `path = "tiny"` live in flowrl/models/tiny.py, since library code
-loads them too; the overrides in flowrl/front/tiny_run.py. Library code must not import this module
-(tests/unit/test_layout.py).
+loads them too; the overrides in flowrl/front/tiny_run.py; one agent request on scripted turns
+(`scripted_request`, `ScriptedTurns`) in flowrl/agent/scripted.py. Library code must not import
+this module (tests/unit/test_layout.py).
 """
 
 import json
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import attrs
 
+from flowrl.agent.scripted import ScriptedTurns, scripted_request
 from flowrl.front.tiny_run import VARIED_SCORER, tiny_overrides
 from flowrl.models.tiny import CHAT_TEMPLATE, SPECIAL, tiny_model, tiny_tokenizer
 
@@ -285,67 +287,6 @@ def load_ref(ref: str, base_dir: str | Path = "."):
     return refs.load(ref, base_dir, what="reference")
 
 
-def scripted_request(
-    turns: list[str],
-    tools=(),
-    parser: str = "hermes",
-    prompt: str = "Hi.",
-    base_dir: str | Path = ".",
-    tools_kwargs: dict | None = None,
-    interaction=None,
-    interaction_kwargs: dict | None = None,
-    **limits,
-):
-    """One agent request run to its end through the agent node's own machinery (its tools,
-    parser, chat-template deltas, limits, interaction) with `turns` as the policy's turns, on
-    the tiny tokenizer. Returns the finished `flowrl.agent.episode.Episode`: `.info()` has
-    its calls (`{name, status, seconds}`), `messages`, `tool_rewards`, `turn_scores`,
-    `rollout_reward_scores` and `termination`.
-
-    Args:
-        turns: the text of each assistant turn, in order (each ends with the eos).
-        tools: tool references as in the graph ("calculator", "my_tools.py:convert").
-        parser: "hermes", "tag" or "file.py:parse", as in the graph.
-        prompt: the user message.
-        base_dir: where relative references resolve (the graph's folder).
-        tools_kwargs, interaction_kwargs: the row's `extra_info` entries of those names.
-        interaction: a `reply(messages, **kwargs) -> (done, text, reward)` function, or its
-            "file.py:reply" reference.
-        **limits: `flowrl.agent.episode.Limits` fields (`max_assistant_turns`,
-            `max_user_turns`, `tool_timeout_s`, ...).
-    """
-    from flowrl.agent.chat import ChatTokens
-    from flowrl.agent.driver import run_requests
-    from flowrl.agent.episode import Episode, Limits
-    from flowrl.agent.interactions import FunctionInteraction
-    from flowrl.agent.objects import load_object
-    from flowrl.agent.parsers import make_parser
-    from flowrl.agent.tools import Toolbox
-    from flowrl.engines.threads import run_sync
-
-    tokenizer = tiny_tokenizer()
-    chat, box = ChatTokens(tokenizer), Toolbox(list(tools), base_dir)
-    if isinstance(interaction, str):
-        interaction = load_object(interaction, base_dir, "interaction")
-    messages = [{"role": "user", "content": prompt}]
-    script = [tokenizer(t, add_special_tokens=False)["input_ids"] + [chat.eos] for t in turns]
-    # verl's turn limit is checked before the user's reply: one more turn lets the
-    # interaction answer the last scripted turn
-    limits.setdefault("max_assistant_turns", len(turns) + (1 if interaction else 0))
-    episode = Episode(
-        chat.encode(messages, generation_prompt=True),
-        chat,
-        make_parser(parser, box.names, base_dir),
-        box.open({"tools_kwargs": tools_kwargs or {}}),
-        Limits(**limits),
-        messages=messages,
-        interaction=FunctionInteraction(interaction) if interaction else None,
-        interaction_kwargs=interaction_kwargs,
-    )
-    run_sync(run_requests([episode], ScriptedTurns({0: script})))
-    return episode
-
-
 def loss_params(**fields):
     """The params a policy loss of `flowrl.math.losses` reads, for calling one directly:
     update.policy's defaults overridden by `fields`, unvalidated (so e.g. CISPO's
@@ -376,37 +317,6 @@ def try_loss(loss: str, base_dir: str | Path = ".", **fields):
     logprobs = (old + 0.1 * old.sign()).requires_grad_()  # (b, t): a step away from the old
     args = (logprobs, old, rows["advantages"], rows["response_mask"], loss_params(**fields))
     return components.checked_loss(record, loss, record.fn(*args, Chunk()))
-
-
-class ScriptedTurns:
-    """A rollout backend (flowrl.engines.rollout.RolloutBackend's generate and release) that
-    samples nothing: request i's k-th turn is `script[i][k]` (a list of ids), cut to the
-    turn's limit, where i is the request's seed (run_requests gives request i the seed i by
-    default). It records what was appended to each conversation before each turn
-    (`appended[i]`), the limits asked for and the request ids released."""
-
-    def __init__(self, script: dict, logprob: float = -0.5):
-        self.script, self.logprob = script, logprob
-        self.count = {i: 0 for i in script}
-        self.appended = {i: [] for i in script}
-        self.limits = {i: [] for i in script}
-        self.seen = {i: 0 for i in script}  # conversation length after the last turn
-        self.released: list[str] = []
-
-    async def generate(self, request):
-        from flowrl.engines.rollout import Result
-
-        i, limit = request.seed, request.max_new_tokens
-        self.appended[i].append(list(request.ids[self.seen[i] :]) if self.count[i] else [])
-        self.limits[i].append(limit)
-        turn = list(self.script[i][self.count[i]])
-        ids = turn[:limit]
-        self.count[i] += 1
-        self.seen[i] = len(request.ids) + len(ids)
-        return Result(ids, [self.logprob] * len(ids), "stop" if len(turn) <= limit else "length")
-
-    def release(self, request_id: str) -> None:
-        self.released.append(request_id)
 
 
 def check_sampler(sampler_class, size: int = 20, options=None, batch_size: int = 4, steps=6):

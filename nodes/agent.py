@@ -58,6 +58,7 @@ class Params(RolloutParams):
     )  # response_text; full = verl
     interaction: str = ""  # "file.py:reply" (a function) or "file.py:Cls" (verl interaction)
     interaction_config: str = ""  # a verl interaction YAML; rows pick by interaction_kwargs.name
+    interact_on_cut: bool = False  # the interaction answers a turn cut by max_turn_tokens
     script_first_turn: bool = False  # first turn = a call of each tool (--tiny sets it)
 
 
@@ -71,7 +72,7 @@ def limits(p: Params):
         **{f: getattr(p, f) for f in ("max_parallel_calls", "max_tool_response_length")},
         **{f: getattr(p, f) for f in ("tool_response_truncate_side", "max_obs_tokens")},
         **{f: getattr(p, f) for f in ("tool_timeout_s", "request_timeout_s")},
-        **{f: getattr(p, f) for f in ("max_invalid_calls", "obs_role")},
+        **{f: getattr(p, f) for f in ("max_invalid_calls", "obs_role", "interact_on_cut")},
     )
 
 
@@ -102,33 +103,13 @@ def scripted_turn(setup, p: Params) -> list[int]:
 
 
 def tiny(p: Params, base_dir: str) -> TinyNode:
-    """A tiny run's first turn calls each tool once (flowrl/agent/script.py), so the tool code,
-    its arguments and its rewards run, which a random policy's never would. The budget fits
-    that turn (the tiny tokenizer: one token per character), the tools' answers and a sampled
-    turn after them; every call is allowed in the one turn. No script for a tool that does not
-    load (`flowrl check` reports it) or a parser of the user's own (its format is unknown)."""
-    from flowrl.agent.script import first_turn_text
-    from flowrl.agent.tools import Toolbox
+    """A tiny run's first turn calls each tool once, and its turns and budget leave room for
+    two interaction replies (interact_on_cut: the random policy's turns are cut), so the
+    tools and the interactions run, which a random policy's never would
+    (flowrl/agent/tiny.py)."""
+    from flowrl.agent.tiny import tiny_node
 
-    real = {"interaction": p.interaction} if p.interaction else {}
-    if not (p.tools or p.tool_config):
-        return TinyNode(real=real)
-    try:
-        toolbox = Toolbox(p.tools, base_dir, p.tool_config)
-    except Exception:
-        return TinyNode(real=real)
-    counted = {"tools": tuple(toolbox.names), "scripted": p.script_first_turn, "real": real}
-    text = first_turn_text(toolbox.schemas, p.parser)
-    if not text:
-        return TinyNode(**counted)
-    turn, calls = len(text) + 1, len(toolbox.schemas)  # + the turn's eos
-    budget = {
-        "script_first_turn": True,
-        "max_turn_tokens": turn,
-        "max_new_tokens": 2 * turn + calls * (p.max_obs_tokens + 32),
-        "max_parallel_calls": max(p.max_parallel_calls, calls),
-    }
-    return TinyNode(budget, **counted)
+    return tiny_node(p, base_dir)
 
 
 class AgentWorker:

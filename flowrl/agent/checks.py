@@ -93,6 +93,9 @@ def _limit_findings(p) -> list[Finding]:
         )
     if p.request_timeout_s < p.tool_timeout_s:
         out.append(Finding("request_timeout_s is shorter than tool_timeout_s", warning=True))
+    if p.interact_on_cut and not (p.interaction or p.interaction_config):
+        fix = 'interaction = "file.py:reply" or interaction_config = "interaction.yaml"'
+        out.append(Finding("interact_on_cut = true without an interaction does nothing", fix, True))
     if p.obs_role not in ("tool", "user"):
         out.append(Finding(f'obs_role = "{p.obs_role}" must be "tool" or "user"'))
     if p.solution not in ("assistant", "full"):

@@ -4,7 +4,8 @@
     GENERATING --a sampled turn--▶ parse it (verl's turn limits first: assistant turns, and
     user turns = tool rounds + interaction replies):
         calls                                   ─▶ TOOLS     | DONE(max_turns | length)
-        no call, an interaction                 ─▶ INTERACTING | DONE(max_turns)
+        no call, an interaction (a turn cut by max_turn_tokens: only with interact_on_cut)
+                                                ─▶ INTERACTING | DONE(max_turns | length)
         no call                                 ─▶ DONE(stop; length if the turn was cut)
     TOOLS --run the calls (timeouts)--▶ observation ids ─▶ GENERATING
                                       | DONE(budget | invalid_calls | timeout)
@@ -14,8 +15,9 @@ A driver (flowrl/agent/driver.py, one asyncio task per request) feeds `on_turn` 
 engine sampled for this request and appends what `advance` returns to the conversation it
 sends next; the episode keeps the response:
 sampled ids verbatim (mask 1), observation deltas (mask 0; chat.py), their log-probs (0.0 off
-the sampled tokens). A turn cut by `max_turn_tokens` that still made calls gets an eos the
-policy did not sample (mask 0), so the ids stay the chat template's.
+the sampled tokens). A turn cut by `max_turn_tokens` that still made calls (or that the
+interaction answers) gets an eos the policy did not sample (mask 0), so the ids stay the chat
+template's.
 
 Anything that raises inside a request ends that request with reason "error" (the exception is
 kept in `info`); such a request and one that ran out of time ("timeout") train on nothing (mask
@@ -62,6 +64,7 @@ class Limits:
     request_timeout_s: float = 120.0  # a request's time in tools and interactions, summed
     max_invalid_calls: int = 3  # invalid calls in a row that end the request (0 = no limit)
     obs_role: str = "tool"  # the role of tool output messages
+    interact_on_cut: bool = False  # the interaction answers a turn cut by max_turn_tokens
 
 
 class Episode:
@@ -90,6 +93,9 @@ class Episode:
         self.messages, self.prompt_messages = list(messages), len(messages)
         self.clock, self.spent = clock, 0.0  # seconds spent in tools and interactions
         self.state, self.reason, self.error = GENERATING, None, None
+        # the first exception of the request's own code: what ended it in "error", or an
+        # interaction's finish that raised (flowrl.testing.scripted_request raises it)
+        self.exception: BaseException | None = None
         self.ids, self.mask, self.logprobs = [], [], []
         self.turn_texts: list[str] = []
         self.request_id = uuid.uuid4().hex
@@ -174,6 +180,7 @@ class Episode:
                 args = {"request_id": self.request_id}
                 await run_call("interaction", self.interaction.finish, args, self._timeout())
             except Exception as e:
+                self.exception = self.exception or e
                 self.release_errors.append(f"interaction: finish: {type(e).__name__}: {e}")
 
     # -- inside the transitions ------------------------------------------------------------
@@ -186,25 +193,23 @@ class Episode:
         self.turn_texts.append(text)
         self.messages.append({"role": "assistant", "content": text})
         calls = self.parser(text)
-        if not calls and not ended:
-            return self._end("length")
-        if not calls and self.interaction is None:
-            return self._end("stop")
+        # a turn cut by max_turn_tokens is answered when it made calls; the interaction
+        # answers it only with interact_on_cut (verl ends a cut turn's request: docs)
+        answered = self.interaction is not None and (ended or self.limits.interact_on_cut)
+        if not (calls or answered):
+            return self._end("stop" if ended else "length")
         # a call or the user would follow: verl's turn limits end the request first
         limits = self.limits
         if len(self.turn_texts) >= limits.max_assistant_turns or (
             limits.max_user_turns and self.user_turns >= limits.max_user_turns
         ):
             return self._end("max_turns")
-        if not calls:
-            self.state = INTERACTING
-            return None
-        if len(self.ids) >= limits.max_new_tokens:  # verl: the budget ends it, calls not run
+        if len(self.ids) >= limits.max_new_tokens:  # verl: the budget ends it, nothing runs
             return self._end("length")
         if not ended:  # cut by max_turn_tokens: close the turn as the template would
             self._append([self.chat.eos], trained=False)
             self._unfed = [self.chat.eos]
-        self._pending_calls, self.state = calls, TOOLS
+        self._pending_calls, self.state = calls, TOOLS if calls else INTERACTING
         return None
 
     async def _run_calls(self) -> list[dict] | None:
@@ -265,6 +270,7 @@ class Episode:
         self.state, self.reason = DONE, reason
 
     def _fail(self, error: Exception) -> None:
+        self.exception = error
         self.error = described(error)  # "Type: message (file:line)", the user's line first
         self._end("error")
 

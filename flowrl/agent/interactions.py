@@ -7,6 +7,10 @@
 - `interaction_config = "interaction.yaml"`: verl's interaction YAML; each row picks one by
   `extra_info.interaction_kwargs.name`, as verl's agent loop does.
 
+`as_interaction` takes the object itself too (a function, a class, an instance):
+`flowrl.testing.scripted_request` passes what a test hands it. Every interaction has a `name`
+(verl's, or the function's), which metrics and the tiny run's summary show.
+
 No torch: `flowrl check` instantiates them here.
 """
 
@@ -17,8 +21,10 @@ import inspect
 from flowrl.agent.objects import ToolError, load_object
 from flowrl.agent.session import maybe_await
 from flowrl.agent.verl import (
+    VerlInteraction,
     binding_problem,
     default_name,
+    interaction_entries,
     is_verl_interaction,
     load_interaction_config,
     make_interaction,
@@ -29,8 +35,9 @@ class FunctionInteraction:
     """flowrl's interaction function `reply(messages, **kwargs) -> (done, text, reward)`
     (sync or async) with verl's interaction lifecycle."""
 
-    def __init__(self, function):
+    def __init__(self, function, name: str = ""):
         self.function = function
+        self.name = name or getattr(function, "__name__", "reply")
 
     def refuses(self, kwargs: dict) -> list[str]:
         """Why a row's interaction_kwargs cannot be passed to the function."""
@@ -54,12 +61,46 @@ def load_interactions(reference: str, config: str, base_dir: str) -> dict:
         return load_interaction_config(config, base_dir)
     if not reference:
         return {}
-    target = load_object(reference, base_dir, "interaction")
+    return {"": as_interaction(load_object(reference, base_dir, "interaction"), reference)}
+
+
+def as_interaction(target, label: str = ""):
+    """An interaction from what a reference names or a test passes: a verl `BaseInteraction`
+    class (instantiated as verl's registry does, with verl's default name), an instance of
+    one, a reply function, or an interaction already adapted."""
+    label = label or getattr(target, "__qualname__", None) or repr(target)
+    if isinstance(target, FunctionInteraction | VerlInteraction):
+        return target
     if inspect.isclass(target):
         if not is_verl_interaction(target):
-            raise ToolError(f'interaction "{reference}": a class needs generate_response')
-        return {"": make_interaction(target, default_name(target.__name__))}
-    return {"": FunctionInteraction(target)}
+            raise ToolError(
+                f'interaction "{label}": a class needs generate_response (verl\'s '
+                "BaseInteraction), or give a function reply(messages, **kwargs)"
+            )
+        return make_interaction(target, default_name(target.__name__))
+    if is_verl_interaction(target):  # an instance, already configured
+        name = getattr(target, "name", "") or default_name(type(target).__name__)
+        return VerlInteraction(target, str(name))
+    if callable(target):
+        return FunctionInteraction(target)
+    raise ToolError(
+        f'interaction "{label}" is a {type(target).__name__}: give a function reply(messages, '
+        "**kwargs) -> (done, text, reward) or a verl BaseInteraction class"
+    )
+
+
+def interaction_sources(reference: str, config: str, base_dir: str) -> dict[str, str]:
+    """{name: where it comes from} of the interactions `load_interactions` would give, under
+    the names their requests' metrics use, without instantiating any: a YAML's entries
+    ("interaction.yaml: pkg.module.Class"), or the one reference (its file imported)."""
+    if config:
+        entries = interaction_entries(config, base_dir)
+        return {name: f"{config}: {item['class_name']}" for name, item in entries.items()}
+    if not reference:
+        return {}
+    target = load_object(reference, base_dir, "interaction")
+    name = getattr(target, "__name__", reference)
+    return {default_name(name) if inspect.isclass(target) else name: reference}
 
 
 def pick_interaction(interactions: dict, kwargs: dict):

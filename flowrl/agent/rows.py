@@ -3,7 +3,7 @@
 - `AgentSetup`: an agent node's tools, parser, chat and interaction, resolved once;
 - `episodes_for`: one Episode per (row, sample), with the row's verl fields;
 - `assemble`: the episodes as right-padded response tensors and per-row columns;
-- `agent_metrics`: turns, tokens, calls, errors and why requests ended.
+- `agent_metrics`: turns, tokens, calls, interaction replies, errors and why requests ended.
 """
 
 from __future__ import annotations
@@ -156,4 +156,17 @@ def agent_metrics(episodes: list[Episode], stats) -> dict:
         out[f"calls/{name}"] = sum(c["name"] == name for c in calls) / count
         ok = [c for c in calls if c["name"] == name and c["status"] == "ok"]
         out[f"calls/{name}/ok"] = len(ok) / count
-    return out
+    return out | interaction_metrics(episodes)
+
+
+def interaction_metrics(episodes: list[Episode]) -> dict:
+    """interactions/<name>: the replies of each interaction per request that has it (rows
+    of a verl YAML pick theirs by name)."""
+    by_name: dict = {}
+    for e in episodes:
+        if e.interaction is not None:
+            by_name.setdefault(getattr(e.interaction, "name", "interaction"), []).append(e)
+    return {
+        f"interactions/{name}": sum(e.interaction_turns for e in mine) / len(mine)
+        for name, mine in sorted(by_name.items())
+    }

@@ -266,14 +266,24 @@ def default_name(class_name: str) -> str:
     return (simple[: -len("Interaction")] if simple.endswith("Interaction") else simple).lower()
 
 
-def load_interaction_config(path: str | Path, base_dir: str | Path = ".") -> dict:
-    """{name: VerlInteraction} of a verl interaction YAML."""
+def interaction_entries(path: str | Path, base_dir: str | Path = ".") -> dict:
+    """{name: item} of a verl interaction YAML, named as verl's registry names them (the
+    entry's `name`, else the class name's default); nothing is imported."""
     path = Path(path) if Path(path).is_absolute() else Path(base_dir) / path
     out = {}
     for item in _yaml(path, "interaction"):
         name = item.get("name") or default_name(item["class_name"])
         if name in out:
             raise ToolError(f"{path}: interaction name {name!r} is used twice")
+        out[name] = item
+    return out
+
+
+def load_interaction_config(path: str | Path, base_dir: str | Path = ".") -> dict:
+    """{name: VerlInteraction} of a verl interaction YAML."""
+    path = Path(path) if Path(path).is_absolute() else Path(base_dir) / path
+    out = {}
+    for name, item in interaction_entries(path).items():
         cls = load_object(_reference(item["class_name"], path.parent), path.parent, "interaction")
         if not is_verl_interaction(cls):
             raise ToolError(f"{path}: {item['class_name']} has no generate_response")

@@ -4,16 +4,16 @@
 Every model's path becomes "tiny" (flowrl/models/tiny.py: a character-level tokenizer and a
 2-layer Llama, built in milliseconds, no download); a step has 2 prompts and responses of at
 most 6 tokens; 2 steps; validation on 4 prompts, at the start and the end; data.max_prompt_len
-four times the graph's (the tiny tokenizer spends a token per character); reward nodes score
-by length (flowrl/rewards/varied.py), so the updates see nonzero advantages; a node's
-mini-batch size shrinks with the prompt batch, so an update keeps its number of optimizer
-steps (at least the rows allow); an agent node's first turn calls each of its tools (so the
-tools run: a random policy never calls one). Trainable models get lr 0.01, so a test can see
-their parameters move; GPU pools and GPU-only rollout backends fall back to CPU and flowrl's
-own decode loop. Node params are found through the node's hooks, whatever they are called:
-rollout nodes' `RolloutParams`, the `MiniBatches` declaration of an update, a reward node's
-`scorer_param`, and a node's own `tiny` hook (the agent's scripted turn, a reward model's
-stub, as `nodespec.TinyNode`). No torch or ray here.
+four times the graph's (the tiny tokenizer spends a token per character); reward nodes score by
+length (flowrl/rewards/varied.py), so the updates see nonzero advantages; a node's mini-batch
+size shrinks with the prompt batch, so an update keeps its number of optimizer steps (at least
+the rows allow); an agent node's first turn calls each of its tools (so the tools run: a random
+policy never calls one), and its interactions get room to answer two turns. Trainable models
+get lr 0.01, so a test can see their parameters move; GPU pools and GPU-only rollout backends
+fall back to CPU and flowrl's own decode loop. Node params are found through the node's hooks,
+whatever they are called: rollout nodes' `RolloutParams`, the `MiniBatches` declaration of an
+update, a reward node's `scorer_param`, and a node's own `tiny` hook (the agent's scripted
+turn, a reward model's stub, as `nodespec.TinyNode`). No torch or ray here.
 """
 
 from pathlib import Path
@@ -155,6 +155,7 @@ def summary(spec, metrics: list[dict]) -> str:
                 f"  stubbed  {part.model_role} of [nodes.{node_id}]: {decl.model}, random weights"
             )
         lines += _tool_lines(node_id, part, metrics)
+        lines += _interaction_lines(node_id, part, metrics)
         lines += [
             f"  real     {what} of [nodes.{node_id}]: {ref}" for what, ref in part.real.items()
         ]
@@ -184,5 +185,25 @@ def _tool_lines(node_id: str, part: TinyNode, metrics: list[dict]) -> list[str]:
         out.append(
             f"  real     tool {name} of [nodes.{node_id}]: {mean:.2f} calls per request, "
             f"{answered:.2f} answered ({how})"
+        )
+    return out
+
+
+def _interaction_lines(node_id: str, part: TinyNode, metrics: list[dict]) -> list[str]:
+    """One line per interaction of a node, from every source (a function, a verl class, a
+    verl YAML's entries): its replies per request, by step."""
+    out = []
+    for name, source in part.interactions.items():
+        key = f"{node_id}/interactions/{name}"
+        replies = [m[key] for m in metrics if key in m]  # the training steps with its rows
+        if not any(replies):
+            out.append(
+                f"  NOT RUN  interaction {name} of [nodes.{node_id}]: never answered ({source})"
+            )
+            continue
+        mean = sum(replies) / len(replies)
+        out.append(
+            f"  real     interaction {name} of [nodes.{node_id}]: {mean:.2f} replies per "
+            f"request, to the random policy's cut turns ({source})"
         )
     return out

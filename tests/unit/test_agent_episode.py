@@ -338,6 +338,54 @@ def test_an_async_interaction_and_the_end_reason_it_gives_are_kept(pool):
     assert episode.reason == "interaction_done" and episode.turn_scores == [3.0]
 
 
+def test_a_turn_cut_by_max_turn_tokens_ends_without_the_interaction_as_verl(pool):
+    """verl ends the request of a turn its token limit cut (its SGLang rollout on the
+    "length" finish reason; its agent loop's only limit is the response budget, checked before
+    the interaction): the user is not asked."""
+    asked = []
+
+    def reply(messages, **kwargs):
+        asked.append(messages[-1]["content"])
+        return False, "Go on.", 0.0
+
+    script = {0: [ids("12345678"), ids("9")]}  # 9 ids (8 and the eos), cut at 4
+    (episode,), backend, _ = run(script, pool, interaction=reply, max_turn_tokens=4)
+    assert episode.reason == "length" and asked == [] and backend.count[0] == 1
+    assert episode.mask == [1, 1, 1, 1] and episode.interaction_turns == 0
+
+
+def test_interact_on_cut_closes_the_cut_turn_and_asks_the_interaction(pool):
+    asked = []
+
+    def reply(messages, **kwargs):
+        asked.append(messages[-1]["content"])
+        return len(asked) == 2, "Go on.", 0.0
+
+    script = {0: [ids("12345678"), ids("abcdefgh")]}
+    (episode,), backend, _ = run(
+        script, pool, interaction=reply, max_turn_tokens=4, interact_on_cut=True
+    )
+    assert episode.reason == "interaction_done" and asked == ["1234", "abcd"]
+    user = CHAT.delta([{"role": "user", "content": "Go on."}])
+    # the cut turn gets an eos the policy did not sample (mask 0), fed before the reply
+    assert backend.appended[0][1] == [EOS] + user
+    assert episode.ids == ids("1234", eos=False) + [EOS] + user + ids("abcd") + user
+    assert episode.mask == [1] * 4 + [0] * (1 + len(user)) + [1] * 4 + [0] * (1 + len(user))
+
+
+def test_a_turn_that_fills_the_budget_ends_before_the_interaction(pool):
+    """verl checks the response budget first: a turn that reaches it ends the request, and
+    neither calls nor the interaction run after it."""
+    asked = []
+
+    def reply(messages, **kwargs):
+        asked.append(messages[-1]["content"])
+        return False, "Go on.", 0.0
+
+    (episode,), _, _ = run({0: [ids("123")]}, pool, interaction=reply, max_new_tokens=4)
+    assert episode.reason == "length" and asked == [] and episode.mask == [1] * 4
+
+
 def test_tool_step_rewards_are_recorded(pool):
     script = {0: [ids(hermes("scored", answer="7")), ids("7")]}
     (episode,), _, _ = run(script, pool)

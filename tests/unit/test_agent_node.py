@@ -156,6 +156,15 @@ def test_check_reports_each_bad_param(tools_dir, change, says):
         assert any(says in m for m in messages), messages
 
 
+def test_check_warns_of_interact_on_cut_without_an_interaction(tools_dir):
+    p = attrs.evolve(PARAMS, interact_on_cut=True)
+    (finding,) = [f for f in agent.check(p, context(tools_dir)) if "interact_on_cut" in f.message]
+    assert finding.warning and "without an interaction does nothing" in finding.message
+    (tools_dir / "user.py").write_text("def reply(messages):\n    return True, 'ok', 0.0\n")
+    p = attrs.evolve(p, interaction="user.py:reply")
+    assert not [f for f in agent.check(p, context(tools_dir)) if "interact_on_cut" in f.message]
+
+
 def test_check_reports_a_tag_parser_over_a_tool_of_two_arguments(tools_dir):
     (tools_dir / "two.py").write_text(
         'def add(a: int, b: int) -> str:\n    """Add.\n\n    Args:\n        a: one.\n'

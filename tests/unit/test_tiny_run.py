@@ -233,3 +233,92 @@ def test_the_verl_example_keeps_its_prompts_under_tiny(tmp_path, monkeypatch):
     dataset = PromptDataset(rows, tokenizer, spec.data.max_prompt_len, render)
     assert dataset.filtered == 0 and len(dataset) == len(rows)
     assert "# Tools" in render(rows[0]) and len(render(rows[0])) > 1024
+
+
+JUDGE = '''
+class JudgeInteraction:
+    """verl's BaseInteraction shape: never satisfied, so it answers every turn it is asked."""
+
+    def __init__(self, config):
+        self.name = config["name"]
+
+    async def start_interaction(self, instance_id=None, **kwargs):
+        return instance_id
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        return False, "Try again, and show your work.", 0.0, {}
+
+
+class PatientInteraction(JudgeInteraction):
+    pass
+
+
+def reply(messages, **kwargs):
+    return False, "Again.", 0.0
+'''
+INTERACTIONS_YAML = """interaction:
+  - name: judge
+    class_name: judge.JudgeInteraction
+  - class_name: judge.PatientInteraction
+"""
+
+
+def interaction_graph(folder, interaction_line: str, tools: str = "[]") -> Path:
+    """grpo_tools.toml with `interaction_line` on its agent node and `tools` as its tools."""
+    (folder / "judge.py").write_text(JUDGE)
+    (folder / "interaction.yaml").write_text(INTERACTIONS_YAML)
+    text = (ROOT / "graphs/grpo_tools.toml").read_text()
+    text = text.replace('tools = ["calculator"]', f"tools = {tools}\n{interaction_line}")
+    graph = folder / "g.toml"
+    graph.write_text(text)
+    return graph
+
+
+def last(overrides: list[str], key: str) -> str:
+    """The value the last override of `key` sets (a later override wins)."""
+    return [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key][-1]
+
+
+def test_an_agent_with_an_interaction_gets_room_for_two_replies(tmp_path):
+    """The random policy's turns are cut, so the tiny run lets the interaction answer cut
+    turns, and sizes the turns and the budget for two replies: a sampled turn, a reply, a
+    turn, a reply, and the turn verl's limit ends the request after."""
+    from flowrl.agent.tiny import REPLY_TOKENS, TURN_TOKENS
+
+    out = tiny_overrides(interaction_graph(tmp_path, 'interaction = "judge.py:reply"'))
+    node = "nodes.generate."
+    assert last(out, node + "interact_on_cut") == "true"
+    assert last(out, node + "max_assistant_turns") == "3"
+    assert last(out, node + "max_turn_tokens") == str(TURN_TOKENS)
+    assert last(out, node + "max_new_tokens") == str(3 * TURN_TOKENS + 2 * REPLY_TOKENS)
+    # with a tool, its scripted round comes first: one more turn, the tool's answer budgeted
+    graph = interaction_graph(tmp_path, 'interaction_config = "interaction.yaml"', '["calculator"]')
+    out = tiny_overrides(graph)
+    turn = int(last(out, node + "max_turn_tokens"))
+    assert last(out, node + "script_first_turn") == "true"
+    assert last(out, node + "max_assistant_turns") == "4"
+    answer = 16 + 32  # the graph's max_obs_tokens and a tool message's template
+    assert last(out, node + "max_new_tokens") == str(4 * turn + answer + 2 * REPLY_TOKENS)
+
+
+def test_the_summary_lists_interactions_from_every_source(tmp_path):
+    from flowrl.front.tiny_run import summary
+
+    def lines(interaction_line, metrics):
+        plan = tiny_plan(interaction_graph(tmp_path, interaction_line), tmp_path)
+        return [line for line in summary(plan.spec, metrics).splitlines() if "interaction" in line]
+
+    metrics = [{"step": 1, "generate/interactions/judge": 2.0}, {"step": 2}]
+    assert lines('interaction_config = "interaction.yaml"', metrics) == [
+        "  real     interaction judge of [nodes.generate]: 2.00 replies per request, to the "
+        "random policy's cut turns (interaction.yaml: judge.JudgeInteraction)",
+        "  NOT RUN  interaction patient of [nodes.generate]: never answered "
+        "(interaction.yaml: judge.PatientInteraction)",
+    ]
+    (line,) = lines('interaction = "judge.py:JudgeInteraction"', metrics)
+    assert (
+        line.startswith("  real     interaction judge of") and "(judge.py:JudgeInteraction)" in line
+    )
+    metrics = [{"step": 1, "generate/interactions/reply": 1.5}]
+    (line,) = lines('interaction = "judge.py:reply"', metrics)
+    assert "interaction reply of [nodes.generate]: 1.50 replies per request" in line
