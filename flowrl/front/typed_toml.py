@@ -154,7 +154,7 @@ def build_attrs(cls, table: dict, where: str, errors: Collector, overridden: Map
     overridden = overridden or {}
     attrs.resolve_types(cls)
     fields = {(f.alias or f.name): f for f in attrs.fields(cls) if f.init}
-    table = _renamed(cls, table, where, errors)
+    table = _renamed(cls, table, where, errors, overridden)
     kwargs, ok = {}, True
     for key, value in table.items():
         said = overrides.said(overridden, f"{where}.{key}")
@@ -186,9 +186,10 @@ def build_attrs(cls, table: dict, where: str, errors: Collector, overridden: Map
         return None
 
 
-def _renamed(cls, table: dict, where: str, errors: Collector) -> dict:
+def _renamed(cls, table: dict, where: str, errors: Collector, overridden: Mapping) -> dict:
     """The table with the old names of keys (the class's `RENAMED`: old -> new) replaced by
-    the new ones, each noted as a warning; both names given is an error."""
+    the new ones, each noted as a warning. Both names in the file is an error; the new name
+    set by an override (the command line, a tiny run) wins over the old one in the file."""
     renamed = getattr(cls, "RENAMED", {})
     if not any(key in renamed for key in table):
         return table
@@ -197,11 +198,14 @@ def _renamed(cls, table: dict, where: str, errors: Collector) -> dict:
         new = renamed.get(key)
         if new is None:
             out[key] = value
-        elif new in table:
-            errors.add(f"[{where}]", f'"{key}" and "{new}" are both given', f"keep {new} only")
-        else:
-            errors.rename(f"[{where}]", key, new, REMOVED_IN)
+            continue
+        errors.rename(f"[{where}]", key, new, REMOVED_IN)
+        if new not in table:
             out[new] = value
+        elif not overrides.said(overridden, f"{where}.{new}") or overrides.said(
+            overridden, f"{where}.{key}"
+        ):
+            errors.add(f"[{where}]", f'"{key}" and "{new}" are both given', f"keep {new} only")
     return out
 
 
