@@ -46,8 +46,8 @@ PUBLIC = {
     # the batch
     "DataProto": "flowrl.protocol:DataProto",
     # data samplers: which prompts a step draws (docs/data.md, "Choosing the prompts")
-    "UniformSampler": "flowrl.data.samplers:UniformSampler",
-    "PassRateBand": "flowrl.data.samplers:PassRateBand",
+    "UniformSampler": "flowrl.samplers:UniformSampler",
+    "PassRateBand": "flowrl.samplers:PassRateBand",
     # losses: the record, the chunk a loss sees, helpers (docs/extending.md, "a new loss")
     "Loss": "flowrl.math.losses.base:Loss",
     "Chunk": "flowrl.math.losses.base:Chunk",

@@ -320,7 +320,7 @@ def try_loss(loss: str, base_dir: str | Path = ".", **fields):
 
 
 def check_sampler(sampler_class, size: int = 20, options=None, batch_size: int = 4, steps=6):
-    """Check a data sampler (flowrl/data/samplers.py's protocol) the way a run relies on it:
+    """Check a data sampler (flowrl/samplers.py's protocol) the way a run relies on it:
     drawing `steps` batches of `batch_size` from `size` prompts, told made-up scores after each
     (prompt i passes when i is even), it draws indices in range, its state is plain JSON, two
     samplers of the same seed draw alike, one of another seed is built as well, and one

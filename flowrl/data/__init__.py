@@ -1,8 +1,8 @@
-"""Data: the synthetic arithmetic and calculator tasks, verl-format files, prompt batches, and
-the samplers that choose a step's prompts (samplers.py).
+"""Data: the synthetic arithmetic and calculator tasks, verl-format files, prompt batches (the
+prompts a step draws: flowrl/samplers.py).
 
-The names below load on first use (flowrl/lazy.py), so that the front end can read the
-torch-free samplers.py without importing torch through the loader.
+The names below load on first use (flowrl/lazy.py), so that importing a torch-free module of
+this package imports no torch.
 """
 
 from flowrl.lazy import exports

@@ -7,10 +7,10 @@ import torch
 from flowrl.data.arithmetic import arithmetic_rows
 from flowrl.data.calculator import calculator_rows
 from flowrl.data.preferences import arithmetic_preference_rows
-from flowrl.data.samplers import UniformSampler
 from flowrl.data.verl_format import DataError, load_rows
 from flowrl.front.schema import DATASET_KEYS
 from flowrl.protocol import DataProto
+from flowrl.samplers import UniformSampler
 
 
 def make_rows(source: str, split: str, size: int, seed: int, base_dir=".") -> list[dict]:
@@ -108,7 +108,7 @@ class PromptDataset:
 
 
 class PromptLoader:
-    """Endless batches of the prompts a sampler draws (flowrl/data/samplers.py; default every
+    """Endless batches of the prompts a sampler draws (flowrl/samplers.py; default every
     prompt once an epoch, reshuffled per epoch from the seed); resumable exactly."""
 
     def __init__(

@@ -12,10 +12,10 @@ from pathlib import Path
 import attrs
 
 from flowrl.backends import ROLLOUT_BACKENDS
-from flowrl.data.samplers import SAMPLERS
 from flowrl.front import registry, schema
 from flowrl.front.typed_toml import toml_value
 from flowrl.params import describe
+from flowrl.samplers import SAMPLERS
 
 BEGIN = "<!-- BEGIN GENERATED: python -m flowrl.front.reference --write -->"
 END = "<!-- END GENERATED -->"

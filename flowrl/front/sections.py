@@ -13,11 +13,11 @@ import attrs
 
 from flowrl import refs
 from flowrl.backends import backend
-from flowrl.data.samplers import SAMPLERS, NoOptions
 from flowrl.errors import Collector, did_you_mean, one_of
 from flowrl.front import schema
 from flowrl.front.overrides import addressable, said
 from flowrl.front.typed_toml import build_attrs
+from flowrl.samplers import SAMPLERS, NoOptions
 
 
 def model_path(model: schema.ModelConfig, folder: Path) -> schema.ModelConfig:
@@ -80,7 +80,7 @@ SAMPLER_METHODS = ("next", "update", "state_dict", "load_state_dict")
 
 def sampler_class(data: schema.DataConfig, base_dir: Path):
     """The class `[data] sampler` names: a built-in ("uniform", "pass_rate") or a user's
-    "file.py:Class" (flowrl/data/samplers.py says what it must do)."""
+    "file.py:Class" (flowrl/samplers.py says what it must do)."""
     if data.sampler in SAMPLERS:
         return SAMPLERS[data.sampler]
     if ":" not in data.sampler:

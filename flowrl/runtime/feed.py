@@ -6,7 +6,7 @@ rollout stage a batch per step or per round, ahead of the train stage and in its
 (the loader is then read there alone). A batch's meta seeds its sampling, so the same
 (step, round) samples the same responses in a resumed run.
 
-A sampler that learns from results (`[data] sampler`, flowrl/data/samplers.py) is told each
+A sampler that learns from results (`[data] sampler`, flowrl/samplers.py) is told each
 trained step's rows by its step source (`told`), before the step's weights are exported; the
 feed hands them over at fixed points, so its draws do not depend on timing: a plain step's
 prompts see the results of every earlier step, a rollout stage's batch generated with the

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loa
 
 # the built-in curriculum, recording what it draws and when it hears of results
 RECORDING = """
-from flowrl.data.samplers import PassRateBand
+from flowrl.samplers import PassRateBand
 
 
 class Recording(PassRateBand):

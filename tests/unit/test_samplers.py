@@ -1,4 +1,4 @@
-"""The data sampler seam (flowrl/data/samplers.py): the default draws what runs drew before
+"""The data sampler seam (flowrl/samplers.py): the default draws what runs drew before
 it, the pass-rate curriculum prefers its band and is a function of its seed and results, state
 survives a checkpoint, and `flowrl check` refuses a sampler that cannot work."""
 
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from flowrl.data.samplers import PassRateBand, PassRateOptions, UniformSampler
+from flowrl.samplers import PassRateBand, PassRateOptions, UniformSampler
 from flowrl.testing import compile_text, graph_problems
 
 GRAPH = """
