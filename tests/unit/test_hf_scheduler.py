@@ -78,7 +78,7 @@ def rollout(model, n=2, seed=0, do_sample=True, max_turn_tokens=6, first_turn=()
         run_requests(episodes, engine, sampling, seeds, first_turn=first_turn, lockstep=lockstep)
     )
     engine.idle()
-    assert engine.cache is None  # every request released: the engine freed its slots
+    assert engine.runner.cache is None  # every request released: the engine freed its slots
     assert stats.turns > len(episodes)  # requests came back for further turns
     return episodes, prompts, mask
 
@@ -273,7 +273,7 @@ def test_a_request_back_from_its_tools_prefills_only_its_new_tokens_while_anothe
         (1, 1, [8]), (1, 1, [9]),  # A done; B finishes its 9 tokens
     ]  # fmt: skip
     engine.idle()
-    assert engine.cache is None
+    assert engine.runner.cache is None
 
 
 def test_lockstep_runs_no_step_while_a_held_request_is_away():
@@ -317,7 +317,7 @@ def test_releasing_a_running_request_ends_it_with_abort_and_frees_its_slot():
     assert b.finish_reason == "length" and b.ids == [31, 32, 33, 34, 35]
     engine.release("b")
     engine.idle()
-    assert engine.cache is None and not engine.scheduler.held
+    assert engine.runner.cache is None and not engine.scheduler.batch.held
 
 
 # -- a synchronous caller lends its thread to the loop (HFRollout.run) ----------------------
@@ -339,7 +339,7 @@ def test_run_makes_the_model_calls_on_the_callers_thread_and_returns_the_results
     a, b = engine.run(run())
     assert threads == {threading.current_thread()}
     assert a.ids == [12, 13, 14] and b.ids == [31, 32]
-    assert engine.cache is None and engine.scheduler.thread is None  # the loop has exited
+    assert engine.runner.cache is None and engine.scheduler.thread is None  # the loop has exited
 
 
 def test_run_raises_the_coroutines_error_and_drops_what_it_left_held():
@@ -352,7 +352,7 @@ def test_run_raises_the_coroutines_error_and_drops_what_it_left_held():
 
     with pytest.raises(ValueError, match="the caller's own error"):
         engine.run(run())
-    assert engine.cache is None and not engine.scheduler.held
+    assert engine.runner.cache is None and not engine.scheduler.batch.held
     # the engine serves the next caller as a fresh one
     assert engine.run(engine.generate(greedy([40], 2, "c"))).ids == [41, 42]
 
@@ -376,7 +376,7 @@ def test_a_lockstep_run_whose_caller_ends_with_a_request_away_does_not_wait_for_
     caller.start()
     caller.join(30)
     assert not caller.is_alive()
-    assert engine.cache is None and engine.scheduler.thread is None
+    assert engine.runner.cache is None and engine.scheduler.thread is None
 
 
 def test_run_while_another_caller_holds_the_loop_joins_it():
@@ -451,7 +451,7 @@ def test_a_prompt_arriving_later_copies_the_prefix_a_running_request_holds():
     # A is prefilled and decodes once; B's first 20 ids are then copied from A's slot, so its
     # prefill feeds only 50, 51, at columns 20 and 21; then both decode together
     assert model.calls[:4] == [(1, 21, [0]), (1, 1, [21]), (1, 2, [20]), (2, 1, [22, 22])]
-    assert engine.scheduler.counts["copied_prefix_tokens"] == 20
+    assert engine.scheduler.batch.counts["copied_prefix_tokens"] == 20
     engine.release("a"), engine.release("b")
 
 
@@ -465,7 +465,7 @@ def test_a_copied_prefix_gives_the_tokens_and_log_probs_of_a_prompt_prefilled_al
     finally:
         hook.remove()
     engine.release("a"), engine.release("b")
-    assert engine.scheduler.counts["copied_prefix_tokens"] == 20
+    assert engine.scheduler.batch.counts["copied_prefix_tokens"] == 20
     alone = HFRollout(model, tokenizer)
     only_b = run_sync(alone.generate(greedy(PREFIX + [50, 51], 3, "b")))
     assert b.ids == only_b.ids

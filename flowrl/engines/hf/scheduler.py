@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
 
 import torch
 
@@ -47,10 +46,10 @@ from flowrl.engines.threads import run_sync, start_thread
 
 
 class Scheduler:
-    """The batching loop over a `Batch` (slots.py) of an engine's requests: `engine`,
-    `new_cache` and `eos` as `Batch` takes them."""
+    """The batching loop over a `Batch` (slots.py) of an engine's requests, whose model calls
+    a model runner makes (runner.py); `eos` ends a request's turn."""
 
-    def __init__(self, engine, new_cache: Callable, eos: int, lockstep: bool = False):
+    def __init__(self, runner, eos: int, lockstep: bool = False):
         self.lockstep = lockstep
         self.cv = threading.Condition()
         self.gathering: dict = {}  # event loop -> rows submitted in its current iteration
@@ -61,23 +60,7 @@ class Scheduler:
         self.driven = False  # the loop runs on a caller's thread (`drive`)
         self.caller_done = False  # ... and that caller's requests have all come back
         self.dropping = False
-        self.batch = Batch(engine, new_cache, eos, self._hold)  # owned by the loop thread
-
-    @property
-    def cache(self):
-        return self.batch.cache
-
-    @cache.setter
-    def cache(self, value) -> None:
-        self.batch.cache = value
-
-    @property
-    def held(self) -> dict:
-        return self.batch.held
-
-    @property
-    def counts(self) -> dict:
-        return self.batch.counts
+        self.batch = Batch(runner, eos, self._hold)  # owned by the loop thread
 
     # -- the callers' side (any event loop) ------------------------------------------------
     async def submit(self, request: Request) -> Result:
