@@ -48,7 +48,17 @@ def model():
     return tiny_model(seed=3)
 
 
-def rollout(model, n=2, seed=0, do_sample=True, max_turn_tokens=6, first_turn=(), lockstep=False):
+@pytest.fixture(params=["eager", "static"])
+def runner(request):
+    """The engine's model runner: the eager one (the CPU path) and the CUDA runner's calls,
+    run eagerly (engines/hf/static.py): every engine test below holds for both."""
+    return request.param
+
+
+def rollout(
+    model, n=2, seed=0, do_sample=True, max_turn_tokens=6, first_turn=(), lockstep=False,
+    runner="eager",
+):  # fmt: skip
     """Episodes run by the request driver on the engine; (episodes, prompts, prompt_mask)."""
     tokenizer = tiny_tokenizer()
     chat = ChatTokens(tokenizer)
@@ -71,14 +81,16 @@ def rollout(model, n=2, seed=0, do_sample=True, max_turn_tokens=6, first_turn=()
         for ids in prompt_ids
         for _ in range(n)
     ]
-    engine = HFRollout(model, tokenizer, options=HFOptions(lockstep=lockstep))
+    options = HFOptions(lockstep=lockstep, runner=runner, memory_fraction=0.01)
+    engine = HFRollout(model, tokenizer, options=options)
     sampling = Sampling(do_sample=do_sample)
     seeds = [seed * 1000 + k for k in range(len(episodes))]
     stats = run_sync(
         run_requests(episodes, engine, sampling, seeds, first_turn=first_turn, lockstep=lockstep)
     )
     engine.idle()
-    assert engine.runner.cache is None  # every request released: the engine freed its slots
+    assert not engine.scheduler.batch.slots  # every request released: the engine freed its slots
+    assert engine.runner.cache is None or runner == "static"  # a static cache stays allocated
     assert stats.turns > len(episodes)  # requests came back for further turns
     return episodes, prompts, mask
 
@@ -103,24 +115,25 @@ def check_against_full_forward(model, episodes, greedy: bool) -> None:
                 assert int(logits[p + j - 1].argmax()) == ids[p + j]
 
 
-def test_cache_extension_equals_rerunning_the_conversation(model):
+def test_cache_extension_equals_rerunning_the_conversation(model, runner):
     """Every sampled token's log-prob, from the cache extended turn by turn, equals the
     one from running the whole conversation (tool output included) through the model."""
-    episodes, _, _ = rollout(model, n=2, seed=2)
+    # a seed whose rows leave at different turns (the static runner draws from other streams)
+    episodes, _, _ = rollout(model, n=2, seed={"eager": 2, "static": 0}[runner], runner=runner)
     reasons = [e.reason for e in episodes]
     assert "max_turns" in reasons and len(set(reasons)) > 1  # rows left at different turns
     assert all(e.mask.count(0) > 0 for e in episodes if e.reason == "max_turns")
     check_against_full_forward(model, episodes, greedy=False)
 
 
-def test_cache_extension_equals_rerunning_the_conversation_greedy(model):
-    episodes, _, _ = rollout(model, n=1, do_sample=False)
+def test_cache_extension_equals_rerunning_the_conversation_greedy(model, runner):
+    episodes, _, _ = rollout(model, n=1, do_sample=False, runner=runner)
     assert all(e.reason == "max_turns" for e in episodes)
     check_against_full_forward(model, episodes, greedy=True)
 
 
-def test_train_engine_logprobs_equal_the_samplers_at_trained_positions(model):
-    episodes, prompts, prompt_mask = rollout(model, n=2, seed=1)
+def test_train_engine_logprobs_equal_the_samplers_at_trained_positions(model, runner):
+    episodes, prompts, prompt_mask = rollout(model, n=2, seed=1, runner=runner)
     rows = len(episodes)
     t = max(len(e.ids) for e in episodes)
     responses = torch.zeros(rows, t, dtype=torch.long)
@@ -151,14 +164,14 @@ def test_train_engine_logprobs_equal_the_samplers_at_trained_positions(model):
     assert (blind[trained] - sampled[trained]).abs().max() > 1e-3
 
 
-def test_a_lockstep_rollout_is_a_function_of_its_seeds(model):
-    first = [(e.ids, e.mask) for e in rollout(model, seed=5, lockstep=True)[0]]
-    again = [(e.ids, e.mask) for e in rollout(model, seed=5, lockstep=True)[0]]
-    other = [(e.ids, e.mask) for e in rollout(model, seed=6, lockstep=True)[0]]
+def test_a_lockstep_rollout_is_a_function_of_its_seeds(model, runner):
+    first = [(e.ids, e.mask) for e in rollout(model, seed=5, lockstep=True, runner=runner)[0]]
+    again = [(e.ids, e.mask) for e in rollout(model, seed=5, lockstep=True, runner=runner)[0]]
+    other = [(e.ids, e.mask) for e in rollout(model, seed=6, lockstep=True, runner=runner)[0]]
     assert first == again and first != other
 
 
-def test_a_requests_tokens_do_not_depend_on_the_requests_beside_it(model):
+def test_a_requests_tokens_do_not_depend_on_the_requests_beside_it(model, runner):
     """Each request samples from its own stream, seeded by (seed, turn): alone or in a batch
     with five others, it samples the same tokens (log-probs equal up to float noise)."""
     tokenizer = tiny_tokenizer()
@@ -168,7 +181,7 @@ def test_a_requests_tokens_do_not_depend_on_the_requests_beside_it(model):
     async def together(engine, batch):
         return await asyncio.gather(*(engine.generate(r) for r in batch))
 
-    engine = HFRollout(model, tokenizer)
+    engine = HFRollout(model, tokenizer, options=HFOptions(runner=runner, memory_fraction=0.01))
     batched = run_sync(together(engine, requests))
     for request, result in zip(requests, batched, strict=True):
         (alone,) = run_sync(together(engine, [request]))
@@ -178,13 +191,13 @@ def test_a_requests_tokens_do_not_depend_on_the_requests_beside_it(model):
     assert other_turn.ids != batched[0].ids  # the turn is part of the stream's seed
 
 
-def test_a_forced_first_turn_is_taken_verbatim_with_the_policys_log_probs(model):
+def test_a_forced_first_turn_is_taken_verbatim_with_the_policys_log_probs(model, runner):
     """The agent's script_first_turn: every request's first turn is the given ids (here
     "ping" and the eos, a call of echo), each with the model's own log-prob of it; the turns
     after it are sampled as usual."""
     tokenizer = tiny_tokenizer()
     forced = tokenizer("ping", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    episodes, _, _ = rollout(model, n=2, seed=0, first_turn=forced)
+    episodes, _, _ = rollout(model, n=2, seed=0, first_turn=forced, runner=runner)
     for episode in episodes:
         assert episode.ids[: len(forced)] == forced
         assert episode.info()["calls"][0]["name"] == "echo"

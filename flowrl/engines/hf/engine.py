@@ -19,7 +19,10 @@ cache slots and lays out each model call; the model runner (runner.py) owns the 
 makes the calls. This class builds the runner and the scheduler and serves the contract.
 
 In hybrid mode the engine shares its module with the train engine, so a weight sync is free;
-a separate copy is refreshed by `sync_weights`. Exactness: greedy output equals transformers
+a separate copy is refreshed by `sync_weights`. A rollout in another dtype than the module's
+(`HFOptions.dtype`: bfloat16 on CUDA by default) runs a copy of the module in that dtype, its
+own weights, refreshed in place from the train engine's at each sync (no state dict, no new
+tensors: CUDA graphs captured over them stay valid). Exactness: greedy output equals transformers
 `generate` token for token (tests/unit/test_engines.py, tests/integration/
 test_embedded_model.py), and the log-probs of sampled tokens equal the train engine's
 (tests/unit/test_hf_scheduler.py). Step cost against decoding rows on the 2-core CPU machine
@@ -29,13 +32,17 @@ is bound by reading the weights, so every request that can decode should be in i
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from flowrl import compat
 from flowrl.backends import HFOptions
-from flowrl.engines.hf.runner import ModelRunner
 from flowrl.engines.hf.scheduler import Scheduler
+from flowrl.engines.hf.static import make_runner
+from flowrl.engines.host_copies import HostCopies
 from flowrl.engines.rollout import Request, Result, RolloutBase
+from flowrl.engines.weights import refresh_in_place
 
 
 class HFRollout(RolloutBase):
@@ -51,8 +58,10 @@ class HFRollout(RolloutBase):
         lockstep: the old spelling of `options=HFOptions(lockstep=...)`.
 
     Attributes:
-        runner: the model runner (runner.py): the slot cache and the model calls.
+        runner: the model runner (runner.py, static.py): the slot cache and the model calls.
         scheduler: the batching loop (scheduler.py); its `batch` the requests in the slots.
+        view: the copy of `module` in the rollout's dtype the runner calls, or None (the
+            runner calls `module` itself).
     """
 
     Options = HFOptions  # its record in flowrl/backends.py says where it runs and what
@@ -65,7 +74,13 @@ class HFRollout(RolloutBase):
             options = HFOptions(lockstep=lockstep)
         super().__init__(module, tokenizer, device, options=options, seed=seed, where=where)
         self.eos = tokenizer.eos_token_id
-        self.runner = ModelRunner(module, self.device, pad=self.eos)
+        dtype = rollout_dtype(self.options.dtype, self.device, module)
+        self.view = None
+        if dtype != next(module.parameters()).dtype:
+            self.view = copy.deepcopy(module).to(dtype).requires_grad_(False).eval()
+        self.host = HostCopies()  # where an offloaded view waits (CUDA: page-locked)
+        called = module if self.view is None else self.view
+        self.runner = make_runner(called, self.device, self.eos, self.options)
         self.scheduler = Scheduler(self.runner, self.eos, self.options.lockstep)
 
     @property
@@ -93,14 +108,41 @@ class HFRollout(RolloutBase):
         """Wait until no request runs or is held and the cache is freed (tests, offload)."""
         self.scheduler.idle()
 
+    def sync_weights(self, source) -> None:
+        """Take the weights of `source`: into the view in place (cast to its dtype), or into
+        the module unless it is `source` itself."""
+        if self.view is None:
+            super().sync_weights(source)
+        else:
+            refresh_in_place(self.view, source)
+
     def offload(self, parts: tuple[str, ...]) -> None:
         """With the kv_cache part: wait for the engine to go idle, dropping anything still
-        held (and, on CUDA, return the memory). The weights are the train engine's module,
-        which moves them itself."""
+        held, and free the cache (on CUDA, return the memory). With the weights part, the
+        view's weights move to the host; the module's are the train engine's, which moves
+        them itself."""
         if "kv_cache" in parts:
             self.scheduler.idle(drop=True)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self.runner.free()
+        if "weights" in parts and self.view is not None:
+            self._move_view("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def reload(self, parts: tuple[str, ...]) -> None:
-        """Nothing to do: the next request builds the cache at the size it needs."""
+        """The view's weights back on the device; the next request builds the cache."""
+        if "weights" in parts and self.view is not None:
+            self._move_view(self.device)
+
+    def _move_view(self, device) -> None:
+        for i, p in enumerate(self.view.parameters()):
+            p.data = self.host.move(("view", i), p.data, device)
+        self.host.wait()
+
+
+def rollout_dtype(name: str, device: torch.device, module) -> torch.dtype:
+    """The dtype the rollout computes in: `HFOptions.dtype`, "auto" being bfloat16 on CUDA
+    and the module's own elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else next(module.parameters()).dtype
+    return getattr(torch, name)

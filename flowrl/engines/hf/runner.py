@@ -11,6 +11,9 @@ logits of each row's last token back; nothing in the runner reaches back into th
     runner.decode(tokens, offsets, lo)      one new id per row
     runner.packed(chunks, offsets, lo)      rows of any lengths in one sequence (packed.py)
     runner.drop()                           forget every row (the engine goes idle)
+    runner.free()                           free the cache's memory (an offload)
+    runner.decode_block(logits, block)      a runner that samples on the device: `Block`
+
 
 `ModelRunner` here is the eager runner, the CPU path: a cache that grows by doubling, every
 call a plain forward of the model, and the next token drawn on the host (sampling.py). The
@@ -23,11 +26,37 @@ from __future__ import annotations
 import itertools
 import warnings
 
+import attrs
 import torch
 
 from flowrl.engines.hf.kv_cache import attention_mask, slot_cache
 from flowrl.engines.hf.packed import PackedCall, can_pack, groups_of, packing
 from flowrl.models.calls import cache_argument
+
+
+@attrs.frozen
+class Block:
+    """Decode steps a runner that samples on the device makes without reading anything back
+    (`device_sampling`): each step samples a token for every decoding row (slots 0..d-1) from
+    the pending logits and feeds it. Per row, lists of d: its stream's key (0: greedy) and
+    its next draw's counter, the column of its next token, and how many tokens it may still
+    sample; a row that samples `eos` or its last token is not fed (its later writes go to a
+    scratch column) and its later tokens are not its own. All rows share `sampling`."""
+
+    keys: list[int]
+    counters: list[int]
+    offsets: list[int]
+    left: list[int]
+    sampling: object  # rollout.Sampling
+    logprobs: bool
+    steps: int
+    eos: int
+
+    @property
+    def calls(self) -> int:
+        """Model calls the block makes: one per step, but none after the last when every
+        row samples its last token there (nothing is left to feed)."""
+        return self.steps - (max(self.left) <= self.steps)
 
 
 class ModelRunner:
@@ -66,6 +95,10 @@ class ModelRunner:
         """Forget every row: the cache is freed."""
         self.cache = None
 
+    def free(self) -> None:
+        """Free the cache's memory (an offload of the kv_cache part)."""
+        self.cache = None
+
     # -- the calls -----------------------------------------------------------------------------
     def prefill(self, chunks: list[list[int]], offsets: list[int], lo: int) -> torch.Tensor:
         """Row k (slot lo + k) feeds chunks[k] at columns offsets[k].., right-padded to the
@@ -76,14 +109,15 @@ class ModelRunner:
             ids[k, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
         last = torch.tensor([len(c) - 1 for c in chunks], device=self.device)
         at = torch.tensor(offsets, dtype=torch.long, device=self.device)
-        return self.padded(ids.to(self.device), at, last, lo, lo + len(chunks))
+        width = max(offsets) + w  # one past the last column written, known here
+        return self.padded(ids.to(self.device), at, last, lo, lo + len(chunks), width)
 
     def decode(self, tokens: list[int], offsets: list[int], lo: int) -> torch.Tensor:
         """Row k (slot lo + k) feeds tokens[k] at column offsets[k] -> logits (a, v)."""
         ids = torch.tensor(tokens, dtype=torch.long)[:, None].to(self.device)
         at = torch.tensor(offsets, dtype=torch.long, device=self.device)
         last = torch.zeros(len(tokens), dtype=torch.long, device=self.device)
-        return self.padded(ids, at, last, lo, lo + len(tokens))
+        return self.padded(ids, at, last, lo, lo + len(tokens), max(offsets) + 1)
 
     def padded(self, ids, offsets, last, lo: int, hi: int, width: int | None = None):
         """One model call over cache slots lo..hi-1: row k feeds ids[k] (a, w) at columns
@@ -111,10 +145,13 @@ class ModelRunner:
         pick = torch.searchsorted(keep, last)  # (a,): each row's column among the kept
         return out.logits[torch.arange(len(ids), device=ids.device), pick].float()
 
-    def packed(self, chunks: list[list[int]], offsets: list[int], lo: int) -> torch.Tensor:
+    def packed(
+        self, chunks: list[list[int]], offsets: list[int], lo: int, runs: bool = False
+    ) -> torch.Tensor:
         """One model call over slots lo..lo+len(chunks)-1 with their tokens packed into one
         sequence (packed.py): row k feeds chunks[k] at columns offsets[k]..; -> the logits
-        after each row's last id, in float32 (a, v)."""
+        after each row's last id, in float32 (a, v). `runs`: rows of one length next to each
+        other attend as one group (`groups_of`)."""
         device, lengths = self.device, [len(c) for c in chunks]
         slots = [lo + k for k, n in enumerate(lengths) for _ in range(n)]
         cols = [o + j for o, n in zip(offsets, lengths, strict=True) for j in range(n)]
@@ -126,7 +163,7 @@ class ModelRunner:
         )
         cache = self.cache
         cache.select_packed(slots, cols, lo, lo + len(chunks), width)
-        call = PackedCall(cache, groups_of(lengths, offsets, lo, device))
+        call = PackedCall(cache, groups_of(lengths, offsets, lo, device, runs))
         with packing(self.module, call):
             out = self.module(
                 input_ids=ids[None],
@@ -148,12 +185,12 @@ class ModelRunner:
             "engine no longer packs a returning request into the decode call",
             stacklevel=2,
         )
-        return self._apart(chunks, offsets, lo)
+        return self._apart(chunks, offsets, lo, runs)
 
-    def _apart(self, chunks: list[list[int]], offsets: list[int], lo: int) -> torch.Tensor:
+    def _apart(self, chunks, offsets, lo: int, runs: bool) -> torch.Tensor:
         """What `packed` computes, in a call per group (packed.py `groups_of`)."""
         out, k = [], 0
-        for g in groups_of([len(c) for c in chunks], offsets, lo, "cpu"):
+        for g in groups_of([len(c) for c in chunks], offsets, lo, "cpu", runs):
             rows = list(range(k, k + g.hi - g.lo))
             ids = torch.tensor([chunks[r] for r in rows], device=self.device)
             at = torch.tensor([offsets[r] for r in rows], device=self.device)

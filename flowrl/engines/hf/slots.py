@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import attrs
 import torch
 
-from flowrl.engines.hf.sampling import sample_rows
-from flowrl.engines.rollout import Request, Result, mix
+from flowrl.engines.hf.decoding import Decoding, Row
+from flowrl.engines.rollout import Result, mix
 
 # a prefix shared by new prompts is prefilled once when that saves this many prompt tokens:
 # below it, the extra model call (a read of all weights, ~65 ms for SmolLM2 on CPU) costs more
@@ -31,26 +30,10 @@ MIN_COPIED_PREFIX_TOKENS = 16
 MAX_PACKED_NEW = 8
 
 
-@attrs.define(eq=False)
-class Row:
-    """One request inside the engine."""
-
-    request: Request
-    deliver: Callable  # (Result | BaseException) -> None, on the caller's loop
-    slot: int = -1
-    tokens: list = attrs.Factory(list)  # ids whose keys and values fill the slot's columns
-    new: list = attrs.Factory(list)  # ids to feed before this turn's first sample
-    stream: torch.Generator | None = None  # None: greedy
-    out: list = attrs.Factory(list)
-    logprobs: list = attrs.Factory(list)
-    next: int = -1  # the token sampled last, fed at the next decode call
-    stopped: str = ""  # "abort" once released or cancelled while running
-
-
-class Batch:
+class Batch(Decoding):
     """The requests in the engine's cache slots, over a model runner (runner.py), which owns
     the slot cache and makes the calls this batch lays out; `hold(request_id)` is told of each
-    request kept for a next turn."""
+    request kept for a next turn. Its decode steps are decoding.py's."""
 
     def __init__(self, runner, eos: int, hold: Callable[[str], None]):
         self.runner, self.eos, self.hold = runner, eos, hold
@@ -94,6 +77,29 @@ class Batch:
                     running.stopped = "abort"
 
     # -- joining -----------------------------------------------------------------------------
+    def fits(self, arrivals: list[Row]) -> tuple[list[Row], list[Row]]:
+        """(the arrivals the runner's cache has room for now, the later ones, which wait), in
+        order of arrival. A runner without a limit takes all; a request back for its next
+        turn keeps its slot. CacheFull if not even one request fits an empty cache."""
+        if not arrivals:
+            return arrivals, []
+        columns = max(len(r.request.ids) + r.request.max_new_tokens for r in arrivals)
+        most = self.runner.capacity(columns)
+        if most is None:
+            return arrivals, []
+        if most < 1:
+            self.runner.reserve(1, columns)  # raises, saying why and what helps
+        used = sum(row is not None for row in self.slots)
+        now, later = [], []
+        for row in arrivals:
+            seated = bool(row.stopped) or row.request.request_id in self.held
+            if seated or (not later and used < most):
+                now.append(row)
+                used += not seated
+            else:
+                later.append(row)
+        return now, later
+
     def admit(self, arrivals: list[Row]) -> None:
         """Place `arrivals` in the slots after the decoding ones and prefill them in one call
         (the next `step` samples their first token)."""
@@ -170,8 +176,9 @@ class Batch:
         its conversation already cached (at least one id is fed, for the next logits)."""
         request = row.request
         row.stream = None
-        if not request.sampling.greedy:
-            row.stream = torch.Generator().manual_seed(mix(request.seed, request.turn))
+        if not request.sampling.greedy:  # keyed by (seed, turn): sampling.py
+            key = mix(request.seed, request.turn)
+            row.stream = key if self.runner.device_sampling else torch.Generator().manual_seed(key)
         held = self.held.pop(request.request_id, None) if request.request_id else None
         ids = list(request.ids)
         if held is not None:
@@ -231,79 +238,6 @@ class Batch:
         for row in rows:
             row.tokens, row.new = row.tokens + row.new, []
         return logits
-
-    # -- decoding ----------------------------------------------------------------------------
-    def step(self, joining: list[Row]) -> None:
-        """Sample a token for every decoding row; then one call feeds them, with the new tokens
-        of `joining` (returning requests, new prompts) packed beside them."""
-        if self.decoding:
-            self._sample()
-        if not self.decoding:  # nothing decodes: the joining requests get a prefill call
-            self.logits = None
-            self.admit(joining)
-            return
-        rows = self.slots[: self.decoding]
-        joined, leaders, copies = self._seat(joining)
-        self._cached_prefix(leaders)
-        chunks = [[r.next] for r in rows] + [r.new for r in joined]
-        offsets = [len(r.tokens) for r in rows + joined]
-        self.logits = self._call(chunks, offsets, 0, packed=True)
-        for row in rows:
-            row.tokens.append(row.next)
-        for row in joined:
-            self.counts["prefill_tokens"] += len(row.new)
-            row.tokens, row.new = row.tokens + row.new, []
-        self.decoding += len(joined)
-        self._copy_rows(copies)
-
-    def _sample(self) -> None:
-        """Each decoding row's next token; the rows that finished leave their slots."""
-        rows = self.slots[: self.decoding]
-        tokens, logprobs = sample_rows(rows, self.logits)
-        leaving = []
-        for row, token, logprob in zip(rows, tokens, logprobs, strict=True):
-            if row.stopped:
-                leaving.append(row)
-                continue
-            row.out.append(token)
-            row.logprobs.append(logprob if row.request.logprobs else 0.0)
-            if token == self.eos:
-                row.stopped = "stop"
-            elif len(row.out) >= row.request.max_new_tokens:
-                row.stopped = "length"
-            row.next = token
-            if row.stopped:
-                leaving.append(row)
-        for row in sorted(leaving, key=lambda r: -r.slot):
-            last = self.decoding - 1
-            if self._keeps(row):  # its cache goes on living past the decoding slots
-                self._swap(row.slot, last)
-            else:  # nothing of it is kept: the last decoding row moves into its slot
-                self._vacate(row.slot, last)
-            self.decoding -= 1
-            self._finish(row)
-
-    def _keeps(self, row: Row) -> bool:
-        request = row.request
-        return bool(request.keep and request.request_id and row.stopped != "abort")
-
-    def _vacate(self, slot: int, last: int) -> None:
-        """Free `slot` (its row is done) by moving the row at `last` into it: one row's
-        columns copied, where a swap copies two."""
-        moved = self.slots[last]
-        if slot != last:
-            self.runner.move([last], [slot], len(moved.tokens))
-            self.slots[slot], moved.slot = moved, slot
-        self.slots[last] = None
-
-    def _finish(self, row: Row) -> None:
-        request = row.request
-        if self._keeps(row):
-            self.held[request.request_id] = row
-            self.hold(request.request_id)
-        elif self.slots[row.slot] is row:
-            self.slots[row.slot] = None
-        row.deliver(Result(list(row.out), list(row.logprobs), row.stopped))
 
     # -- the model calls ------------------------------------------------------------------------
     def _call(self, chunks: list[list[int]], offsets: list[int], lo: int, packed=False):

@@ -16,9 +16,9 @@ import math
 import torch
 import torch.distributed as dist
 
+from flowrl.engines.host_copies import HostCopies
 from flowrl.engines.train import sharding
 from flowrl.engines.train.forward import ResponseForward, checkpoint_layers, decoder_layers
-from flowrl.engines.train.host_copies import HostCopies
 from flowrl.engines.train.update_loop import UpdateLoop
 from flowrl.math import ops
 from flowrl.models import lora
