@@ -155,6 +155,7 @@ class StaticRunner(ModelRunner):
         self.per_column = column_bytes(module, self.dtype)
         self.vocab = module.get_output_embeddings().weight.shape[0]
         self.captured: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = None  # the memory pool the graphs share (they replay one at a time)
         self.weights_at = None  # the parameters' addresses the graphs were captured with
         self.regrows = 0
 
@@ -166,8 +167,6 @@ class StaticRunner(ModelRunner):
 
     def _layout(self, columns: int) -> tuple[int, int]:
         budget = self.budget - self.max_slots * self.vocab * LOGIT_BYTES
-        if self.cache is not None:  # its own bytes are the budget's too
-            budget += self.cache.slots * self.cache.columns * self.per_column
         return cache_layout(budget, self.per_column, columns + 1, self.max_slots)
 
     def reserve(self, slots: int, columns: int) -> None:
@@ -176,7 +175,7 @@ class StaticRunner(ModelRunner):
         cache = self.cache
         if cache is not None and slots <= cache.slots and columns + 1 <= cache.columns:
             return
-        room, width = self._layout(max(columns, cache.columns if cache is not None else 0))
+        room, width = self._layout(max(columns, cache.columns - 1 if cache is not None else 0))
         if room < slots:
             raise CacheFull(
                 f"the rollout's slot cache holds {room} requests of {width} columns in its "
@@ -186,11 +185,13 @@ class StaticRunner(ModelRunner):
         new = StaticSlotCache(self.module, room, width, self.dtype, self.device)
         if cache is not None:
             self.regrows += 1
+            rows = min(cache.slots, room)  # the batch's slots: fewer than `slots`
             for old, layer in zip(cache.layers, new.layers, strict=True):
                 for name in ("key_buffer", "value_buffer"):
-                    buffer = getattr(old, name)
-                    getattr(layer, name)[: buffer.shape[0], :, : buffer.shape[2]] = buffer
-        self.cache, self.captured = new, {}
+                    buffer = getattr(old, name)[:rows]
+                    getattr(layer, name)[:rows, :, : buffer.shape[2]] = buffer
+        self.cache = new
+        self._forget_graphs()
         self.scratch = width - 1  # no request's column: padding and finished rows write here
         self.ids = torch.zeros(room, 1, dtype=torch.long, device=self.device)  # (s, 1)
         self.positions = torch.full((room, 1), self.scratch, device=self.device)  # (s, 1)
@@ -201,8 +202,13 @@ class StaticRunner(ModelRunner):
         """Forget every row; the buffers stay allocated (and the graphs valid) for the next."""
 
     def free(self) -> None:
-        """Free the cache, its buffers and the graphs (an offload of the kv_cache part)."""
-        self.cache, self.captured = None, {}
+        """Free the cache, the static inputs and outputs and the graphs (an offload of the
+        kv_cache part); the next call allocates them again."""
+        self.cache = self.ids = self.positions = self.out = self.columns = None
+        self._forget_graphs()
+
+    def _forget_graphs(self) -> None:
+        self.captured, self.pool, self.weights_at = {}, None, None
 
     # -- the calls -----------------------------------------------------------------------------
     def prefill(self, chunks: list[list[int]], offsets: list[int], lo: int) -> torch.Tensor:
@@ -218,6 +224,7 @@ class StaticRunner(ModelRunner):
             return super().decode(tokens, offsets, lo)
         d = len(tokens)
         b = bucket(d, self.cache.slots)
+        self._check_weights()
         self.ids[:d, 0] = torch.tensor(tokens, device=self.device)
         self.positions[:d, 0] = torch.tensor(offsets, device=self.device)
         self._pad_rows(d, b)
@@ -242,6 +249,7 @@ class StaticRunner(ModelRunner):
         chosen = torch.zeros(steps, d, device=device)
         done = torch.zeros(d, dtype=torch.bool, device=device)
         width = self._width(max(block.offsets) + steps)
+        self._check_weights()
         self._pad_rows(d, b)
         for j in range(steps):
             u = None if uniforms is None else uniforms[j]
@@ -277,9 +285,6 @@ class StaticRunner(ModelRunner):
         if not self.graphs:
             self._step(b, width)
             return
-        weights = tuple(p.data_ptr() for p in self.module.parameters())
-        if weights != self.weights_at:  # moved (an offload and reload): capture again
-            self.captured, self.weights_at = {}, weights
         graph = self.captured.get((b, width))
         if graph is None:
             graph = self._capture(b, width)
@@ -287,6 +292,15 @@ class StaticRunner(ModelRunner):
                 self._step(b, width)
                 return
         graph.replay()
+
+    def _check_weights(self) -> None:
+        """Graphs read the parameters where they were: after a move (an offload and a
+        reload), capture again."""
+        if self.graphs:
+            weights = tuple(p.data_ptr() for p in self.module.parameters())
+            if weights != self.weights_at:
+                self._forget_graphs()
+                self.weights_at = weights
 
     def _step(self, b: int, width: int) -> None:
         """Rows 0..b-1 feed ids[:b] at positions[:b], attending to `width` columns ->
@@ -317,9 +331,8 @@ class StaticRunner(ModelRunner):
                     self._step(b, width)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            pool = getattr(self, "pool", None) or torch.cuda.graph_pool_handle()
-            self.pool = pool
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            self.pool = self.pool or torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 self._step(b, width)
         except RuntimeError as error:
             self.graphs = False
