@@ -6,13 +6,14 @@ scratch column only), and the runner with graphs off giving the eager runner's g
 The engine tests of test_hf_scheduler.py also run on this runner."""
 
 import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from flowrl.backends import HFOptions
-from flowrl.engines import HFRollout
+from flowrl.engines import HFRollout, make_rollout
 from flowrl.engines.batch import generate_batch
 from flowrl.engines.hf.sampling import sample_tokens, stream_uniforms, threefry2x32
 from flowrl.engines.hf.static import (
@@ -26,7 +27,8 @@ from flowrl.engines.hf.static import (
 )
 from flowrl.engines.rollout import Request, Sampling
 from flowrl.engines.threads import run_sync
-from flowrl.errors import FlowrlError
+from flowrl.errors import FlowrlError, GraphErrors
+from flowrl.front import dsl
 from flowrl.testing import tiny_model, tiny_tokenizer
 
 GREEDY = Sampling(do_sample=False)
@@ -273,3 +275,16 @@ def test_a_rollout_in_another_dtype_runs_a_view_refreshed_in_place(model):
     assert out["responses"].shape == (2, 5)
     same = HFRollout(policy, tiny_tokenizer(), options=STATIC)  # float32: the module itself
     assert same.view is None and same.runner.module is policy
+
+
+def test_the_runner_is_chosen_in_the_graph_file(model):
+    graph = Path(__file__).resolve().parents[2] / "graphs" / "grpo.toml"
+    spec = dsl.load(graph, ['models.policy.rollout_options.runner="static"'])
+    assert spec.models["policy"].rollout_options == {"runner": "static"}
+    with pytest.raises(GraphErrors) as info:
+        dsl.load(graph, ['models.policy.rollout_options.runner="graphs"'])
+    (problem,) = info.value.problems
+    assert problem.where == "[models.policy.rollout_options]" and "cuda_graph" in problem.message
+    engine = make_rollout("hf", model, tiny_tokenizer(), options=STATIC)
+    assert isinstance(engine.runner, StaticRunner)
+    assert type(make_rollout("hf", model, tiny_tokenizer()).runner).__name__ == "ModelRunner"
