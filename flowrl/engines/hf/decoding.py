@@ -29,9 +29,9 @@ class Row:
     slot: int = -1
     tokens: list = attrs.Factory(list)  # ids whose keys and values fill the slot's columns
     new: list = attrs.Factory(list)  # ids to feed before this turn's first sample
-    stream: torch.Generator | int | None = (
-        None  # a generator or a counter stream's key; None: greedy
-    )
+    # its random stream: a torch.Generator (eager runner), a counter stream's key (a runner
+    # that samples on the device: sampling.py); None: greedy
+    stream: torch.Generator | int | None = None
     out: list = attrs.Factory(list)
     logprobs: list = attrs.Factory(list)
     next: int = -1  # the token sampled last, fed at the next decode call

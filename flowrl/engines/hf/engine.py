@@ -14,16 +14,19 @@ later copies the prefix another request's slot holds (slots.py).
 Sampling runs in torch (temperature, top-k, top-p; sampling.py), each request from its own
 stream seeded by (seed, turn).
 
-Three parts: the scheduler (scheduler.py) runs the loop; the batch (slots.py) seats requests in
-cache slots and lays out each model call; the model runner (runner.py) owns the slot cache and
-makes the calls. This class builds the runner and the scheduler and serves the contract.
+Three parts: the scheduler (scheduler.py) runs the loop; the batch (slots.py, decoding.py)
+seats requests in cache slots and lays out each model call; the model runner owns the slot
+cache and makes the calls (runner.py on the CPU; on CUDA static.py's, with decode steps as
+CUDA graphs and sampling on the device: `HFOptions.runner`). This class builds the runner and
+the scheduler and serves the contract.
 
 In hybrid mode the engine shares its module with the train engine, so a weight sync is free;
 a separate copy is refreshed by `sync_weights`. A rollout in another dtype than the module's
 (`HFOptions.dtype`: bfloat16 on CUDA by default) runs a copy of the module in that dtype, its
 own weights, refreshed in place from the train engine's at each sync (no state dict, no new
-tensors: CUDA graphs captured over them stay valid). Exactness: greedy output equals transformers
-`generate` token for token (tests/unit/test_engines.py, tests/integration/
+tensors: CUDA graphs captured over them stay valid); it moves with the model's weights part
+(an offload and a reload: the graphs are captured again). Exactness: greedy output equals
+transformers `generate` token for token (tests/unit/test_engines.py, tests/integration/
 test_embedded_model.py), and the log-probs of sampled tokens equal the train engine's
 (tests/unit/test_hf_scheduler.py). Step cost against decoding rows on the 2-core CPU machine
 (SmolLM2-135M fp32): 1 row 65 ms, 4 rows 98, 8 rows 106, 16 rows 123, 32 rows 165 - a step

@@ -14,7 +14,6 @@ logits of each row's last token back; nothing in the runner reaches back into th
     runner.free()                           free the cache's memory (an offload)
     runner.decode_block(logits, block)      a runner that samples on the device: `Block`
 
-
 `ModelRunner` here is the eager runner, the CPU path: a cache that grows by doubling, every
 call a plain forward of the model, and the next token drawn on the host (sampling.py). The
 CUDA runner (static.py) keeps the same calls over a preallocated cache, replays decode steps as
