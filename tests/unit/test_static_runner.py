@@ -146,7 +146,26 @@ def test_the_static_runner_refuses_what_it_cannot_run(model):
 # -- the runner in the engine ---------------------------------------------------------------------
 
 
-def test_static_runner_greedy_tokens_equal_the_eager_runners(model):
+def qwen2():
+    """A random Qwen2: 4 query heads over 2 KV heads (the decode attention folds them)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tiny_tokenizer()),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        return Qwen2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_static_runner_greedy_tokens_equal_the_eager_runners(model, family):
+    model = model if family == "llama" else qwen2()
     prompts, mask = prompts_and_mask(5)
     eager = HFRollout(model, tiny_tokenizer())
     static = HFRollout(model, tiny_tokenizer(), options=STATIC)
