@@ -12,10 +12,11 @@ Every step runs in a process of its own under its own time limit, within --budge
                          shape, bf16, random weights): flowrl's CUDA runner ("runner"), its
                          eager runner, transformers' generate (dynamic cache) and generate with
                          the static cache, compiled (at 256 x 512 and 64 x 128)
-    grpo_<shape>_<side>  a GRPO step of graphs/grpo.toml (local executor) and of TRL's
-                         GRPOTrainer: small = SmolLM2-135M fp32, 8 prompts x 8 samples x <= 64
-                         tokens; large = Qwen2-0.5B shape bf16, 32 x 8 x 256 (random weights
-                         score 0, so flowrl computes every row there: skip_zero_rows = false)
+    grpo_<shape>_<side>  a GRPO step of graphs/grpo.toml (local executor, offload "never",
+                         the rollout in the model's dtype) and of TRL's GRPOTrainer: small =
+                         SmolLM2-135M fp32, 8 prompts x 8 samples x <= 64 tokens; large =
+                         Qwen2-0.5B shape bf16, 32 x 8 x 256 (random weights score 0, so
+                         flowrl computes every row there: skip_zero_rows = false)
     train                training tokens/s and MFU at the large shape
     colocation           the large flowrl run with offload "always": offload, reload and sync
                          times, peak memory (against "never" from grpo_large_flowrl)

@@ -84,7 +84,10 @@ def flowrl_overrides(work: Work = CPU) -> list[str]:
         out += [f'models.policy.path="{work.model}"', f'models.policy.dtype="{work.dtype}"']
     if work.device == "cpu":
         return out + [f"pools.main.cpus_per_worker={work.threads}", f"run.num_cpus={work.threads}"]
-    return out + [f'pools.main.device="{work.device}"']
+    # the rollout in the model's own dtype, as TRL's generate runs it (flowrl's default on
+    # CUDA is a bfloat16 copy: HFOptions.dtype)
+    rollout_dtype = f'models.policy.rollout_options.dtype="{work.dtype}"'
+    return out + [f'pools.main.device="{work.device}"', rollout_dtype]
 
 
 FLOWRL_OVERRIDES = flowrl_overrides(CPU)
