@@ -18,6 +18,7 @@ item. flowrl runs graphs/grpo.toml with command-line overrides (see FLOWRL_OVERR
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -28,30 +29,68 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS, SAMPLES, NEW_TOKENS, LR, THREADS = 2, 8, 32, 2e-5, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """One GRPO step's work, the same on both sides: the model (an alias or a directory) in
+    its dtype, prompts x samples, new tokens at most, the learning rate, the device."""
+
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "float32"
+    prompts: int = 2
+    samples: int = 8
+    new_tokens: int = 32
+    lr: float = 2e-5
+    device: str = "cpu"
+    threads: int = 2  # torch threads on CPU
+
+
+# this script's work; bench/gpu.py runs GPU shapes through the same two sides
+CPU = Work()
+PROMPTS, SAMPLES, NEW_TOKENS, LR, THREADS = (
+    CPU.prompts,
+    CPU.samples,
+    CPU.new_tokens,
+    CPU.lr,
+    CPU.threads,
+)
 # flowrl-<backend>[-noskip][-nice0]: -noskip computes every row's forward and backward, also
 # rows whose advantage is zero (which add nothing to the gradient), i.e. TRL's arithmetic;
 # -nice0 runs Ray's worker processes at nice 0, the driver's (Ray's own default is 15)
 SIDES = ("trl", "flowrl-ray", "flowrl-local", "flowrl-ray-noskip")
-FLOWRL_OVERRIDES = [
-    f"data.batch_size={PROMPTS}",
-    "data.shuffle=false",
-    f"nodes.generate.n={SAMPLES}",
-    f"nodes.generate.max_new_tokens={NEW_TOKENS}",
-    "nodes.generate.temperature=1.0",
-    "nodes.generate.top_p=1.0",
-    "nodes.generate.top_k=0",
-    "nodes.update_policy.kl_loss_coef=0",  # beta = 0: ref_logprob and the ref model are skipped
-    "nodes.update_policy.agg=token-mean",
-    "nodes.advantage.scale_by_std=true",
-    f"models.policy.lr={LR}",
-    "models.policy.schedule=constant",
-    "models.policy.grad_clip=1.0",
-    f"pools.main.cpus_per_worker={THREADS}",
-    "run.val_size=0",
-    "run.log_samples=0",
-    f"run.num_cpus={THREADS}",
-]
+
+
+def flowrl_overrides(work: Work = CPU) -> list[str]:
+    """graphs/grpo.toml's command-line overrides for `work`."""
+    out = [
+        f"data.batch_size={work.prompts}",
+        "data.shuffle=false",
+        f"nodes.generate.n={work.samples}",
+        f"nodes.generate.max_new_tokens={work.new_tokens}",
+        "nodes.generate.temperature=1.0",
+        "nodes.generate.top_p=1.0",
+        "nodes.generate.top_k=0",
+        "nodes.update_policy.kl_loss_coef=0",  # beta = 0: ref_logprob and the ref model skipped
+        "nodes.update_policy.agg=token-mean",
+        "nodes.advantage.scale_by_std=true",
+        f"models.policy.lr={work.lr}",
+        "models.policy.schedule=constant",
+        "models.policy.grad_clip=1.0",
+        "run.val_size=0",
+        "run.log_samples=0",
+    ]
+    if work.model != CPU.model or work.dtype != CPU.dtype:  # graphs/grpo.toml's own
+        out += [f'models.policy.path="{work.model}"', f'models.policy.dtype="{work.dtype}"']
+    if work.device == "cpu":
+        return out + [f"pools.main.cpus_per_worker={work.threads}", f"run.num_cpus={work.threads}"]
+    # the rollout in the model's own dtype, as TRL's generate runs it (flowrl's default on
+    # CUDA is a bfloat16 copy: HFOptions.dtype)
+    rollout_dtype = f'models.policy.rollout_options.dtype="{work.dtype}"'
+    return out + [f'pools.main.device="{work.device}"', rollout_dtype]
+
+
+FLOWRL_OVERRIDES = flowrl_overrides(CPU)
 
 
 # -- one side, in its own process ------------------------------------------------------------
@@ -85,21 +124,22 @@ def run_flowrl(variant: str, steps: int, out_dir: str) -> dict:
     }
 
 
-def run_trl(steps: int, out_dir: str) -> dict:
+def run_trl(steps: int, out_dir: str, work: Work = CPU) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from flowrl.data import make_rows
-    from flowrl.models.embedded import ensure_cached
+    from flowrl.models.embedded import ALIAS, ensure_cached
     from flowrl.rewards.arithmetic import compute_score
 
-    torch.set_num_threads(THREADS)
-    path = ensure_cached()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if work.device == "cpu":
+        torch.set_num_threads(work.threads)
+    path = ensure_cached() if work.model == ALIAS else work.model
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, work.dtype))
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-    rows = make_rows("arithmetic", "train", 0, 0, ROOT)[: PROMPTS * steps]
+    rows = make_rows("arithmetic", "train", 0, 0, ROOT)[: work.prompts * steps]
     dataset = Dataset.from_list(
         [{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]} for r in rows]
     )
@@ -118,6 +158,8 @@ def run_trl(steps: int, out_dir: str) -> dict:
             self.ends.append(time.perf_counter())
 
         def on_step_end(self, args, state, control, **_):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             self.ends.append(time.perf_counter())
 
         def on_log(self, args, state, control, logs=None, **_):
@@ -127,26 +169,26 @@ def run_trl(steps: int, out_dir: str) -> dict:
 
     config = GRPOConfig(
         output_dir=out_dir,
-        per_device_train_batch_size=PROMPTS * SAMPLES,
-        num_generations=SAMPLES,
+        per_device_train_batch_size=work.prompts * work.samples,
+        num_generations=work.samples,
         gradient_accumulation_steps=1,
         steps_per_generation=1,
         num_iterations=1,
-        max_completion_length=NEW_TOKENS,
+        max_completion_length=work.new_tokens,
         temperature=1.0,
         top_p=1.0,
         top_k=0,
         beta=0.0,
         loss_type="dapo",  # token-mean over the batch, as flowrl's agg = "token-mean"
         scale_rewards="group",
-        learning_rate=LR,
+        learning_rate=work.lr,
         lr_scheduler_type="constant",
         weight_decay=0.0,
         max_grad_norm=1.0,
         max_steps=steps,
         shuffle_dataset=False,
-        use_cpu=True,
-        bf16=False,
+        use_cpu=work.device == "cpu",
+        bf16=work.dtype == "bfloat16",
         logging_steps=1,
         save_strategy="no",
         report_to="none",
@@ -168,7 +210,7 @@ def run_trl(steps: int, out_dir: str) -> dict:
     step_s = [b - a for a, b in zip(timer.ends, timer.ends[1:], strict=False)]
     return {
         "step_s": step_s,
-        "new_tokens": [x * PROMPTS * SAMPLES for x in timer.lengths],
+        "new_tokens": [x * work.prompts * work.samples for x in timer.lengths],
         "items": [],
         "zero_advantage_rows": timer.zero_std,  # groups with one score have zero advantage
     }

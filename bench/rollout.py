@@ -179,14 +179,14 @@ def requests(model, tokenizer, ids, latency=True, keep=True, seed=0) -> tuple[fl
     episodes = episodes_of(tokenizer, ids, latency)
     start = time.perf_counter()
     engine = HFRollout(model, tokenizer)
-    engine.packs = engine.packs and ENGINE["packs"]
+    engine.runner.packs = engine.runner.packs and ENGINE["packs"]
     backend = ENGINE["wrap"](engine)
     backend = backend if keep else Forgetful(backend)
     seeds = [seed * 1000 + k for k in range(len(episodes))]
     backend.run(run_requests(episodes, backend, SAMPLING["value"], seeds))
     seconds = time.perf_counter() - start
     engine.idle()
-    return seconds, episodes, dict(engine.scheduler.counts)
+    return seconds, episodes, dict(engine.scheduler.batch.counts)
 
 
 def describe(episodes) -> dict:

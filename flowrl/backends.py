@@ -26,12 +26,16 @@ from pathlib import Path
 import attrs
 
 from flowrl import refs
-from flowrl.params import checked, interval, positive
+from flowrl.params import checked, count, interval, one_of, positive
 
 
 @attrs.frozen
 class NoOptions:
     """The settings of a backend that has none: `rollout_options` must stay empty."""
+
+
+RUNNERS = ("auto", "eager", "static", "cuda_graph")
+ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @attrs.frozen
@@ -41,6 +45,18 @@ class HFOptions:
     # lockstep: no decode step while a request held for its next turn is away at its tools, so
     # a rollout is a function of its seeds (engines/hf/scheduler.py); decoding waits for tools
     lockstep: bool = False  # batch bit-reproducibly (decoding waits for tools)
+    # the model runner (engines/hf/runner.py, static.py): "eager" (the CPU path), "static" (a
+    # preallocated cache, device sampling, eager calls), "cuda_graph" (static, decode steps as
+    # CUDA graphs); "auto" = cuda_graph on a CUDA device, eager elsewhere
+    runner: str = checked("auto", one_of(RUNNERS))  # auto: cuda_graph on CUDA, eager on CPU
+    # the static cache's share of the device's memory (of the host's on CPU), like vLLM's
+    # gpu_memory_utilization but for the cache alone
+    memory_fraction: float = checked(0.1, interval(0, 1, low_open=True))  # of memory, for the cache
+    # requests a static cache holds at most (vLLM's max_num_seqs); more wait for a slot
+    max_slots: int = checked(512, count(1, 65_536))  # slots of the static cache, at most
+    # what a static runner computes and caches in: "auto" = bfloat16 on CUDA, else the model's;
+    # another dtype than the model's is a copy of its weights, refreshed in place at each sync
+    dtype: str = checked("auto", one_of(ROLLOUT_DTYPES))  # auto: bfloat16 on CUDA, else the model's
 
 
 @attrs.frozen

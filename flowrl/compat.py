@@ -70,7 +70,7 @@ MOVED_MODULES = {
     "flowrl.engines.update_loop": "flowrl.engines.train.update_loop",
     "flowrl.engines.sharding": "flowrl.engines.train.sharding",
     "flowrl.engines.sharded_checkpoint": "flowrl.engines.train.sharded_checkpoint",
-    "flowrl.engines.host_copies": "flowrl.engines.train.host_copies",
+    "flowrl.engines.train.host_copies": "flowrl.engines.host_copies",
     "flowrl.engines.sequence_scores": "flowrl.engines.train.sequence_scores",
 }
 

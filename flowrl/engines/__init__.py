@@ -1,7 +1,7 @@
 """Engines: the train engine (forward, backward, optimizer, offload) and the rollout backends
 (the request contract in rollout.py, their table in flowrl/backends.py; flowrl's own
-continuous-batching engine in hf_rollout.py and scheduler.py; an in-process SGLang engine in
-sglang_backend.py, imported only when a graph picks it).
+continuous-batching engine in hf/; an in-process SGLang engine in sglang/, imported only when
+a graph picks it).
 
 The names below load on first use (flowrl/lazy.py), so that importing a torch-free module of
 this package imports no torch.

@@ -1,10 +1,13 @@
 """The weights a server rollout backend serves, as any such backend sends them: the module's
 tensors under the base model's names with a LoRA adapter folded in (`rollout_weights`), in
 groups of bounded size (`weight_buckets`). SGLang's backend pushes them this way
-(engines/sglang/backend.py); a vLLM or other server backend reuses them."""
+(engines/sglang/backend.py); a vLLM or other server backend reuses them. A rollout copy of
+the module in its own dtype (flowrl's own engine on CUDA) takes them in place
+(`refresh_in_place`)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -49,3 +52,13 @@ def weight_buckets(
         size += nbytes
     if bucket:
         yield bucket
+
+
+@torch.no_grad()
+def refresh_in_place(target: torch.nn.Module, source: torch.nn.Module) -> None:
+    """Copy `source`'s parameters and buffers into `target`'s of the same names, cast to
+    their dtype, in place: `target`'s tensors keep their storage (what a CUDA graph captured
+    over them reads), and nothing the size of the model is allocated."""
+    mine = dict(itertools.chain(target.named_parameters(), target.named_buffers()))
+    for name, tensor in itertools.chain(source.named_parameters(), source.named_buffers()):
+        mine[name].copy_(tensor)

@@ -191,15 +191,15 @@ def _lr_warnings(spec) -> list[str]:
 
 
 def _dtype_warnings(name: str, pool, configs: dict, sharded: tuple) -> list[str]:
-    """param_dtype is FSDP2's mixed precision: it has no effect elsewhere, so say so."""
+    """param_dtype is mixed precision on cuda (FSDP2's, autocast under ddp): it has no
+    effect on CPU, so say so."""
     out = []
     for model, config in configs.items():
-        if config.param_dtype and config.param_dtype != config.dtype:
-            if model not in sharded or pool.device != "cuda":
-                out.append(
-                    f"[models.{model}] param_dtype = {config.param_dtype!r} applies under "
-                    f'strategy = "fsdp" on cuda; on pool {name} it computes in {config.dtype}'
-                )
+        if config.param_dtype and config.param_dtype != config.dtype and pool.device != "cuda":
+            out.append(
+                f"[models.{model}] param_dtype = {config.param_dtype!r} applies on cuda; on "
+                f"pool {name} ({pool.device}) it computes in {config.dtype}"
+            )
     return out
 
 

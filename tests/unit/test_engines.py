@@ -456,7 +456,7 @@ def test_greedy_rollout_matches_hf_generate_with_left_padding():
     )
     assert torch.equal(three["responses"], out["responses"].repeat_interleave(3, 0))
     engine.idle()  # the last request gone, the engine frees its cache
-    assert engine.cache is None
+    assert engine.runner.cache is None
 
 
 def test_shared_prompt_prefix_runs_once_and_changes_nothing():
@@ -477,8 +477,8 @@ def test_shared_prompt_prefix_runs_once_and_changes_nothing():
         }
     )
     engine, calls = HFRollout(model, tok), []
-    forward = engine._forward
-    engine._forward = lambda ids, *a: calls.append(tuple(ids.shape)) or forward(ids, *a)
+    forward = engine.runner.padded
+    engine.runner.padded = lambda ids, *a: calls.append(tuple(ids.shape)) or forward(ids, *a)
     out = generate_batch(
         engine, batch["prompts"], batch["prompt_mask"], max_new_tokens=6, do_sample=False
     )

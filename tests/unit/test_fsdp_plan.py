@@ -75,9 +75,9 @@ def test_a_pool_that_only_generates_is_not_sharded():
     assert "rollout_weights" not in plan.pools["gen"].memory_bytes["policy"]
 
 
-def test_param_dtype_off_cuda_fsdp_is_a_warning():
+def test_param_dtype_off_cuda_is_a_warning():
     plan = plan_of("grpo.toml", **{"models.policy.param_dtype": '"bfloat16"'})
-    assert any("param_dtype = 'bfloat16' applies under" in w for w in plan.warnings)
+    assert any("param_dtype = 'bfloat16' applies on cuda" in w for w in plan.warnings)
     config = plan.pools["main"].configs["policy"]
     assert memory.compute_dtype(config, "cpu", sharded=True) == "float32"
     assert memory.compute_dtype(config, "cuda", sharded=True) == "bfloat16"

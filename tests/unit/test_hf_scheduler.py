@@ -48,7 +48,17 @@ def model():
     return tiny_model(seed=3)
 
 
-def rollout(model, n=2, seed=0, do_sample=True, max_turn_tokens=6, first_turn=(), lockstep=False):
+@pytest.fixture(params=["eager", "static"])
+def runner(request):
+    """The engine's model runner: the eager one (the CPU path) and the CUDA runner's calls,
+    run eagerly (engines/hf/static.py): every engine test below holds for both."""
+    return request.param
+
+
+def rollout(
+    model, n=2, seed=0, do_sample=True, max_turn_tokens=6, first_turn=(), lockstep=False,
+    runner="eager",
+):  # fmt: skip
     """Episodes run by the request driver on the engine; (episodes, prompts, prompt_mask)."""
     tokenizer = tiny_tokenizer()
     chat = ChatTokens(tokenizer)
@@ -71,14 +81,16 @@ def rollout(model, n=2, seed=0, do_sample=True, max_turn_tokens=6, first_turn=()
         for ids in prompt_ids
         for _ in range(n)
     ]
-    engine = HFRollout(model, tokenizer, options=HFOptions(lockstep=lockstep))
+    options = HFOptions(lockstep=lockstep, runner=runner, memory_fraction=0.01)
+    engine = HFRollout(model, tokenizer, options=options)
     sampling = Sampling(do_sample=do_sample)
     seeds = [seed * 1000 + k for k in range(len(episodes))]
     stats = run_sync(
         run_requests(episodes, engine, sampling, seeds, first_turn=first_turn, lockstep=lockstep)
     )
     engine.idle()
-    assert engine.cache is None  # every request released: the engine freed its slots
+    assert not engine.scheduler.batch.slots  # every request released: the engine freed its slots
+    assert engine.runner.cache is None or runner == "static"  # a static cache stays allocated
     assert stats.turns > len(episodes)  # requests came back for further turns
     return episodes, prompts, mask
 
@@ -103,24 +115,25 @@ def check_against_full_forward(model, episodes, greedy: bool) -> None:
                 assert int(logits[p + j - 1].argmax()) == ids[p + j]
 
 
-def test_cache_extension_equals_rerunning_the_conversation(model):
+def test_cache_extension_equals_rerunning_the_conversation(model, runner):
     """Every sampled token's log-prob, from the cache extended turn by turn, equals the
     one from running the whole conversation (tool output included) through the model."""
-    episodes, _, _ = rollout(model, n=2, seed=2)
+    # a seed whose rows leave at different turns (the static runner draws from other streams)
+    episodes, _, _ = rollout(model, n=2, seed={"eager": 2, "static": 0}[runner], runner=runner)
     reasons = [e.reason for e in episodes]
     assert "max_turns" in reasons and len(set(reasons)) > 1  # rows left at different turns
     assert all(e.mask.count(0) > 0 for e in episodes if e.reason == "max_turns")
     check_against_full_forward(model, episodes, greedy=False)
 
 
-def test_cache_extension_equals_rerunning_the_conversation_greedy(model):
-    episodes, _, _ = rollout(model, n=1, do_sample=False)
+def test_cache_extension_equals_rerunning_the_conversation_greedy(model, runner):
+    episodes, _, _ = rollout(model, n=1, do_sample=False, runner=runner)
     assert all(e.reason == "max_turns" for e in episodes)
     check_against_full_forward(model, episodes, greedy=True)
 
 
-def test_train_engine_logprobs_equal_the_samplers_at_trained_positions(model):
-    episodes, prompts, prompt_mask = rollout(model, n=2, seed=1)
+def test_train_engine_logprobs_equal_the_samplers_at_trained_positions(model, runner):
+    episodes, prompts, prompt_mask = rollout(model, n=2, seed=1, runner=runner)
     rows = len(episodes)
     t = max(len(e.ids) for e in episodes)
     responses = torch.zeros(rows, t, dtype=torch.long)
@@ -151,14 +164,14 @@ def test_train_engine_logprobs_equal_the_samplers_at_trained_positions(model):
     assert (blind[trained] - sampled[trained]).abs().max() > 1e-3
 
 
-def test_a_lockstep_rollout_is_a_function_of_its_seeds(model):
-    first = [(e.ids, e.mask) for e in rollout(model, seed=5, lockstep=True)[0]]
-    again = [(e.ids, e.mask) for e in rollout(model, seed=5, lockstep=True)[0]]
-    other = [(e.ids, e.mask) for e in rollout(model, seed=6, lockstep=True)[0]]
+def test_a_lockstep_rollout_is_a_function_of_its_seeds(model, runner):
+    first = [(e.ids, e.mask) for e in rollout(model, seed=5, lockstep=True, runner=runner)[0]]
+    again = [(e.ids, e.mask) for e in rollout(model, seed=5, lockstep=True, runner=runner)[0]]
+    other = [(e.ids, e.mask) for e in rollout(model, seed=6, lockstep=True, runner=runner)[0]]
     assert first == again and first != other
 
 
-def test_a_requests_tokens_do_not_depend_on_the_requests_beside_it(model):
+def test_a_requests_tokens_do_not_depend_on_the_requests_beside_it(model, runner):
     """Each request samples from its own stream, seeded by (seed, turn): alone or in a batch
     with five others, it samples the same tokens (log-probs equal up to float noise)."""
     tokenizer = tiny_tokenizer()
@@ -168,7 +181,7 @@ def test_a_requests_tokens_do_not_depend_on_the_requests_beside_it(model):
     async def together(engine, batch):
         return await asyncio.gather(*(engine.generate(r) for r in batch))
 
-    engine = HFRollout(model, tokenizer)
+    engine = HFRollout(model, tokenizer, options=HFOptions(runner=runner, memory_fraction=0.01))
     batched = run_sync(together(engine, requests))
     for request, result in zip(requests, batched, strict=True):
         (alone,) = run_sync(together(engine, [request]))
@@ -178,13 +191,13 @@ def test_a_requests_tokens_do_not_depend_on_the_requests_beside_it(model):
     assert other_turn.ids != batched[0].ids  # the turn is part of the stream's seed
 
 
-def test_a_forced_first_turn_is_taken_verbatim_with_the_policys_log_probs(model):
+def test_a_forced_first_turn_is_taken_verbatim_with_the_policys_log_probs(model, runner):
     """The agent's script_first_turn: every request's first turn is the given ids (here
     "ping" and the eos, a call of echo), each with the model's own log-prob of it; the turns
     after it are sampled as usual."""
     tokenizer = tiny_tokenizer()
     forced = tokenizer("ping", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    episodes, _, _ = rollout(model, n=2, seed=0, first_turn=forced)
+    episodes, _, _ = rollout(model, n=2, seed=0, first_turn=forced, runner=runner)
     for episode in episodes:
         assert episode.ids[: len(forced)] == forced
         assert episode.info()["calls"][0]["name"] == "echo"
@@ -273,7 +286,7 @@ def test_a_request_back_from_its_tools_prefills_only_its_new_tokens_while_anothe
         (1, 1, [8]), (1, 1, [9]),  # A done; B finishes its 9 tokens
     ]  # fmt: skip
     engine.idle()
-    assert engine.cache is None
+    assert engine.runner.cache is None
 
 
 def test_lockstep_runs_no_step_while_a_held_request_is_away():
@@ -317,7 +330,7 @@ def test_releasing_a_running_request_ends_it_with_abort_and_frees_its_slot():
     assert b.finish_reason == "length" and b.ids == [31, 32, 33, 34, 35]
     engine.release("b")
     engine.idle()
-    assert engine.cache is None and not engine.scheduler.held
+    assert engine.runner.cache is None and not engine.scheduler.batch.held
 
 
 # -- a synchronous caller lends its thread to the loop (HFRollout.run) ----------------------
@@ -339,7 +352,7 @@ def test_run_makes_the_model_calls_on_the_callers_thread_and_returns_the_results
     a, b = engine.run(run())
     assert threads == {threading.current_thread()}
     assert a.ids == [12, 13, 14] and b.ids == [31, 32]
-    assert engine.cache is None and engine.scheduler.thread is None  # the loop has exited
+    assert engine.runner.cache is None and engine.scheduler.thread is None  # the loop has exited
 
 
 def test_run_raises_the_coroutines_error_and_drops_what_it_left_held():
@@ -352,7 +365,7 @@ def test_run_raises_the_coroutines_error_and_drops_what_it_left_held():
 
     with pytest.raises(ValueError, match="the caller's own error"):
         engine.run(run())
-    assert engine.cache is None and not engine.scheduler.held
+    assert engine.runner.cache is None and not engine.scheduler.batch.held
     # the engine serves the next caller as a fresh one
     assert engine.run(engine.generate(greedy([40], 2, "c"))).ids == [41, 42]
 
@@ -376,7 +389,7 @@ def test_a_lockstep_run_whose_caller_ends_with_a_request_away_does_not_wait_for_
     caller.start()
     caller.join(30)
     assert not caller.is_alive()
-    assert engine.cache is None and engine.scheduler.thread is None
+    assert engine.runner.cache is None and engine.scheduler.thread is None
 
 
 def test_run_while_another_caller_holds_the_loop_joins_it():
@@ -451,7 +464,7 @@ def test_a_prompt_arriving_later_copies_the_prefix_a_running_request_holds():
     # A is prefilled and decodes once; B's first 20 ids are then copied from A's slot, so its
     # prefill feeds only 50, 51, at columns 20 and 21; then both decode together
     assert model.calls[:4] == [(1, 21, [0]), (1, 1, [21]), (1, 2, [20]), (2, 1, [22, 22])]
-    assert engine.scheduler.counts["copied_prefix_tokens"] == 20
+    assert engine.scheduler.batch.counts["copied_prefix_tokens"] == 20
     engine.release("a"), engine.release("b")
 
 
@@ -465,7 +478,7 @@ def test_a_copied_prefix_gives_the_tokens_and_log_probs_of_a_prompt_prefilled_al
     finally:
         hook.remove()
     engine.release("a"), engine.release("b")
-    assert engine.scheduler.counts["copied_prefix_tokens"] == 20
+    assert engine.scheduler.batch.counts["copied_prefix_tokens"] == 20
     alone = HFRollout(model, tokenizer)
     only_b = run_sync(alone.generate(greedy(PREFIX + [50, 51], 3, "b")))
     assert b.ids == only_b.ids

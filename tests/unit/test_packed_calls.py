@@ -30,10 +30,9 @@ def model():
 def primed(model):
     """An engine whose cache holds A's prompt in slot 0 and B's in slot 1."""
     engine = HFRollout(model, tiny_tokenizer())
-    engine.scheduler.batch.cache = engine._new_cache(3, 32)
-    ids = torch.tensor([A_PROMPT + [2, 2], B_PROMPT])
+    engine.runner.reserve(3, 32)
     with torch.inference_mode():
-        engine._forward(ids, torch.tensor([0, 0]), torch.tensor([4, 6]), 0, 2)
+        engine.runner.prefill([A_PROMPT, B_PROMPT], [0, 0], 0)
     return engine
 
 
@@ -58,18 +57,18 @@ def qwen2():
 def test_a_packed_call_computes_what_two_calls_and_the_whole_conversation_compute(family):
     model = tiny_model(seed=3).eval() if family == "llama" else qwen2()
     packed, apart = primed(model), primed(model)
-    assert packed.packs
+    assert packed.runner.packs
     with torch.inference_mode():
         # A decodes its next token (20) while B feeds three new ids after its prompt
-        logits = packed._forward_packed([[20], [30, 31, 32]], [5, 7], 0)
-        a = apart._forward(torch.tensor([[20]]), torch.tensor([5]), torch.tensor([0]), 0, 1)
-        b = apart._forward(torch.tensor([[30, 31, 32]]), torch.tensor([7]), torch.tensor([2]), 1, 2)
+        logits = packed.runner.packed([[20], [30, 31, 32]], [5, 7], 0)
+        a = apart.runner.decode([20], [5], 0)
+        b = apart.runner.prefill([[30, 31, 32]], [7], 1)
         whole_a = model(input_ids=torch.tensor([A_PROMPT + [20]])).logits[0, -1]
         whole_b = model(input_ids=torch.tensor([B_PROMPT + [30, 31, 32]])).logits[0, -1]
     assert logits.shape == (2, model.config.vocab_size)
     torch.testing.assert_close(logits, torch.cat([a, b]))
     torch.testing.assert_close(logits, torch.stack([whole_a, whole_b]))
-    for mine, theirs in zip(packed.cache.layers, apart.cache.layers, strict=True):
+    for mine, theirs in zip(packed.runner.cache.layers, apart.runner.cache.layers, strict=True):
         torch.testing.assert_close(mine.key_buffer[:2, :, :10], theirs.key_buffer[:2, :, :10])
         torch.testing.assert_close(mine.value_buffer[:2, :, :10], theirs.value_buffer[:2, :, :10])
     # the packed attention is selected for the packed call only
@@ -88,14 +87,12 @@ def test_several_decoding_rows_and_returning_rows_of_every_length_in_one_call(mo
     """Decoding rows at different columns (their mask differs row by row), then returning
     rows of 3, 1 and 2 ids: each row's logits are the model's own on its whole sequence."""
     engine = HFRollout(model, tiny_tokenizer())
-    engine.scheduler.batch.cache = engine._new_cache(6, 32)
+    engine.runner.reserve(6, 32)
     prompts = [[5, 6], [7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18], [19], [20, 21]]
-    ids = torch.tensor([p + [2] * (5 - len(p)) for p in prompts])
-    lengths = torch.tensor([len(p) for p in prompts])
     chunks = [[30], [31], [32], [40, 41, 42], [43], [44, 45]]
     with torch.inference_mode():
-        engine._forward(ids, torch.zeros(6, dtype=torch.long), lengths - 1, 0, 6)
-        logits = engine._forward_packed(chunks, lengths.tolist(), 0)
+        engine.runner.prefill(prompts, [0] * 6, 0)
+        logits = engine.runner.packed(chunks, [len(p) for p in prompts], 0)
         whole = [
             model(input_ids=torch.tensor([p + c])).logits[0, -1]
             for p, c in zip(prompts, chunks, strict=True)
@@ -115,13 +112,13 @@ def test_a_model_that_claims_the_attention_functions_but_bypasses_them_is_comput
         lambda name, default: sdpa_attention_forward,
     )
     with torch.inference_mode(), pytest.warns(UserWarning, match="0 of 2 did"):
-        logits = engine._forward_packed([[20], [30, 31, 32]], [5, 7], 0)
-    assert not engine.packs
+        logits = engine.runner.packed([[20], [30, 31, 32]], [5, 7], 0)
+    assert not engine.runner.packs
     with torch.inference_mode():
-        a = apart._forward(torch.tensor([[20]]), torch.tensor([5]), torch.tensor([0]), 0, 1)
-        b = apart._forward(torch.tensor([[30, 31, 32]]), torch.tensor([7]), torch.tensor([2]), 1, 2)
+        a = apart.runner.decode([20], [5], 0)
+        b = apart.runner.prefill([[30, 31, 32]], [7], 1)
     torch.testing.assert_close(logits, torch.cat([a, b]))
-    for mine, theirs in zip(engine.cache.layers, apart.cache.layers, strict=True):
+    for mine, theirs in zip(engine.runner.cache.layers, apart.runner.cache.layers, strict=True):
         torch.testing.assert_close(mine.key_buffer[:2, :, :10], theirs.key_buffer[:2, :, :10])
 
 
@@ -149,7 +146,7 @@ def test_another_threads_forward_during_a_packed_call_runs_plain_sdpa(model):
     hook = model.model.layers[1].register_forward_pre_hook(during)
     try:
         with torch.inference_mode():
-            engine._forward_packed([[20], [30, 31, 32]], [5, 7], 0)
+            engine.runner.packed([[20], [30, 31, 32]], [5, 7], 0)
     finally:
         hook.remove()
     assert seen["implementation"] == "flowrl_packed"
@@ -194,7 +191,7 @@ def rollout(model, packs: bool, device="cpu"):
     engine: A's new ids then ride in B's next decode call. Returns (A's two results, B's,
     the input shape of every model call)."""
     engine = HFRollout(model, tiny_tokenizer(), device)
-    engine.packs = packs
+    engine.runner.packs = packs
     shapes, state, hook = gated(engine, model, call=4)
     greedy = Sampling(do_sample=False)
 
@@ -220,8 +217,8 @@ def rollout(model, packs: bool, device="cpu"):
     finally:
         hook.remove()
     engine.idle()
-    assert engine.cache is None
-    return results, shapes, engine.scheduler.counts
+    assert engine.runner.cache is None
+    return results, shapes, engine.scheduler.batch.counts
 
 
 def test_a_request_back_from_its_tools_joins_the_decoding_call_and_changes_no_token(model):
@@ -249,7 +246,7 @@ def newcomers(model, packs: bool):
     (A's held, B's decoding), so theirs are appended. Returns (B's result, the two samples',
     the input shape of every model call, the engine's counts)."""
     engine = HFRollout(model, tiny_tokenizer())
-    engine.packs = packs
+    engine.runner.packs = packs
     shapes, state, hook = gated(engine, model, call=3)
     greedy = Sampling(do_sample=False)
 
@@ -271,7 +268,7 @@ def newcomers(model, packs: bool):
     finally:
         hook.remove()
     engine.idle()
-    return results, shapes, engine.scheduler.counts
+    return results, shapes, engine.scheduler.batch.counts
 
 
 def test_new_prompts_arriving_while_another_decodes_ride_in_its_decode_call(model):
@@ -299,13 +296,11 @@ def test_new_prompts_arriving_while_another_decodes_ride_in_its_decode_call(mode
 def test_cuda_packed_calls_compute_the_whole_conversations_and_the_cpus_rollout(model):
     gpu = copy.deepcopy(model).cuda()
     engine = HFRollout(gpu, tiny_tokenizer(), "cuda")
-    engine.scheduler.batch.cache = engine._new_cache(3, 32)
+    engine.runner.reserve(3, 32)
     prompts, chunks = [[5, 6], [7, 8, 9, 10], [11, 12, 13]], [[30], [40, 41, 42], [43]]
-    ids = torch.tensor([p + [2] * (4 - len(p)) for p in prompts], device="cuda")
-    lengths = torch.tensor([len(p) for p in prompts], device="cuda")
     with torch.inference_mode():
-        engine._forward(ids, torch.zeros_like(lengths), lengths - 1, 0, 3)
-        logits = engine._forward_packed(chunks, lengths.tolist(), 0)
+        engine.runner.prefill(prompts, [0, 0, 0], 0)
+        logits = engine.runner.packed(chunks, [len(p) for p in prompts], 0)
         whole = [
             gpu(input_ids=torch.tensor([p + c], device="cuda")).logits[0, -1]
             for p, c in zip(prompts, chunks, strict=True)

@@ -179,9 +179,9 @@ def test_hf_offload_drops_held_requests_only_with_the_kv_cache_part():
     engine = HFRollout(tiny_model(), tiny_tokenizer())
     run_sync(engine.generate(Request([5, 6, 7], 3, request_id="r", keep=True)))
     engine.offload(("weights",))  # its weights are the train engine's module, moved there
-    assert engine.cache is not None and "r" in engine.scheduler.held
+    assert engine.runner.cache is not None and "r" in engine.scheduler.batch.held
     engine.offload(("weights", "kv_cache"))  # a request never released is dropped too
-    assert engine.cache is None and not engine.scheduler.held
+    assert engine.runner.cache is None and not engine.scheduler.batch.held
 
 
 def test_an_agent_node_on_a_single_turn_backend_is_refused_before_any_model_loads(fake_backend):

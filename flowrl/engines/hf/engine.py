@@ -14,9 +14,19 @@ later copies the prefix another request's slot holds (slots.py).
 Sampling runs in torch (temperature, top-k, top-p; sampling.py), each request from its own
 stream seeded by (seed, turn).
 
+Three parts: the scheduler (scheduler.py) runs the loop; the batch (slots.py, decoding.py)
+seats requests in cache slots and lays out each model call; the model runner owns the slot
+cache and makes the calls (runner.py on the CPU; on CUDA static.py's, with decode steps as
+CUDA graphs and sampling on the device: `HFOptions.runner`). This class builds the runner and
+the scheduler and serves the contract.
+
 In hybrid mode the engine shares its module with the train engine, so a weight sync is free;
-a separate copy is refreshed by `sync_weights`. Exactness: greedy output equals transformers
-`generate` token for token (tests/unit/test_engines.py, tests/integration/
+a separate copy is refreshed by `sync_weights`. A rollout in another dtype than the module's
+(`HFOptions.dtype`: bfloat16 on CUDA by default) runs a copy of the module in that dtype, its
+own weights, refreshed in place from the train engine's at each sync (no state dict, no new
+tensors: CUDA graphs captured over them stay valid); it moves with the model's weights part
+(an offload and a reload: the graphs are captured again). Exactness: greedy output equals
+transformers `generate` token for token (tests/unit/test_engines.py, tests/integration/
 test_embedded_model.py), and the log-probs of sampled tokens equal the train engine's
 (tests/unit/test_hf_scheduler.py). Step cost against decoding rows on the 2-core CPU machine
 (SmolLM2-135M fp32): 1 row 65 ms, 4 rows 98, 8 rows 106, 16 rows 123, 32 rows 165 - a step
@@ -25,18 +35,17 @@ is bound by reading the weights, so every request that can decode should be in i
 
 from __future__ import annotations
 
-import itertools
-import warnings
+import copy
 
 import torch
 
 from flowrl import compat
 from flowrl.backends import HFOptions
-from flowrl.engines.hf.kv_cache import attention_mask, slot_cache
-from flowrl.engines.hf.packed import PackedCall, can_pack, groups_of, packing
 from flowrl.engines.hf.scheduler import Scheduler
+from flowrl.engines.hf.static import make_runner
+from flowrl.engines.host_copies import HostCopies
 from flowrl.engines.rollout import Request, Result, RolloutBase
-from flowrl.models.calls import cache_argument
+from flowrl.engines.weights import refresh_in_place
 
 
 class HFRollout(RolloutBase):
@@ -50,6 +59,12 @@ class HFRollout(RolloutBase):
             request is away at its tools. Off by default (it makes decoding wait for tools).
         seed, where: the contract's (each request carries its own seed; unused here).
         lockstep: the old spelling of `options=HFOptions(lockstep=...)`.
+
+    Attributes:
+        runner: the model runner (runner.py, static.py): the slot cache and the model calls.
+        scheduler: the batching loop (scheduler.py); its `batch` the requests in the slots.
+        view: the copy of `module` in the rollout's dtype the runner calls, or None (the
+            runner calls `module` itself).
     """
 
     Options = HFOptions  # its record in flowrl/backends.py says where it runs and what
@@ -62,14 +77,14 @@ class HFRollout(RolloutBase):
             options = HFOptions(lockstep=lockstep)
         super().__init__(module, tokenizer, device, options=options, seed=seed, where=where)
         self.eos = tokenizer.eos_token_id
-        self.scheduler = Scheduler(self, self._new_cache, self.eos, self.options.lockstep)
-        # decoding and joining rows in one call (packed.py); else a call each
-        self.packs = can_pack(module)
-
-    @property
-    def cache(self):
-        """The slot cache while requests run or are held; None when the engine is idle."""
-        return self.scheduler.cache
+        dtype = rollout_dtype(self.options.dtype, self.device, module)
+        self.view = None
+        if dtype != next(module.parameters()).dtype:
+            self.view = copy.deepcopy(module).to(dtype).requires_grad_(False).eval()
+        self.host = HostCopies()  # where an offloaded view waits (CUDA: page-locked)
+        called = module if self.view is None else self.view
+        self.runner = make_runner(called, self.device, self.eos, self.options)
+        self.scheduler = Scheduler(self.runner, self.eos, self.options.lockstep)
 
     @property
     def lockstep(self) -> bool:
@@ -96,93 +111,41 @@ class HFRollout(RolloutBase):
         """Wait until no request runs or is held and the cache is freed (tests, offload)."""
         self.scheduler.idle()
 
-    def _new_cache(self, slots: int, columns: int):
-        return slot_cache(self.module, slots, columns)
-
-    def _forward(self, ids, offsets, last, lo: int, hi: int) -> torch.Tensor:
-        """One model call over cache slots lo..hi-1: row k feeds ids[k] (a, w) at columns
-        (= positions) offsets[k]..; -> the logits after each row's last real id, last[k]
-        (a,), in float32 (a, v)."""
-        cache = self.scheduler.cache
-        w = ids.shape[1]
-        positions = offsets[:, None] + torch.arange(w, device=ids.device)  # (a, w)
-        cache.select(lo, hi, positions)
-        eager = getattr(self.module.config, "_attn_implementation", "eager") == "eager"
-        dtype = next(self.module.parameters()).dtype
-        # the LM head only where a next token is chosen: each row's last real id
-        keep = last.unique() if w > 1 else 1  # (k,) sorted
-        out = self.module(
-            input_ids=ids,
-            attention_mask=attention_mask(offsets, w, cache.width, dtype, eager),
-            position_ids=positions,
-            **cache_argument(self.module, cache),
-            use_cache=True,
-            logits_to_keep=keep,
-        )
-        if w == 1:
-            return out.logits[:, -1].float()
-        pick = torch.searchsorted(keep, last)  # (a,): each row's column among the kept
-        return out.logits[torch.arange(len(ids), device=ids.device), pick].float()
-
-    def _forward_packed(self, chunks: list[list[int]], offsets: list[int], lo: int):
-        """One model call over slots lo..lo+len(chunks)-1 with their tokens packed into one
-        sequence (packed.py): row k feeds chunks[k] at columns offsets[k]..; -> the logits
-        after each row's last id, in float32 (a, v)."""
-        device, lengths = self.device, [len(c) for c in chunks]
-        slots = [lo + k for k, n in enumerate(lengths) for _ in range(n)]
-        cols = [o + j for o, n in zip(offsets, lengths, strict=True) for j in range(n)]
-        ends = list(itertools.accumulate(lengths, initial=-1))[1:]  # each row's last id
-        width = max(cols) + 1
-        ids, slots, cols, last = (
-            torch.tensor(x, device=device)
-            for x in ([t for c in chunks for t in c], slots, cols, ends)
-        )
-        cache = self.scheduler.cache
-        cache.select_packed(slots, cols, lo, lo + len(chunks), width)
-        call = PackedCall(cache, groups_of(lengths, offsets, lo, device))
-        with packing(self.module, call):
-            out = self.module(
-                input_ids=ids[None],
-                # 4D: taken as it is by the model, and not read (the groups carry the masks)
-                attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
-                position_ids=cols[None],
-                **cache_argument(self.module, cache),
-                use_cache=True,
-                logits_to_keep=last,
-            )
-        if call.layers_seen == len(cache.layers):
-            return out.logits[0].float()
-        # the model's layers did not all attend here: its cache writes are at the right
-        # columns, so computing the same rows unpacked overwrites them with the right values
-        self.packs = False
-        warnings.warn(
-            f"{type(self.module).__name__} says its attention layers call transformers' "
-            f"attention functions, but {call.layers_seen} of {len(cache.layers)} did: this "
-            "engine no longer packs a returning request into the decode call",
-            stacklevel=2,
-        )
-        return self._forward_apart(chunks, offsets, lo)
-
-    def _forward_apart(self, chunks: list[list[int]], offsets: list[int], lo: int):
-        """What `_forward_packed` computes, in a call per group (packed.py `groups_of`)."""
-        out, k = [], 0
-        for g in groups_of([len(c) for c in chunks], offsets, lo, "cpu"):
-            rows = list(range(k, k + g.hi - g.lo))
-            ids = torch.tensor([chunks[r] for r in rows], device=self.device)
-            at = torch.tensor([offsets[r] for r in rows], device=self.device)
-            last = torch.full((len(rows),), g.width - 1, device=self.device)
-            out.append(self._forward(ids, at, last, g.lo, g.hi))
-            k += len(rows)
-        return torch.cat(out)
+    def sync_weights(self, source) -> None:
+        """Take the weights of `source`: into the view in place (cast to its dtype), or into
+        the module unless it is `source` itself."""
+        if self.view is None:
+            super().sync_weights(source)
+        else:
+            refresh_in_place(self.view, source)
 
     def offload(self, parts: tuple[str, ...]) -> None:
         """With the kv_cache part: wait for the engine to go idle, dropping anything still
-        held (and, on CUDA, return the memory). The weights are the train engine's module,
-        which moves them itself."""
+        held, and free the cache (on CUDA, return the memory). With the weights part, the
+        view's weights move to the host; the module's are the train engine's, which moves
+        them itself."""
         if "kv_cache" in parts:
             self.scheduler.idle(drop=True)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self.runner.free()
+        if "weights" in parts and self.view is not None:
+            self._move_view("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def reload(self, parts: tuple[str, ...]) -> None:
-        """Nothing to do: the next request builds the cache at the size it needs."""
+        """The view's weights back on the device; the next request builds the cache."""
+        if "weights" in parts and self.view is not None:
+            self._move_view(self.device)
+
+    def _move_view(self, device) -> None:
+        for i, p in enumerate(self.view.parameters()):
+            p.data = self.host.move(("view", i), p.data, device)
+        self.host.wait()
+
+
+def rollout_dtype(name: str, device: torch.device, module) -> torch.dtype:
+    """The dtype the rollout computes in: `HFOptions.dtype`, "auto" being bfloat16 on CUDA
+    and the module's own elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else next(module.parameters()).dtype
+    return getattr(torch, name)

@@ -99,10 +99,12 @@ class SlotCache(Cache):
         self.packed = None  # (slots, columns) of each token of a packed call (select_packed)
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
 
-    def select(self, lo: int, hi: int, cols: torch.Tensor) -> None:
-        """The next call covers slots lo..hi-1, row k writing at columns cols[k] (a, w)."""
+    def select(self, lo: int, hi: int, cols: torch.Tensor, width: int | None = None) -> None:
+        """The next call covers slots lo..hi-1, row k writing at columns cols[k] (a, w) and
+        attending to the first `width` columns (default: one past the last written, read
+        from the device)."""
         self.lo, self.hi, self.cols, self.packed = lo, hi, cols, None
-        self.width = int(cols.max()) + 1
+        self.width = int(cols.max()) + 1 if width is None else width
 
     def select_packed(self, slots, cols, lo: int, hi: int, width: int) -> None:
         """The next call is one packed sequence (packed.py): token j writes slot slots[j] at

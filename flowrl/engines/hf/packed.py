@@ -59,19 +59,45 @@ class Group:
 
 @attrs.define
 class PackedCall:
+    """A packed call's groups over the slot cache; `attend` is the attention of its layers."""
+
     cache: object
     groups: list[Group]
     layers_seen: int = 0
 
+    def attend(self, module, query, key, value, scaling, mask=None, **kwargs):
+        """query (1, heads, t, d) of the packed sequence -> (1, t, heads, d), each group
+        attending over its slots' cached keys and values (this call's already written by the
+        cache; `key`, `value` and the call's `mask` are not read)."""
+        kwargs.pop("is_causal", None)  # each group's mask says it
+        layer = self.cache.layers[module.layer_idx]
+        self.layers_seen += 1
+        out = []
+        for g in self.groups:
+            rows = g.hi - g.lo
+            q = query[0, :, g.start : g.start + rows * g.width]  # (heads, rows * w, d)
+            q = q.unflatten(1, (rows, g.width)).transpose(0, 1)  # (rows, heads, w, d)
+            columns = g.mask.shape[-1]
+            keys = layer.key_buffer[g.lo : g.hi, :, :columns]
+            values = layer.value_buffer[g.lo : g.hi, :, :columns]
+            o, _ = sdpa_attention_forward(
+                module, q, keys, values, g.mask, scaling=scaling, is_causal=False, **kwargs
+            )  # (rows, w, heads, d); sdpa's refusals (softcap) stand
+            out.append(o.flatten(0, 1))
+        return torch.cat(out)[None], None
 
-def groups_of(lengths: list[int], offsets: list[int], lo: int, device) -> list[Group]:
-    """Rows of one token next to each other form one group; a longer row is a group alone
-    (slots lo.., row k feeding lengths[k] ids at columns offsets[k]..)."""
+
+def groups_of(
+    lengths: list[int], offsets: list[int], lo: int, device, runs: bool = False
+) -> list[Group]:
+    """Rows of one token next to each other form one group; a longer row is a group alone,
+    or with `runs` one group with the rows of its length next to it (slots lo.., row k
+    feeding lengths[k] ids at columns offsets[k]..)."""
     out, start, k = [], 0, 0
     while k < len(lengths):
         end = k + 1
-        if lengths[k] == 1:
-            while end < len(lengths) and lengths[end] == 1:
+        if lengths[k] == 1 or runs:
+            while end < len(lengths) and lengths[end] == lengths[k]:
                 end += 1
         width = lengths[k]
         columns = max(offsets[k:end]) + width
@@ -84,29 +110,15 @@ def groups_of(lengths: list[int], offsets: list[int], lo: int, device) -> list[G
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """query (1, heads, t, d) of the packed sequence -> (1, t, heads, d), each group attending
-    over its slots' cached keys and values (this call's already written by the cache)."""
+    """The attention of the call running on this thread (`packing`): a packed call's groups,
+    or another call's own `attend` (the CUDA runner's decode, static.py); plain sdpa for
+    another thread's forward of the module meanwhile."""
     call = getattr(_current, "call", None)
     if call is None:  # another thread's forward of the module while this one packs
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, **kwargs
         )
-    kwargs.pop("is_causal", None)  # each group's mask says it
-    layer = call.cache.layers[module.layer_idx]
-    call.layers_seen += 1
-    out = []
-    for g in call.groups:
-        rows = g.hi - g.lo
-        q = query[0, :, g.start : g.start + rows * g.width]  # (heads, rows * w, d)
-        q = q.unflatten(1, (rows, g.width)).transpose(0, 1)  # (rows, heads, w, d)
-        columns = g.mask.shape[-1]
-        keys = layer.key_buffer[g.lo : g.hi, :, :columns]
-        values = layer.value_buffer[g.lo : g.hi, :, :columns]
-        o, _ = sdpa_attention_forward(
-            module, q, keys, values, g.mask, scaling=scaling, is_causal=False, **kwargs
-        )  # (rows, w, heads, d); sdpa's refusals (softcap) stand
-        out.append(o.flatten(0, 1))
-    return torch.cat(out)[None], None
+    return call.attend(module, query, key, value, scaling, mask=attention_mask, **kwargs)
 
 
 AttentionInterface.register(NAME, packed_attention)
@@ -127,8 +139,9 @@ def can_pack(module) -> bool:
 
 
 @contextlib.contextmanager
-def packing(module, call: PackedCall):
-    """The packed attention selected for the calls inside, on this thread."""
+def packing(module, call):
+    """`call.attend` (a `PackedCall`, or another call with an `attend` of the same shape)
+    selected as the attention of the model calls inside, on this thread."""
     from flowrl.models.calls import innermost
 
     config = innermost(module).config

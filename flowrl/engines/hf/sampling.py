@@ -1,10 +1,27 @@
 """Choosing the next token from logits: greedy, or sampled after temperature, top-k and top-p.
 
-Sampling runs in torch on the logits of the active rows, one draw per row from a caller's
-generator, so a rollout is reproducible from its seed.
+Sampling runs in torch on the logits of the active rows, one uniform number per row from the
+row's own random stream, so a rollout is reproducible from its seed. Two kinds of stream:
+
+- a torch.Generator per request (the eager runner's, on the host: what the CPU path has always
+  drawn, so its runs and the numbers measured on them stay as they were);
+- a counter-based stream (the CUDA runner's, on the device): draw i of a request is
+  Threefry-2x32-20 (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3"; the
+  generator JAX uses) of the counter i under the request's 64-bit key, computed with torch
+  integer ops on whatever device holds the logits. No state, no host round trip: a block of
+  decode steps draws all its numbers at once, and a row's draws depend on (key, i) alone, not
+  on its neighbours, its slot or the batch size a call was padded to.
+
+Both are keyed by (Request.seed, Request.turn) (rollout.py `mix`); the two give different
+draws for the same key, so a sampled rollout on the CUDA runner is not the eager runner's.
 """
 
 import torch
+
+MASK32 = 0xFFFFFFFF
+# Threefry-2x32's rotation constants, two sets of four rounds (Random123)
+ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+PARITY = 0x1BD11BDA  # the key schedule's constant
 
 
 def sample_tokens(
@@ -16,6 +33,7 @@ def sample_tokens(
     generator,
     with_logprobs: bool = False,
     uniform=None,
+    sync_free: bool = False,
 ):
     """logits (a, v) -> one token per row (a,): greedy, or sampled after temperature, top-k
     and top-p, in the order `generate` applies them.
@@ -25,6 +43,8 @@ def sample_tokens(
     candidates); for greedy decoding, under the model's distribution at temperature 1.
     `uniform` (a,) replaces the draws from `generator`: one number in [0, 1) per row, from
     the row's own random stream (the continuous-batching engine's per-request sampling).
+    `sync_free`: nothing waits for the device (the nucleus from a full sort, not from a top-c
+    grown until it holds top_p), so a CUDA caller can queue steps ahead.
     """
     if not do_sample or temperature == 0:
         token = logits.argmax(-1)
@@ -35,7 +55,7 @@ def sample_tokens(
     if 0 < top_k < logits.shape[-1]:
         logits, order = logits.topk(top_k, dim=-1)  # (a, k), and their token ids
     if top_p < 1.0:
-        logits, order = nucleus(logits, order, top_p)
+        logits, order = nucleus(logits, order, top_p, sync_free)
     index = draw(logits.softmax(-1), generator, uniform)  # (a,): a position among the candidates
     token = index if order is None else order.gather(-1, index[:, None]).squeeze(-1)
     if not with_logprobs:
@@ -43,19 +63,19 @@ def sample_tokens(
     return token, logits.log_softmax(-1).gather(-1, index[:, None]).squeeze(-1)
 
 
-def nucleus(logits, order, top_p: float):
+def nucleus(logits, order, top_p: float, sync_free: bool = False):
     """The smallest set of most likely tokens holding top_p of the mass (Holtzman et al. 2019,
     arXiv 1904.09751): (logits (a, c) of sorted candidates, the rest -inf; their ids in `order`,
     or in the vocabulary when order is None). The candidates come from a top-c grown until they
     hold top_p in every row: sorting SmolLM2's 49152 tokens for 32 rows takes 60 ms on CPU, a
-    top-64 2 ms."""
+    top-64 2 ms. `sync_free`: all candidates sorted at once, no check read back."""
     vocab = logits.shape[-1]
     normaliser = logits.logsumexp(-1, keepdim=True)
-    c = min(64, vocab)
+    c = vocab if sync_free else min(64, vocab)
     while True:
         values, index = logits.topk(c, dim=-1)  # (a, c), sorted
         probs = (values - normaliser).exp()
-        if c == vocab or bool((probs.sum(-1) >= top_p).all()):
+        if c == vocab or bool((probs.sum(-1) >= top_p).all()):  # c == vocab: no read back
             break
         c = min(8 * c, vocab)
     drop = probs.cumsum(-1) - probs >= top_p  # the more likely tokens already hold top_p
@@ -81,7 +101,7 @@ def draw(probs: torch.Tensor, generator, uniform=None) -> torch.Tensor:
 
 def sample_rows(rows: list, logits: torch.Tensor) -> tuple[list[int], list[float]]:
     """The continuous-batching engine's step: logits (d, v) of d requests (slots.Row:
-    `.request` with its Sampling and forced ids, `.stream` its generator, `.out` its ids so
+    `.request` with its Sampling and forced ids, `.stream` its random stream, `.out` its ids so
     far) -> one token per row and its log-prob. Rows are grouped by sampling settings; each
     sampled row draws one number from its own stream, so its token does not depend on the
     other rows; forced ids are taken as they are, with the log-prob of the temperature-scaled
@@ -94,8 +114,7 @@ def sample_rows(rows: list, logits: torch.Tensor) -> tuple[list[int], list[float
     for sampling, index in groups.items():
         uniform = None
         if not sampling.greedy:
-            draws = [torch.rand((), generator=rows[k].stream) for k in index]
-            uniform = torch.stack(draws)
+            uniform = row_uniforms([rows[k] for k in index], logits.device)
         s = sampling
         # log-probs only where a request asked (a log-softmax over the vocabulary per row)
         wanted = any(rows[k].request.logprobs for k in index)
@@ -121,3 +140,39 @@ def sample_rows(rows: list, logits: torch.Tensor) -> tuple[list[int], list[float
         full = torch.log_softmax(logits[index] / temperature[:, None], -1)
         tokens[index], chosen[index] = ids, full.gather(-1, ids[:, None]).squeeze(-1)
     return tokens.tolist(), chosen.tolist()  # one host sync per step, as any stop check needs
+
+
+def threefry2x32(key: tuple, counter: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """Threefry-2x32 with 20 rounds: key (k0, k1) and counter (c0, c1), each an int64 tensor
+    of 32-bit values (broadcast together) -> the two output words, int64 tensors of 32-bit
+    values. Additions are taken mod 2^32 by masking, so every value stays below 2^33 and the
+    int64 arithmetic is exact on any device."""
+    k0, k1 = key
+    schedule = (k0, k1, k0 ^ k1 ^ PARITY)
+    x0, x1 = (counter[0] + k0) & MASK32, (counter[1] + k1) & MASK32
+    for group in range(5):
+        for r in ROTATIONS[group % 2]:
+            x0 = (x0 + x1) & MASK32
+            x1 = ((x1 << r) & MASK32) | (x1 >> (32 - r))
+            x1 = x1 ^ x0
+        x0 = (x0 + schedule[(group + 1) % 3]) & MASK32
+        x1 = (x1 + schedule[(group + 2) % 3] + group + 1) & MASK32
+    return x0, x1
+
+
+def stream_uniforms(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """Draw `counters` of the counter-based streams `keys` (int64 tensors, broadcast together;
+    a key is a 63-bit seed, a counter the index of the draw) -> float32 uniforms in [0, 1),
+    24 random bits each (exact in float32), on the tensors' device."""
+    word, _ = threefry2x32((keys >> 32, keys & MASK32), (counters >> 32, counters & MASK32))
+    return (word >> 8).to(torch.float32) * 2.0**-24
+
+
+def row_uniforms(rows: list, device) -> torch.Tensor:
+    """One uniform per sampled row (slots.Row): the next number of its torch.Generator (CPU
+    tensor), or of its counter-based stream (an int key) at its draw count, len(row.out)."""
+    if isinstance(rows[0].stream, torch.Generator):
+        return torch.stack([torch.rand((), generator=r.stream) for r in rows])
+    keys = torch.tensor([r.stream for r in rows], dtype=torch.long)
+    counters = torch.tensor([len(r.out) for r in rows], dtype=torch.long)
+    return stream_uniforms(keys.to(device), counters.to(device))

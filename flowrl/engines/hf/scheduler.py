@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
 
 import torch
 
@@ -47,10 +46,10 @@ from flowrl.engines.threads import run_sync, start_thread
 
 
 class Scheduler:
-    """The batching loop over a `Batch` (slots.py) of an engine's requests: `engine`,
-    `new_cache` and `eos` as `Batch` takes them."""
+    """The batching loop over a `Batch` (slots.py) of an engine's requests, whose model calls
+    a model runner makes (runner.py); `eos` ends a request's turn."""
 
-    def __init__(self, engine, new_cache: Callable, eos: int, lockstep: bool = False):
+    def __init__(self, runner, eos: int, lockstep: bool = False):
         self.lockstep = lockstep
         self.cv = threading.Condition()
         self.gathering: dict = {}  # event loop -> rows submitted in its current iteration
@@ -61,19 +60,8 @@ class Scheduler:
         self.driven = False  # the loop runs on a caller's thread (`drive`)
         self.caller_done = False  # ... and that caller's requests have all come back
         self.dropping = False
-        self.batch = Batch(engine, new_cache, eos, self._hold)  # owned by the loop thread
-
-    @property
-    def cache(self):
-        return self.batch.cache
-
-    @property
-    def held(self) -> dict:
-        return self.batch.held
-
-    @property
-    def counts(self) -> dict:
-        return self.batch.counts
+        self.stalled = False  # the inbox waits for room in the cache (a release, a return)
+        self.batch = Batch(runner, eos, self._hold)  # owned by the loop thread
 
     # -- the callers' side (any event loop) ------------------------------------------------
     async def submit(self, request: Request) -> Result:
@@ -108,12 +96,14 @@ class Scheduler:
             rows = self.gathering.pop(loop, [])
             self.inbox += rows
             self.away -= {r.request.request_id for r in rows}
+            self.stalled = False
             self._wake()
 
     def release(self, request_id: str) -> None:
         with self.cv:
             self.away.discard(request_id)
             self.releases.append(request_id)
+            self.stalled = False
             self._wake()
 
     def idle(self, drop: bool = False) -> None:
@@ -168,15 +158,22 @@ class Scheduler:
                     self.cv.wait()
                 arrivals, self.inbox = self.inbox, []
                 releases, self.releases = self.releases, []
+            waiting = []
             try:
                 with torch.inference_mode():
                     batch = self.batch
                     batch.release(releases, arrivals)
+                    arrivals, waiting = batch.fits(arrivals)  # the others wait for room
                     joining = batch.joining(arrivals)
                     batch.admit([r for r in arrivals if all(r is not j for j in joining)])
                     batch.step(joining)
             except BaseException as e:  # every request in the engine gets the error
-                self.batch.fail(e, arrivals)
+                self.batch.fail(e, arrivals + waiting)
+                waiting = []
+            if waiting:
+                with self.cv:
+                    self.inbox = waiting + self.inbox
+                    self.stalled = not (arrivals or self.batch.decoding)
 
     def _ready(self) -> bool:
         if self.releases:
@@ -184,7 +181,7 @@ class Scheduler:
         # wait for every held request, unless none can come back
         if self.lockstep and self.away and not (self.dropping or self.caller_done):
             return False
-        return bool(self.inbox or self.batch.decoding)
+        return bool((self.inbox and not self.stalled) or self.batch.decoding)
 
     def _exit(self) -> None:
         for row in self.inbox:

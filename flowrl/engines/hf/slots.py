@@ -1,6 +1,7 @@
-"""The continuous batch of the rollout engine: its requests in the cache slots, and the model
-calls that prefill, join and decode them. The scheduler's loop thread (scheduler.py) owns it
-and calls `release`, `joining`, `admit` and `step` once per iteration.
+"""The continuous batch of the rollout engine: its requests in the cache slots, and the layout
+of the model calls that prefill, join and decode them (the model runner, runner.py, makes the
+calls over the cache it owns). The scheduler's loop thread (scheduler.py) owns the batch and
+calls `release`, `joining`, `admit` and `step` once per iteration.
 
 Decoding requests occupy slots 0..d-1, so a decode call reads a contiguous view of the cache;
 a request that joins or leaves swaps rows with the slot at the boundary (kv_cache.py); a
@@ -13,11 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import attrs
 import torch
 
-from flowrl.engines.hf.sampling import sample_rows
-from flowrl.engines.rollout import Request, Result, mix
+from flowrl.engines.hf.decoding import Decoding, Row
+from flowrl.engines.rollout import Result, mix
 
 # a prefix shared by new prompts is prefilled once when that saves this many prompt tokens:
 # below it, the extra model call (a read of all weights, ~65 ms for SmolLM2 on CPU) costs more
@@ -30,31 +30,13 @@ MIN_COPIED_PREFIX_TOKENS = 16
 MAX_PACKED_NEW = 8
 
 
-@attrs.define(eq=False)
-class Row:
-    """One request inside the engine."""
+class Batch(Decoding):
+    """The requests in the engine's cache slots, over a model runner (runner.py), which owns
+    the slot cache and makes the calls this batch lays out; `hold(request_id)` is told of each
+    request kept for a next turn. Its decode steps are decoding.py's."""
 
-    request: Request
-    deliver: Callable  # (Result | BaseException) -> None, on the caller's loop
-    slot: int = -1
-    tokens: list = attrs.Factory(list)  # ids whose keys and values fill the slot's columns
-    new: list = attrs.Factory(list)  # ids to feed before this turn's first sample
-    stream: torch.Generator | None = None  # None: greedy
-    out: list = attrs.Factory(list)
-    logprobs: list = attrs.Factory(list)
-    next: int = -1  # the token sampled last, fed at the next decode call
-    stopped: str = ""  # "abort" once released or cancelled while running
-
-
-class Batch:
-    """The requests in the engine's cache slots, over an engine's `_forward(ids, offsets, last,
-    lo, hi)` (logits of each row's last new token; `_forward_packed` when `engine.packs`) and
-    a slot cache from `new_cache(slots, columns)`; `hold(request_id)` is told of each request
-    kept for a next turn."""
-
-    def __init__(self, engine, new_cache: Callable, eos: int, hold: Callable[[str], None]):
-        self.engine, self.new_cache, self.eos, self.hold = engine, new_cache, eos, hold
-        self.cache = None
+    def __init__(self, runner, eos: int, hold: Callable[[str], None]):
+        self.runner, self.eos, self.hold = runner, eos, hold
         self.slots: list[Row | None] = []
         self.decoding = 0
         self.held: dict[str, Row] = {}
@@ -66,14 +48,14 @@ class Batch:
             "prefill_tokens": 0,
             "copied_prefix_tokens": 0,
         }
-        self.turn_columns = 0  # the columns the admitted requests' turns need
 
     def drop_held(self) -> None:
         """Forget the requests held for a next turn, and the cache (the engine goes idle)."""
         for row in self.held.values():
             self.slots[row.slot] = None
         self.held.clear()
-        self.cache, self.slots, self.logits, self.turn_columns = None, [], None, 0
+        self.slots, self.logits = [], None
+        self.runner.drop()
 
     def fail(self, error: BaseException, arrivals: list[Row]) -> None:
         """Every request in the batch, and `arrivals`, end with `error`."""
@@ -81,7 +63,8 @@ class Batch:
             if row is not None:
                 row.deliver(error)
         self.held.clear()  # their caches may be half written: the next turn starts afresh
-        self.cache, self.slots, self.decoding, self.logits = None, [], 0, None
+        self.slots, self.decoding, self.logits = [], 0, None
+        self.runner.drop()
 
     def release(self, releases: list[str], arrivals: list[Row]) -> None:
         """Free the slots held for `releases`; those running or arriving now end "abort"."""
@@ -94,6 +77,29 @@ class Batch:
                     running.stopped = "abort"
 
     # -- joining -----------------------------------------------------------------------------
+    def fits(self, arrivals: list[Row]) -> tuple[list[Row], list[Row]]:
+        """(the arrivals the runner's cache has room for now, the later ones, which wait), in
+        order of arrival. A runner without a limit takes all; a request back for its next
+        turn keeps its slot. CacheFull if not even one request fits an empty cache."""
+        if not arrivals:
+            return arrivals, []
+        columns = max(len(r.request.ids) + r.request.max_new_tokens for r in arrivals)
+        most = self.runner.capacity(columns)
+        if most is None:
+            return arrivals, []
+        if most < 1:
+            self.runner.reserve(1, columns)  # raises, saying why and what helps
+        used = sum(row is not None for row in self.slots)
+        now, later = [], []
+        for row in arrivals:
+            seated = bool(row.stopped) or row.request.request_id in self.held
+            if seated or (not later and used < most):
+                now.append(row)
+                used += not seated
+            else:
+                later.append(row)
+        return now, later
+
     def admit(self, arrivals: list[Row]) -> None:
         """Place `arrivals` in the slots after the decoding ones and prefill them in one call
         (the next `step` samples their first token)."""
@@ -139,7 +145,7 @@ class Batch:
         if not copies:
             return
         for row, leader in copies:
-            self.cache.move([leader.slot], [row.slot], len(leader.tokens))
+            self.runner.move([leader.slot], [row.slot], len(leader.tokens))
             row.tokens, row.new = list(leader.tokens), []
         logits = self.logits[[leader.slot for _, leader in copies]]  # row k: slot k
         self.logits = torch.cat([self.logits, logits])
@@ -148,9 +154,7 @@ class Batch:
     def _reserve(self, rows: list[Row]) -> None:
         """Room for every admitted request's whole turn now, not by doublings as it decodes."""
         turn = max(len(r.request.ids) + r.request.max_new_tokens for r in rows)
-        if self.cache is not None:
-            self.cache.reserve(len(self.slots), turn)
-        self.turn_columns = max(self.turn_columns, turn)
+        self.runner.reserve(len(self.slots), turn)
 
     def joining(self, arrivals: list[Row]) -> list[Row]:
         """The arrivals whose new tokens ride in the next decode call, when the engine packs
@@ -158,7 +162,7 @@ class Batch:
         prompts while they are few (MAX_PACKED_NEW distinct ones): a prompt arriving while
         others decode then costs no weight read of its own. A larger batch of new prompts
         gets a prefill call of its own, where the prefix they share is computed once."""
-        if not (self.decoding and self.engine.packs):
+        if not (self.decoding and self.runner.packs):
             return []
         live = [r for r in arrivals if not r.stopped]
         back = [r for r in live if r.request.request_id in self.held]
@@ -172,8 +176,9 @@ class Batch:
         its conversation already cached (at least one id is fed, for the next logits)."""
         request = row.request
         row.stream = None
-        if not request.sampling.greedy:
-            row.stream = torch.Generator().manual_seed(mix(request.seed, request.turn))
+        if not request.sampling.greedy:  # keyed by (seed, turn): sampling.py
+            key = mix(request.seed, request.turn)
+            row.stream = key if self.runner.device_sampling else torch.Generator().manual_seed(key)
         held = self.held.pop(request.request_id, None) if request.request_id else None
         ids = list(request.ids)
         if held is not None:
@@ -193,8 +198,6 @@ class Batch:
         slot already holds (the system prompt of requests admitted earlier), from
         MIN_COPIED_PREFIX_TOKENS on: a copy of columns, no model call. -> the prompts that
         found none."""
-        if self.cache is None:
-            return leaders
         new = {id(r) for r in leaders}
         cached = [r for r in self.slots if r is not None and r.tokens and id(r) not in new]
         rest = []
@@ -207,7 +210,7 @@ class Batch:
             if best < MIN_COPIED_PREFIX_TOKENS:
                 rest.append(row)
                 continue
-            self.cache.move([source.slot], [row.slot], best)
+            self.runner.move([source.slot], [row.slot], best)
             row.tokens, row.new = row.new[:best], row.new[best:]
             self.counts["copied_prefix_tokens"] += best
         return rest
@@ -225,7 +228,7 @@ class Batch:
             return
         first = leaders[0]
         self._call([first.new[:shared]], [0], first.slot)
-        self.cache.move([first.slot] * (len(leaders) - 1), [r.slot for r in leaders[1:]], shared)
+        self.runner.move([first.slot] * (len(leaders) - 1), [r.slot for r in leaders[1:]], shared)
         for row in leaders:
             row.tokens, row.new = row.new[:shared], row.new[shared:]
 
@@ -236,102 +239,22 @@ class Batch:
             row.tokens, row.new = row.tokens + row.new, []
         return logits
 
-    # -- decoding ----------------------------------------------------------------------------
-    def step(self, joining: list[Row]) -> None:
-        """Sample a token for every decoding row; then one call feeds them, with the new tokens
-        of `joining` (returning requests, new prompts) packed beside them."""
-        if self.decoding:
-            self._sample()
-        if not self.decoding:  # nothing decodes: the joining requests get a prefill call
-            self.logits = None
-            self.admit(joining)
-            return
-        rows = self.slots[: self.decoding]
-        joined, leaders, copies = self._seat(joining)
-        self._cached_prefix(leaders)
-        chunks = [[r.next] for r in rows] + [r.new for r in joined]
-        offsets = [len(r.tokens) for r in rows + joined]
-        self.logits = self._call(chunks, offsets, 0, packed=True)
-        for row in rows:
-            row.tokens.append(row.next)
-        for row in joined:
-            self.counts["prefill_tokens"] += len(row.new)
-            row.tokens, row.new = row.tokens + row.new, []
-        self.decoding += len(joined)
-        self._copy_rows(copies)
-
-    def _sample(self) -> None:
-        """Each decoding row's next token; the rows that finished leave their slots."""
-        rows = self.slots[: self.decoding]
-        tokens, logprobs = sample_rows(rows, self.logits)
-        leaving = []
-        for row, token, logprob in zip(rows, tokens, logprobs, strict=True):
-            if row.stopped:
-                leaving.append(row)
-                continue
-            row.out.append(token)
-            row.logprobs.append(logprob if row.request.logprobs else 0.0)
-            if token == self.eos:
-                row.stopped = "stop"
-            elif len(row.out) >= row.request.max_new_tokens:
-                row.stopped = "length"
-            row.next = token
-            if row.stopped:
-                leaving.append(row)
-        for row in sorted(leaving, key=lambda r: -r.slot):
-            last = self.decoding - 1
-            if self._keeps(row):  # its cache goes on living past the decoding slots
-                self._swap(row.slot, last)
-            else:  # nothing of it is kept: the last decoding row moves into its slot
-                self._vacate(row.slot, last)
-            self.decoding -= 1
-            self._finish(row)
-
-    def _keeps(self, row: Row) -> bool:
-        request = row.request
-        return bool(request.keep and request.request_id and row.stopped != "abort")
-
-    def _vacate(self, slot: int, last: int) -> None:
-        """Free `slot` (its row is done) by moving the row at `last` into it: one row's
-        columns copied, where a swap copies two."""
-        moved = self.slots[last]
-        if slot != last:
-            self.cache.move([last], [slot], len(moved.tokens))
-            self.slots[slot], moved.slot = moved, slot
-        self.slots[last] = None
-
-    def _finish(self, row: Row) -> None:
-        request = row.request
-        if self._keeps(row):
-            self.held[request.request_id] = row
-            self.hold(request.request_id)
-        elif self.slots[row.slot] is row:
-            self.slots[row.slot] = None
-        row.deliver(Result(list(row.out), list(row.logprobs), row.stopped))
-
-    # -- the cache -----------------------------------------------------------------------------
+    # -- the model calls ------------------------------------------------------------------------
     def _call(self, chunks: list[list[int]], offsets: list[int], lo: int, packed=False):
-        """One model call over slots lo..lo+len(chunks)-1: row k feeds chunks[k] at columns
-        offsets[k].. (right-padded to the longest; `packed`: chunks of different lengths in
-        one sequence, packed.py) -> the logits after each chunk (a, v)."""
+        """One model call over slots lo..lo+len(chunks)-1, made by the runner: row k feeds
+        chunks[k] at columns offsets[k].. (right-padded to the longest; `packed`: chunks of
+        different lengths in one sequence, packed.py) -> the logits after each chunk (a, v)."""
         w = max(len(c) for c in chunks)
-        if self.cache is None:
-            columns = max(max(offsets) + w, self.turn_columns)
-            self.cache = self.new_cache(len(self.slots), columns)
-        self.cache.reserve(len(self.slots), max(offsets) + w)
+        self.runner.reserve(len(self.slots), max(offsets) + w)
         if packed and any(len(c) != w for c in chunks):
             self.counts["packed_calls"] += 1
-            return self.engine._forward_packed(chunks, offsets, lo)
-        device = self.engine.device
-        ids = torch.full((len(chunks), w), self.eos, dtype=torch.long)
-        for k, chunk in enumerate(chunks):
-            ids[k, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
-        last = torch.tensor([len(c) - 1 for c in chunks], device=device)
-        offsets = torch.tensor(offsets, dtype=torch.long, device=device)
-        self.counts["decode_calls" if w == 1 else "prefill_calls"] += 1
-        if w > 1:
-            self.counts["prefill_tokens"] += sum(len(c) for c in chunks)
-        return self.engine._forward(ids.to(device), offsets, last, lo, lo + len(chunks))
+            return self.runner.packed(chunks, offsets, lo)
+        if w == 1:
+            self.counts["decode_calls"] += 1
+            return self.runner.decode([c[0] for c in chunks], offsets, lo)
+        self.counts["prefill_calls"] += 1
+        self.counts["prefill_tokens"] += sum(len(c) for c in chunks)
+        return self.runner.prefill(chunks, offsets, lo)
 
     def _swap(self, a: int, b: int) -> None:
         """Exchange slots a and b: their rows and their cached columns."""
@@ -339,8 +262,7 @@ class Batch:
             return
         x, y = self.slots[a], self.slots[b]
         columns = max(len(x.tokens) if x else 0, len(y.tokens) if y else 0)
-        if self.cache is not None:
-            self.cache.move([a, b], [b, a], columns)
+        self.runner.move([a, b], [b, a], columns)
         self.slots[a], self.slots[b] = y, x
         for row, slot in ((x, b), (y, a)):
             if row is not None:

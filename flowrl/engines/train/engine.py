@@ -16,9 +16,9 @@ import math
 import torch
 import torch.distributed as dist
 
+from flowrl.engines.host_copies import HostCopies
 from flowrl.engines.train import sharding
 from flowrl.engines.train.forward import ResponseForward, checkpoint_layers, decoder_layers
-from flowrl.engines.train.host_copies import HostCopies
 from flowrl.engines.train.update_loop import UpdateLoop
 from flowrl.math import ops
 from flowrl.models import lora
@@ -58,6 +58,9 @@ class TrainEngine(UpdateLoop):
         self.module, self.tokenizer, self.trainable = module, tokenizer, trainable
         self.device, self.rank, self.world_size, self.group = device, rank, world_size, group
         self.grad_clip, self.micro_tokens = grad_clip, micro_tokens
+        # micro-batches of rows sorted by length on CUDA; in order on CPU, where the n samples
+        # of a prompt then share a micro-batch and its prompt's forward (MIN_SAVED_PROMPT_TOKENS)
+        self.by_length = torch.device(device).type == "cuda"
         self.is_value = hasattr(module, "value_head")
         self.checkpointing = activation_checkpointing
         self.forwards = 0  # forward passes run (fsdp keeps them equal across ranks)
@@ -132,19 +135,27 @@ class TrainEngine(UpdateLoop):
         return self._equal_passes(self._split(rows), grad=True)
 
     def _split(self, rows) -> list:
+        return [rows.index(part) for part in self._parts(rows)]
+
+    def _parts(self, rows) -> list[list[int]]:
+        """The row indices of each micro-batch: in order, or longest first when `by_length`
+        (on CUDA: rows of like lengths share a micro-batch, which pads them less)."""
         if len(rows) == 0:
-            return [rows]
+            return [[]]
         prompt = rows["prompt_mask"].sum(-1).tolist()  # left-padded: trimmed width = longest
         response = ops.response_attention(rows).sum(-1).tolist()  # no holes: the trimmed width
+        order = list(range(len(rows)))
+        if self.by_length:
+            order.sort(key=lambda i: -(prompt[i] + response[i]))
         bounds, start, wide = [], 0, (0, 0)
-        for i in range(len(rows)):
+        for k, i in enumerate(order):
             grown = (max(wide[0], prompt[i]), max(wide[1], response[i]))
-            if i > start and (i - start + 1) * sum(grown) > self.micro_tokens:
-                bounds.append((start, i))
-                start, grown = i, (prompt[i], response[i])
+            if k > start and (k - start + 1) * sum(grown) > self.micro_tokens:
+                bounds.append((start, k))
+                start, grown = k, (prompt[i], response[i])
             wide = grown
-        bounds.append((start, len(rows)))
-        return [rows.index(slice(a, b)) for a, b in bounds]
+        bounds.append((start, len(order)))
+        return [order[a:b] for a, b in bounds]
 
     def passes(self, chunks: list):
         """`chunks` (micro-batches of rows, or anything a caller runs one forward per item of,
@@ -182,10 +193,12 @@ class TrainEngine(UpdateLoop):
         return rows.chunk(math.ceil(total / size) if size else 1)
 
     def infer(self, rows, **kwargs) -> dict:
-        """`forward` without gradients over micro-batches, outputs concatenated (b, t)."""
-        parts = self.passes(self._split(rows))
+        """`forward` without gradients over micro-batches, outputs (b, t) in the rows' order."""
+        indices = self._parts(rows)
+        parts = self.passes([rows.index(i) for i in indices])
         outs = [self.forward(m, grad=False, **kwargs) for m in parts]
-        return {key: torch.cat([p[key] for p in outs]) for key in outs[0]}
+        where = torch.tensor([i for part in indices for i in part], dtype=torch.long)
+        return {key: _placed(torch.cat([p[key] for p in outs]), where) for key in outs[0]}
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, rows, *, grad: bool, entropy: bool = False, temperature: float = 1.0) -> dict:
@@ -199,7 +212,7 @@ class TrainEngine(UpdateLoop):
             empty = torch.zeros(0, t)
             return {"values": empty} if self.is_value else {"logprobs": empty, "entropy": empty}
         self.forwards += 1
-        with torch.enable_grad() if grad else self.sharding.no_grad():
+        with torch.enable_grad() if grad else self.sharding.no_grad(), self.sharding.computing():
             out, keep = self._forward(rows, entropy, temperature, grad)
         if not grad:
             self.sharding.after_inference(self.forward_module)
@@ -359,6 +372,14 @@ def _trim(tokens: torch.Tensor, mask: torch.Tensor, left: bool):
         return tokens[:, first:], mask[:, first:]
     end = int(used[-1]) + 1 if len(used) else 1
     return tokens[:, :end], mask[:, :end]
+
+
+def _placed(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """Rows computed in the order `where` (row k of `values` is row where[k]), put back in
+    order."""
+    out = torch.empty_like(values)
+    out[where] = values
+    return out
 
 
 def _pad_right(x: torch.Tensor, t: int) -> torch.Tensor:

@@ -10,6 +10,13 @@ The forward does only the work the outputs need: padding columns are trimmed by 
 head runs only at the positions that predict response tokens (logsumexp minus the gathered
 logit, no log-softmax over the vocabulary kept), and a prompt repeated over its n samples runs
 once when the engine asks for it (`share_prompts`; never under fsdp, see `hidden`).
+
+The logits of a micro-batch are (tokens, vocabulary) floats: 4096 tokens of Qwen's 151,936
+entries are 2.5 GB in fp32, and the entropy needs a softmax of the same size. Past
+`max_logits` elements the head runs over chunks of tokens instead (`chunked_logprobs`), each
+chunk recomputed in the backward (torch's checkpoint), so no more than one chunk's logits
+exist at a time; below it (every CPU default: SmolLM2's 49,152 entries x 4096 tokens is under
+it) the pass is the plain one, unchanged.
 """
 
 import functools
@@ -21,14 +28,19 @@ from transformers import DynamicCache
 
 from flowrl.models.calls import cache_argument
 
+# logits elements (tokens x vocabulary) above which the head runs in chunks of tokens: 1 GiB of
+# fp32 logits at a time
+MAX_LOGITS = 1 << 28
+
 
 class ResponseForward(nn.Module):
     """model: a causal LM or a ValueModel (anything with `base_model` and an output head)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, max_logits: int = MAX_LOGITS):
         super().__init__()
         self.model = model
         self.is_value = hasattr(model, "value_head")
+        self.max_logits = max_logits  # see the module's docstring
 
     def forward(
         self,
@@ -64,7 +76,11 @@ class ResponseForward(nn.Module):
         if self.is_value:
             values = self.model.value_head(hidden).squeeze(-1).float()  # (b, t), a view
             return {"values": values.clone()}  # FSDP2 warns of views leaving its root module
-        logits = self.model.get_output_embeddings()(hidden).float() / temperature  # (b, t, v)
+        head = self.model.get_output_embeddings()
+        chunk = max(1, self.max_logits // head.weight.shape[0])  # tokens per chunk
+        if hidden.shape[0] * hidden.shape[1] > chunk:
+            return chunked_logprobs(hidden, head, responses, entropy, temperature, chunk)
+        logits = head(hidden).float() / temperature  # (b, t, v)
         return token_logprobs(logits, responses, entropy)
 
     def hidden(self, prompts, prompt_mask, responses, attention, share_prompts) -> torch.Tensor:
@@ -123,6 +139,24 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, entropy: bool = F
     if entropy:
         out["entropy"] = normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return out
+
+
+def chunked_logprobs(hidden, head, tokens, entropy: bool, temperature: float, chunk: int) -> dict:
+    """`token_logprobs` of head(hidden) / temperature, over `chunk` tokens at a time: hidden
+    (b, t, h), tokens (b, t) -> {"logprobs" (b, t)[, "entropy" (b, t)]}. With gradients, each
+    chunk keeps only its hidden states and recomputes its logits in the backward."""
+    b, t, _ = hidden.shape
+
+    def one(states, ids):  # (n, h), (n,) -> {"logprobs" (n,)[, "entropy" (n,)]}
+        return token_logprobs(head(states).float() / temperature, ids, entropy)
+
+    flat, ids = hidden.reshape(b * t, -1), tokens.reshape(b * t)
+    parts = []
+    for start in range(0, b * t, chunk):
+        args = (flat[start : start + chunk], ids[start : start + chunk])
+        grad = torch.is_grad_enabled() and flat.requires_grad
+        parts.append(checkpoint(one, *args, use_reentrant=False) if grad else one(*args))
+    return {k: torch.cat([p[k] for p in parts]).reshape(b, t) for k in parts[0]}
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -1,7 +1,9 @@
 """How a train engine's model spans its pool's ranks: the `strategy` of `[pools.<name>]`.
 
 - "ddp" (`Replicated`): every rank holds the whole model, its gradients and its optimizer
-  state; after the backward passes one all-reduce over a flat buffer sums the gradients.
+  state; after the backward passes one all-reduce over a flat buffer sums the gradients. On
+  cuda, a model's `param_dtype` makes forward passes compute in that dtype under autocast
+  while the weights, gradients and optimizer stay in the weights' dtype (fp32 master weights).
 - "fsdp" (`FullyShard`): PyTorch's FSDP2 (`fully_shard`) on each decoder layer and on the
   root (the engine's `ResponseForward`, which owns the embeddings, final norm and head). Each rank
   holds 1/ranks of every parameter, gradient and AdamW moment as DTensor shards; a layer's
@@ -18,6 +20,8 @@ Under fsdp every rank must make the same collective calls in the same order, so 
 the same number of forward (and backward) passes: see `TrainEngine.micro_batches`.
 """
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -25,10 +29,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def make_sharding(strategy: str, group=None, world_size: int = 1, device="cpu", compute=None):
-    """The sharding of `strategy` ("ddp" or "fsdp") over `group`; `compute`: FSDP2's
-    param_dtype (a torch dtype), or None to compute in the weights' dtype."""
+    """The sharding of `strategy` ("ddp" or "fsdp") over `group`; `compute`: the dtype
+    forward passes compute in on cuda (a torch dtype: FSDP2's param_dtype, autocast under
+    ddp), or None to compute in the weights' dtype."""
     if strategy == "ddp":
-        return Replicated(group, world_size)
+        return Replicated(group, world_size, device, compute)
     if strategy == "fsdp":
         return FullyShard(group, world_size, device, compute)
     raise ValueError(f'strategy must be "ddp" or "fsdp", got {strategy!r}')
@@ -39,11 +44,18 @@ class Replicated:
 
     sharded = False
 
-    def __init__(self, group=None, world_size: int = 1):
+    def __init__(self, group=None, world_size: int = 1, device="cpu", compute=None):
         self.group, self.world_size = group, world_size
+        self.autocast_to = compute if torch.device(device).type == "cuda" else None
 
     def wrap(self, scorer: torch.nn.Module, layers) -> None:
         """Nothing to do: each rank's module is the whole model."""
+
+    def computing(self):
+        """The context forward passes run in: autocast to `compute` on cuda, else none."""
+        if self.autocast_to is None:
+            return contextlib.nullcontext()
+        return torch.autocast("cuda", dtype=self.autocast_to)
 
     def no_grad(self):
         return torch.inference_mode()
@@ -97,6 +109,7 @@ class FullyShard(Replicated):
         from torch.distributed.device_mesh import DeviceMesh
 
         super().__init__(group or dist.group.WORLD, world_size)
+        self.autocast_to = None  # FSDP2 gathers the weights in the compute dtype instead
         kind = torch.device(device).type
         self.mesh = DeviceMesh.from_group(self.group, kind)
         self.compute = compute if kind == "cuda" else None  # fp32 on CPU

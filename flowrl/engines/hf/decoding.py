@@ -1,0 +1,171 @@
+"""The batch's decode steps (slots.py `Batch` inherits them): sample a token for every
+decoding request, let the finished ones leave, feed the others in one model call with the new
+tokens of the requests joining. A runner that samples on the device (runner.py `Block`) makes
+up to BLOCK_STEPS steps at once while nobody joins, read back once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from flowrl.engines.hf.runner import Block
+from flowrl.engines.hf.sampling import sample_rows
+from flowrl.engines.rollout import Request, Result
+
+# decode steps a runner that samples on the device makes per read back (runner.py `Block`):
+# the host reads its rows' tokens once per block; a row that stops within it idles to its end
+BLOCK_STEPS = 16
+
+
+@attrs.define(eq=False)
+class Row:
+    """One request inside the engine."""
+
+    request: Request
+    deliver: Callable  # (Result | BaseException) -> None, on the caller's loop
+    slot: int = -1
+    tokens: list = attrs.Factory(list)  # ids whose keys and values fill the slot's columns
+    new: list = attrs.Factory(list)  # ids to feed before this turn's first sample
+    # its random stream: a torch.Generator (eager runner), a counter stream's key (a runner
+    # that samples on the device: sampling.py); None: greedy
+    stream: torch.Generator | int | None = None
+    out: list = attrs.Factory(list)
+    logprobs: list = attrs.Factory(list)
+    next: int = -1  # the token sampled last, fed at the next decode call
+    stopped: str = ""  # "abort" once released or cancelled while running
+
+
+class Decoding:
+    """`step` and what it needs, for a class with the batch's slots, rows, runner and
+    seating (slots.py `Batch`)."""
+
+    def step(self, joining: list[Row]) -> None:
+        """Sample a token for every decoding row; then one call feeds them, with the new tokens
+        of `joining` (returning requests, new prompts) packed beside them. A runner that
+        samples on the device makes up to BLOCK_STEPS such steps at once while nobody joins."""
+        if not joining and self._blocks():
+            self._decode_block()
+            return
+        if self.decoding:
+            self._sample()
+        if not self.decoding:  # nothing decodes: the joining requests get a prefill call
+            self.logits = None
+            self.admit(joining)
+            return
+        rows = self.slots[: self.decoding]
+        joined, leaders, copies = self._seat(joining)
+        self._cached_prefix(leaders)
+        chunks = [[r.next] for r in rows] + [r.new for r in joined]
+        offsets = [len(r.tokens) for r in rows + joined]
+        self.logits = self._call(chunks, offsets, 0, packed=True)
+        for row in rows:
+            row.tokens.append(row.next)
+        for row in joined:
+            self.counts["prefill_tokens"] += len(row.new)
+            row.tokens, row.new = row.tokens + row.new, []
+        self.decoding += len(joined)
+        self._copy_rows(copies)
+
+    def _sample(self) -> None:
+        """Each decoding row's next token; the rows that finished leave their slots."""
+        rows = self.slots[: self.decoding]
+        tokens, logprobs = sample_rows(rows, self.logits)
+        leaving = []
+        for row, token, logprob in zip(rows, tokens, logprobs, strict=True):
+            if row.stopped or self._take(row, token, logprob):
+                leaving.append(row)
+            else:
+                row.next = token
+        self._leave(leaving)
+
+    def _take(self, row: Row, token: int, logprob: float) -> bool:
+        """Append a sampled token to `row`'s output -> whether it ended the turn."""
+        row.out.append(token)
+        row.logprobs.append(logprob if row.request.logprobs else 0.0)
+        if token == self.eos:
+            row.stopped = "stop"
+        elif len(row.out) >= row.request.max_new_tokens:
+            row.stopped = "length"
+        return bool(row.stopped)
+
+    def _leave(self, leaving: list[Row]) -> None:
+        """The finished rows leave the decoding slots (last first) and get their results."""
+        for row in sorted(leaving, key=lambda r: -r.slot):
+            last = self.decoding - 1
+            if self._keeps(row):  # its cache goes on living past the decoding slots
+                self._swap(row.slot, last)
+            else:  # nothing of it is kept: the last decoding row moves into its slot
+                self._vacate(row.slot, last)
+            self.decoding -= 1
+            self._finish(row)
+
+    def _blocks(self) -> bool:
+        """Whether the next steps can run as a device block (runner.py `Block`): the runner
+        samples on the device, and the decoding rows share their sampling settings and have
+        no forced ids left."""
+        rows = self.slots[: self.decoding]
+        return bool(
+            rows
+            and self.runner.device_sampling
+            and self.logits is not None
+            and len({r.request.sampling for r in rows}) == 1
+            and all(len(r.out) >= len(r.request.forced) for r in rows)
+        )
+
+    def _decode_block(self) -> None:
+        """Up to BLOCK_STEPS decode steps on the device, read back once: each row takes its
+        tokens up to its stop; the rows that finished leave their slots."""
+        rows = self.slots[: self.decoding]
+        left = [r.request.max_new_tokens - len(r.out) for r in rows]
+        block = Block(
+            keys=[r.stream or 0 for r in rows],
+            counters=[len(r.out) for r in rows],
+            offsets=[len(r.tokens) for r in rows],
+            left=left,
+            sampling=rows[0].request.sampling,
+            logprobs=any(r.request.logprobs for r in rows),
+            steps=min(BLOCK_STEPS, max(left)),
+            eos=self.eos,
+        )
+        tokens, logprobs, logits = self.runner.decode_block(self.logits, block)
+        self.counts["decode_calls"] += block.calls
+        leaving = []
+        for k, row in enumerate(rows):
+            if row.stopped:  # released while the block ran: nothing of it is taken
+                leaving.append(row)
+                continue
+            for j in range(block.steps):
+                if self._take(row, tokens[j][k], logprobs[j][k]):
+                    leaving.append(row)
+                    break
+                row.tokens.append(tokens[j][k])  # fed in the block
+        index = {id(row): k for k, row in enumerate(rows)}
+        self.logits = None  # the rows' order changes as they leave
+        self._leave(leaving)
+        staying = [index[id(r)] for r in self.slots[: self.decoding]]
+        self.logits = logits if not leaving else logits[staying]
+
+    def _keeps(self, row: Row) -> bool:
+        request = row.request
+        return bool(request.keep and request.request_id and row.stopped != "abort")
+
+    def _vacate(self, slot: int, last: int) -> None:
+        """Free `slot` (its row is done) by moving the row at `last` into it: one row's
+        columns copied, where a swap copies two."""
+        moved = self.slots[last]
+        if slot != last:
+            self.runner.move([last], [slot], len(moved.tokens))
+            self.slots[slot], moved.slot = moved, slot
+        self.slots[last] = None
+
+    def _finish(self, row: Row) -> None:
+        request = row.request
+        if self._keeps(row):
+            self.held[request.request_id] = row
+            self.hold(request.request_id)
+        elif self.slots[row.slot] is row:
+            self.slots[row.slot] = None
+        row.deliver(Result(list(row.out), list(row.logprobs), row.stopped))
