@@ -84,6 +84,7 @@ PUBLIC = {
     "graph_problems": "flowrl.testing:graph_problems",
     "tiny_model": "flowrl.testing:tiny_model",
     "tiny_tokenizer": "flowrl.testing:tiny_tokenizer",
+    "tiny_qwen2": "flowrl.testing:tiny_qwen2",
     "tiny_engine": "flowrl.testing:tiny_engine",
     "load_node": "flowrl.testing:load_node",
     "load_ref": "flowrl.testing:load_ref",

@@ -19,7 +19,7 @@ import attrs
 
 from flowrl.agent.scripted import ScriptedTurns, scripted_request
 from flowrl.front.tiny_run import VARIED_SCORER, tiny_overrides
-from flowrl.models.tiny import CHAT_TEMPLATE, SPECIAL, tiny_model, tiny_tokenizer
+from flowrl.models.tiny import CHAT_TEMPLATE, SPECIAL, tiny_model, tiny_qwen2, tiny_tokenizer
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -47,6 +47,7 @@ __all__ = [
     "tiny_model",
     "tiny_overrides",
     "tiny_plan",
+    "tiny_qwen2",
     "tiny_tokenizer",
     "update_batch",
     "update_rows",

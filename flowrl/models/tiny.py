@@ -78,3 +78,23 @@ def tiny_model(
             model = ValueModel(model)
             torch.nn.init.normal_(model.value_head.weight, std=hidden**-0.5)
     return model
+
+
+def tiny_qwen2(seed: int = 1, layers: int = 2, hidden: int = 32):
+    """A random Qwen2 over tiny_tokenizer's tokens: biased q/k/v projections and 4 query heads
+    sharing 2 KV heads (the shape rollout engines must fold), seeded without touching the
+    global random state; in eval mode, on the CPU."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tiny_tokenizer()),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(config).eval()

@@ -21,7 +21,7 @@ from flowrl.engines.batch import generate_batch
 from flowrl.engines.rollout import Request, Sampling
 from flowrl.engines.threads import run_sync
 from flowrl.protocol import DataProto
-from flowrl.testing import tiny_model, tiny_tokenizer
+from flowrl.testing import tiny_model, tiny_qwen2, tiny_tokenizer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,18 +33,7 @@ GREEDY = Sampling(do_sample=False)
 
 def qwen2(dtype=torch.float32):
     """A random Qwen2 on the GPU: 4 query heads sharing 2 KV heads, biased projections."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=len(tiny_tokenizer()),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(1)
-    return Qwen2ForCausalLM(config).to("cuda", dtype).eval()
+    return tiny_qwen2(layers=3, hidden=64).to("cuda", dtype)
 
 
 def batch(rows: int, width: int = 9):

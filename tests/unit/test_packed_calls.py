@@ -17,7 +17,7 @@ from flowrl.engines import HFRollout
 from flowrl.engines.hf.packed import PackedCall, can_pack, packing
 from flowrl.engines.rollout import Request, Sampling
 from flowrl.engines.threads import run_sync
-from flowrl.models.tiny import tiny_model, tiny_tokenizer
+from flowrl.models.tiny import tiny_model, tiny_qwen2, tiny_tokenizer
 
 A_PROMPT, B_PROMPT = [5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17]
 
@@ -36,21 +36,7 @@ def primed(model):
     return engine
 
 
-def qwen2():
-    """A random Qwen2 (biased q/k/v projections, 4 heads sharing 2 KV heads)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=len(tiny_tokenizer()),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        return Qwen2ForCausalLM(config).eval()
+qwen2 = tiny_qwen2  # biased q/k/v projections, 4 heads sharing 2 KV heads
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -29,7 +29,7 @@ from flowrl.engines.rollout import Request, Sampling
 from flowrl.engines.threads import run_sync
 from flowrl.errors import FlowrlError, GraphErrors
 from flowrl.front import dsl
-from flowrl.testing import tiny_model, tiny_tokenizer
+from flowrl.testing import tiny_model, tiny_qwen2, tiny_tokenizer
 
 GREEDY = Sampling(do_sample=False)
 STATIC = HFOptions(runner="static", memory_fraction=0.01)
@@ -146,21 +146,7 @@ def test_the_static_runner_refuses_what_it_cannot_run(model):
 # -- the runner in the engine ---------------------------------------------------------------------
 
 
-def qwen2():
-    """A random Qwen2: 4 query heads over 2 KV heads (the decode attention folds them)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=len(tiny_tokenizer()),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        return Qwen2ForCausalLM(config).eval()
+qwen2 = tiny_qwen2  # 4 query heads over 2 KV heads (the decode attention folds them)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
