@@ -7,8 +7,10 @@ I/O with a blocking client) stalls only its own loop, and its timeout holds: the
 waits on a future, never on the tool. A call past its timeout is abandoned: its thread cannot
 be killed, but it is a daemon, so it never keeps the process alive at exit (a
 concurrent.futures pool's threads are joined at exit: a never-returning tool kept `flowrl run`
-alive forever). A tool with `MAX_STUCK` calls still running past their timeout is not started
-again until one of them returns, which bounds the threads a hung tool can leak.
+alive forever). Once a tool has a call running past its timeout, it is started only while its
+abandoned calls and its calls in flight number fewer than `MAX_STUCK` (a call in flight may
+hang too), so a hung tool leaks at most `MAX_STUCK` threads after its first wave; a tool
+whose calls all return is never limited.
 
 No torch.
 """
@@ -21,6 +23,7 @@ import threading
 
 MAX_STUCK = 4  # abandoned calls of one tool still running; more are refused, not started
 _STUCK: dict[str, list[threading.Thread]] = {}  # tool name -> its abandoned, live threads
+_IN_FLIGHT: dict[str, int] = {}  # tool name -> its calls started and not yet returned or abandoned
 _LOCK = threading.Lock()
 
 
@@ -31,21 +34,30 @@ class ToolStuck(TimeoutError):
 def stuck_threads(name: str | None = None) -> int:
     """Live threads of abandoned calls (of one tool, or of all)."""
     with _LOCK:
-        for key in list(_STUCK):
-            _STUCK[key] = [t for t in _STUCK[key] if t.is_alive()]
-        if name is not None:
-            return len(_STUCK.get(name, []))
-        return sum(len(threads) for threads in _STUCK.values())
+        return _stuck(name)
+
+
+def _stuck(name: str | None) -> int:
+    """`stuck_threads`, with the lock held."""
+    for key in list(_STUCK):
+        _STUCK[key] = [t for t in _STUCK[key] if t.is_alive()]
+    if name is not None:
+        return len(_STUCK.get(name, []))
+    return sum(len(threads) for threads in _STUCK.values())
 
 
 async def run_call(name: str, function, kwargs: dict, timeout: float):
     """`function(**kwargs)` (sync or async, or returning an awaitable) in a daemon thread,
     awaited for at most `timeout` seconds. Raises what the call raised, TimeoutError past the
     timeout, or ToolStuck when `name` has MAX_STUCK abandoned calls still running."""
-    if stuck_threads(name) >= MAX_STUCK:
-        raise ToolStuck(
-            f"{name} has {MAX_STUCK} calls still running past their timeout; not started"
-        )
+    with _LOCK:  # checked and counted at once: concurrent calls cannot all slip past the limit
+        stuck = _stuck(name)
+        if stuck and stuck + _IN_FLIGHT.get(name, 0) >= MAX_STUCK:
+            raise ToolStuck(
+                f"{name} has {stuck} calls still running past their timeout (and "
+                f"{_IN_FLIGHT.get(name, 0)} in flight, which may hang too); not started"
+            )
+        _IN_FLIGHT[name] = _IN_FLIGHT.get(name, 0) + 1
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
@@ -71,13 +83,16 @@ async def run_call(name: str, function, kwargs: dict, timeout: float):
             pass
 
     thread = threading.Thread(target=target, name=f"flowrl-tool:{name}", daemon=True)
-    thread.start()
     try:
+        thread.start()
         return await asyncio.wait_for(future, timeout)
     except TimeoutError:
         with _LOCK:
             _STUCK.setdefault(name, []).append(thread)
         raise
+    finally:
+        with _LOCK:  # returned, raised or abandoned (then counted as stuck): no longer in flight
+            _IN_FLIGHT[name] -= 1
 
 
 async def _awaited(awaitable):

@@ -68,6 +68,7 @@ def test_verls_gsm8k_recipe_runs_as_it_is(tmp_path, monkeypatch):
     build_data.main()
     (tmp_path / "scorer.py").write_text(SCORER)
     monkeypatch.setattr("flowrl.engines.hf.engine.HFRollout", HermesPolicy)
+    monkeypatch.setattr(agent_rows, "_SETUPS", {})  # this run's setups only, not other tests'
     HermesPolicy.wrong.clear()
     overrides = [
         f'run.out_dir="{tmp_path / "runs"}"',

@@ -338,6 +338,39 @@ def test_a_tool_with_too_many_stuck_calls_is_not_started_again():
     never.set()
     for thread in [t for t in threading.enumerate() if t.name == "flowrl-tool:hang_test"]:
         thread.join(5)
+
+
+def test_calls_in_flight_count_toward_a_hung_tools_cap():
+    """A tool that has hung once: calls started together while others are in flight (they may
+    hang too) stop at the cap; checking only the abandoned ones let them all start."""
+    import asyncio
+
+    never = threading.Event()
+    started = []
+
+    def hang():
+        started.append(1)
+        never.wait()
+
+    async def attempt():
+        try:
+            await runner.run_call("flight_test", hang, {}, 0.05)
+        except runner.ToolStuck:
+            return "refused"
+        except TimeoutError:
+            return "timeout"
+
+    async def go():
+        first = await attempt()  # one abandoned call
+        return [first, *await asyncio.gather(*(attempt() for _ in range(runner.MAX_STUCK)))]
+
+    outcome = run(go())
+    # 1 abandoned + 3 in flight reach the cap: the 4th of the second wave is refused
+    assert outcome == ["timeout"] * runner.MAX_STUCK + ["refused"]
+    assert len(started) == runner.MAX_STUCK == runner.stuck_threads("flight_test")
+    never.set()
+    for thread in [t for t in threading.enumerate() if t.name == "flowrl-tool:flight_test"]:
+        thread.join(5)
     assert runner.stuck_threads("hang_test") == 0
 
 
