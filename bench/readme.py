@@ -69,6 +69,7 @@ def commit() -> str:
 
 def run_one(graph: str) -> dict:
     """`flowrl run graphs/<graph>.toml` in a fresh process, into a temporary run directory."""
+    measured_at = commit()  # the code the run starts with
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, "-m", "flowrl.cli", "run", f"graphs/{graph}.toml"]
         start = time.time()
@@ -78,13 +79,20 @@ def run_one(graph: str) -> dict:
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     scores = {row["step"]: row["val/score"] for row in rows if "val/score" in row}
     steps = [row["time_s"] for row in rows if "time_s" in row]
+    timed = sorted({k for row in rows for k in row if k.startswith("timing_s/")})
+    items = {  # the median of each plan item over the steps (docs/performance.md's profiles)
+        key.removeprefix("timing_s/"): statistics.median(r[key] for r in rows if key in r)
+        for key in timed
+    }
     return {
         "graph": graph,
         **describe(graph),
         "val": scores,
         "median_step_s": statistics.median(steps),
+        "median_item_s": items,
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows if "tokens_per_s" in r),
         "wall_s": wall,
-        "commit": commit(),
+        "commit": measured_at,
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores",
     }
