@@ -288,28 +288,30 @@ def test_a_ten_megabyte_output_is_cut_before_it_is_tokenized():
 
 @pytest.mark.parametrize("tool", ["Blocks", "Hangs"])
 def test_a_blocking_or_hung_async_tool_times_out_without_stalling_others(tools_dir, tool):
+    # a name of its own: the other case's abandoned threads still run (the cap is per tool)
+    slow = f"slow_{tool.lower()}"
     (tools_dir / "tools.yaml").write_text(
         yaml_of(
-            (tool, {}, schema("slow")), ("Sandbox", {"sandbox_fusion_url": "u"}, schema("fast"))
+            (tool, {}, schema(slow)), ("Sandbox", {"sandbox_fusion_url": "u"}, schema("fast"))
         )
     )
     box = Toolbox([], tools_dir, "tools.yaml")
     sessions = [box.open({}) for _ in range(3)]
-    before = runner.stuck_threads("slow")
+    before = runner.stuck_threads(slow)
 
     async def go():
         for session in sessions:
             await session.start()
-        slow = [s.call(ToolCall("slow", {"code": "x"}), 0.2) for s in sessions]
+        hung = [s.call(ToolCall(slow, {"code": "x"}), 0.2) for s in sessions]
         fast = [s.call(ToolCall("fast", {"code": "y"}), 5.0) for s in sessions]
-        return await asyncio.gather(*slow, *fast)
+        return await asyncio.gather(*hung, *fast)
 
     start = time.perf_counter()
     results = run(go())
     assert time.perf_counter() - start < 3.0  # the timeout held; nothing waited on the tool
     assert [r.status for r in results] == ["timeout"] * 3 + ["ok"] * 3
-    assert runner.stuck_threads("slow") - before == 3
-    threads = [t for t in threading.enumerate() if t.name == "flowrl-tool:slow"]
+    assert runner.stuck_threads(slow) - before == 3
+    threads = [t for t in threading.enumerate() if t.name == f"flowrl-tool:{slow}"]
     assert threads and all(t.daemon for t in threads)  # never keeps the process alive
 
 
