@@ -28,6 +28,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from readme import commit  # noqa: E402  (bench/readme.py: HEAD, "+changes" when the code differs)
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "algorithms.md"
 RESULTS = ROOT / "bench" / "results" / "algorithms.json"
@@ -110,11 +113,15 @@ def _cell(values: list) -> str:
 
 
 def table(results: list[dict], command: str, backend: str) -> str:
-    """The measured table, one row per graph, in ALGORITHMS order. A result carries the command
-    and date that measured it (`command` and today for one that does not); the header names the
-    most common, and a line under the table names the graphs re-measured by another (--merge)."""
+    """The measured table, one row per graph, in ALGORITHMS order. A result carries the command,
+    date and commit that measured it (`command` and today for one that does not); the header
+    names the most common, and a line under the table names the graphs re-measured by another
+    (--merge)."""
     today = time.strftime("%Y-%m-%d")
-    made = {r["graph"]: (r.get("command", command), r.get("date", today)) for r in results}
+    made = {
+        r["graph"]: (r.get("command", command), _when(r.get("date", today), r.get("commit")))
+        for r in results
+    }
     # the command behind the most graphs; on a tie the earliest, which the others re-measured
     main = max(sorted(set(made.values()), key=lambda m: m[1]), key=list(made.values()).count)
     graphs = sorted({r["graph"] for r in results}, key=_order)
@@ -141,6 +148,10 @@ def table(results: list[dict], command: str, backend: str) -> str:
                 f"The {graph} row was measured again with `{made[graph][0]}` ({made[graph][1]}).",
             ]
     return "\n".join(lines)
+
+
+def _when(date: str, at: str | None) -> str:
+    return f"{date} at {at}" if at else date
 
 
 def merged(old: list[dict], new: list[dict]) -> list[dict]:
@@ -199,13 +210,13 @@ def main(argv=None) -> None:
     jobs = [(graph, seed) for graph in graphs for seed in seeds]
     quiet = args.jobs > 1
     command = " ".join(["python bench/algorithms.py", *(argv or sys.argv[1:])])
-    date = time.strftime("%Y-%m-%d")
+    date, at = time.strftime("%Y-%m-%d"), commit()
 
     def one(job):
         graph, seed = job
         out = Path(args.out)
         result = run_one(graph, seed, args.steps, args.overrides, out, args.backend, quiet)
-        result.update(command=command, date=date)
+        result.update(command=command, date=date, commit=at)
         print(json.dumps(result), flush=True)
         return result
 

@@ -43,6 +43,25 @@ def test_table_rows_follow_the_algorithm_order_with_means_over_seeds():
     assert "seeds 0, 1" in text and "local executor" in text
 
 
+def test_the_header_names_the_commit_each_row_was_measured_at():
+    first = [
+        result(g, s, 0.25, 0.5, 0.75, 4.0) | {"date": "2026-11-28", "commit": "abc1234"}
+        for g in ("grpo", "dapo")
+        for s in (0, 1)
+    ]
+    again = [
+        r | {"command": "python bench/algorithms.py --graphs dapo --merge", "commit": "def5678"}
+        for r in first
+        if r["graph"] == "dapo"
+    ]
+    text = algorithms.table(algorithms.merged(first, again), "python bench/algorithms.py", "local")
+    assert "2026-11-28 at abc1234)" in text.splitlines()[0]
+    assert text.splitlines()[-1] == (
+        "The dapo row was measured again with "
+        "`python bench/algorithms.py --graphs dapo --merge` (2026-11-28 at def5678)."
+    )
+
+
 def test_write_doc_replaces_only_the_measured_part(tmp_path, monkeypatch):
     doc = tmp_path / "algorithms.md"
     doc.write_text(f"# Algorithms\nkept\n{algorithms.BEGIN}\nold table\n{algorithms.END}\ntail\n")
