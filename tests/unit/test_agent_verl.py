@@ -291,9 +291,7 @@ def test_a_blocking_or_hung_async_tool_times_out_without_stalling_others(tools_d
     # a name of its own: the other case's abandoned threads still run (the cap is per tool)
     slow = f"slow_{tool.lower()}"
     (tools_dir / "tools.yaml").write_text(
-        yaml_of(
-            (tool, {}, schema(slow)), ("Sandbox", {"sandbox_fusion_url": "u"}, schema("fast"))
-        )
+        yaml_of((tool, {}, schema(slow)), ("Sandbox", {"sandbox_fusion_url": "u"}, schema("fast")))
     )
     box = Toolbox([], tools_dir, "tools.yaml")
     sessions = [box.open({}) for _ in range(3)]
@@ -337,9 +335,15 @@ def test_a_tool_with_too_many_stuck_calls_is_not_started_again():
     outcome = run(go())
     assert outcome == ["timeout"] * runner.MAX_STUCK + ["refused"] * 2
     assert len(started) == runner.MAX_STUCK  # threads stop growing at the cap
+    release(never, "hang_test")
+
+
+def release(never: threading.Event, name: str) -> None:
+    """Let a hung tool's threads return: none of its calls is counted as stuck after."""
     never.set()
-    for thread in [t for t in threading.enumerate() if t.name == "flowrl-tool:hang_test"]:
+    for thread in [t for t in threading.enumerate() if t.name == f"flowrl-tool:{name}"]:
         thread.join(5)
+    assert runner.stuck_threads(name) == 0
 
 
 def test_calls_in_flight_count_toward_a_hung_tools_cap():
@@ -370,10 +374,7 @@ def test_calls_in_flight_count_toward_a_hung_tools_cap():
     # 1 abandoned + 3 in flight reach the cap: the 4th of the second wave is refused
     assert outcome == ["timeout"] * runner.MAX_STUCK + ["refused"]
     assert len(started) == runner.MAX_STUCK == runner.stuck_threads("flight_test")
-    never.set()
-    for thread in [t for t in threading.enumerate() if t.name == "flowrl-tool:flight_test"]:
-        thread.join(5)
-    assert runner.stuck_threads("hang_test") == 0
+    release(never, "flight_test")
 
 
 def test_a_failed_call_of_a_verl_tool_gets_verls_zero_step_reward(tools_dir):
