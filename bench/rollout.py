@@ -50,7 +50,7 @@ from flowrl.agent.chat import ChatTokens  # noqa: E402
 from flowrl.agent.driver import run_requests  # noqa: E402
 from flowrl.agent.episode import Episode, Limits  # noqa: E402
 from flowrl.agent.parsers import user_parser  # noqa: E402
-from flowrl.agent.tools import FunctionTool, Toolbox  # noqa: E402
+from flowrl.agent.tools.toolbox import FunctionTool, Toolbox  # noqa: E402
 from flowrl.data.calculator import calculator_rows  # noqa: E402
 from flowrl.engines import HFRollout  # noqa: E402
 from flowrl.engines.batch import generate_batch  # noqa: E402

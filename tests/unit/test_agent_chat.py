@@ -10,7 +10,7 @@ from flowrl.agent.chat import ChatTokens, template_problems
 from flowrl.agent.driver import run_requests
 from flowrl.agent.episode import Episode, Limits
 from flowrl.agent.parsers import make_parser
-from flowrl.agent.tools import FunctionTool, Toolbox
+from flowrl.agent.tools.toolbox import FunctionTool, Toolbox
 from flowrl.engines.threads import run_sync
 from flowrl.testing import CHAT_TEMPLATE, ScriptedTurns, tiny_tokenizer
 

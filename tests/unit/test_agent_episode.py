@@ -13,7 +13,7 @@ from flowrl.agent.driver import run_requests
 from flowrl.agent.episode import Episode, Limits
 from flowrl.agent.interactions import FunctionInteraction
 from flowrl.agent.parsers import make_parser
-from flowrl.agent.tools import FunctionTool, Toolbox
+from flowrl.agent.tools.toolbox import FunctionTool, Toolbox
 from flowrl.engines.threads import run_sync
 from flowrl.testing import ScriptedTurns, tiny_tokenizer
 
@@ -418,7 +418,7 @@ class Counter:
 
 
 def test_a_class_tool_keeps_state_per_request_and_is_rewarded_once(pool):
-    from flowrl.agent.tools import ClassTool
+    from flowrl.agent.tools.toolbox import ClassTool
 
     box = Box([])
     box.tools, box.names = [ClassTool(Counter)], ["add"]
@@ -439,7 +439,7 @@ def test_a_class_tool_keeps_state_per_request_and_is_rewarded_once(pool):
 
 
 def test_a_tool_whose_creation_fails_ends_only_its_request(pool):
-    from flowrl.agent.tools import ClassTool
+    from flowrl.agent.tools.toolbox import ClassTool
 
     box = Box([])
     box.tools, box.names = [ClassTool(Counter)], ["add"]

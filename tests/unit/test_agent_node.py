@@ -223,7 +223,8 @@ def test_flowrl_check_runs_the_template_check_without_loading_weights(tools_dir,
 
 
 def test_flowrl_check_says_when_the_python_tool_cannot_be_confined(tools_dir, monkeypatch):
-    from flowrl.agent import checks, sandbox
+    from flowrl.agent import checks
+    from flowrl.agent.tools import sandbox
 
     monkeypatch.setattr(checks, "_template", lambda *a: [])
     graph = tools_dir / "g.toml"

@@ -13,7 +13,7 @@ from flowrl.agent.driver import run_requests
 from flowrl.agent.episode import Episode, Limits
 from flowrl.agent.parsers import make_parser
 from flowrl.agent.prompt import AgentPrompt, template_shows_tools, with_system_prompt
-from flowrl.agent.tools import Toolbox
+from flowrl.agent.tools.toolbox import Toolbox
 from flowrl.data.loader import PromptDataset
 from flowrl.engines.threads import run_sync
 from flowrl.testing import ScriptedTurns, tiny_tokenizer

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.agent import sandbox
-from flowrl.agent.builtin import python
 from flowrl.agent.parsers import ToolCall
-from flowrl.agent.sandbox import SandboxLimits, SandboxUnavailable, isolation, run_python
-from flowrl.agent.tools import Toolbox
+from flowrl.agent.tools import sandbox
+from flowrl.agent.tools.builtin import python
+from flowrl.agent.tools.sandbox import SandboxLimits, SandboxUnavailable, isolation, run_python
+from flowrl.agent.tools.toolbox import Toolbox
 
 LIMITS = SandboxLimits(cpu_s=1, wall_s=30.0, memory_mb=256, output_bytes=2000)
 

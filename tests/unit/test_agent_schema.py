@@ -9,9 +9,8 @@ from typing import Any, Literal
 import pytest
 from transformers.utils import get_json_schema
 
-from flowrl.agent import builtin
-from flowrl.agent.objects import ToolError
-from flowrl.agent.schema import function_schema
+from flowrl.agent.tools import ToolError, builtin
+from flowrl.agent.tools.schema import function_schema
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,7 +118,7 @@ def test_bad_tools_are_refused_with_the_fix(function, words):
 def test_schemas_import_no_transformers():
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
-        "from flowrl.agent.tools import Toolbox\n"
+        "from flowrl.agent.tools.toolbox import Toolbox\n"
         "box = Toolbox(['calculator', 'python', 'answer_check'])\n"
         "assert box.names[0] == 'calc', box.names\n"
     )

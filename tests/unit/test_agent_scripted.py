@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.agent.objects import ToolError
+from flowrl.agent.tools import ToolError
 from flowrl.testing import scripted_request
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "verl_gsm8k"

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from flowrl.agent.builtin import calc
 from flowrl.agent.parsers import ToolCall, make_parser, parse_hermes, tag_parser
-from flowrl.agent.session import bind_arguments
-from flowrl.agent.tools import (
+from flowrl.agent.tools.builtin import calc
+from flowrl.agent.tools.session import bind_arguments
+from flowrl.agent.tools.toolbox import (
     ClassTool,
     FunctionTool,
     Toolbox,
@@ -85,7 +85,7 @@ def test_references_resolve_built_ins_files_and_modules(tmp_path):
     assert make_tool("python").names == ["python"]
     assert isinstance(make_tool("answer_check"), ClassTool)
     assert make_tool("my_tools.py:echo", tmp_path).names == ["echo"]
-    assert make_tool("flowrl.agent.builtin:calc").names == ["calc"]
+    assert make_tool("flowrl.agent.tools.builtin:calc").names == ["calc"]
     with pytest.raises(ToolError, match="no file"):
         make_tool("missing.py:echo", tmp_path)
     with pytest.raises(ToolError, match='has no "nope"'):
@@ -93,7 +93,7 @@ def test_references_resolve_built_ins_files_and_modules(tmp_path):
     with pytest.raises(ToolError, match="write"):
         make_tool("not_a_reference")
     with pytest.raises(ToolError, match="tools named twice: calc"):
-        Toolbox(["calculator", "flowrl.agent.builtin:calc"])
+        Toolbox(["calculator", "flowrl.agent.tools.builtin:calc"])
 
 
 def test_bind_arguments_checks_names_and_json_types():

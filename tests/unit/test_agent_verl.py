@@ -11,11 +11,11 @@ import time
 import attrs
 import pytest
 
-from flowrl.agent import runner
 from flowrl.agent.chat import truncate_chars
 from flowrl.agent.interactions import load_interactions
 from flowrl.agent.parsers import ToolCall
-from flowrl.agent.tools import Toolbox
+from flowrl.agent.tools import timeouts
+from flowrl.agent.tools.toolbox import Toolbox
 from flowrl.nodes import agent
 from flowrl.nodespec import CheckContext
 
@@ -295,7 +295,7 @@ def test_a_blocking_or_hung_async_tool_times_out_without_stalling_others(tools_d
     )
     box = Toolbox([], tools_dir, "tools.yaml")
     sessions = [box.open({}) for _ in range(3)]
-    before = runner.stuck_threads(slow)
+    before = timeouts.stuck_threads(slow)
 
     async def go():
         for session in sessions:
@@ -308,7 +308,7 @@ def test_a_blocking_or_hung_async_tool_times_out_without_stalling_others(tools_d
     results = run(go())
     assert time.perf_counter() - start < 3.0  # the timeout held; nothing waited on the tool
     assert [r.status for r in results] == ["timeout"] * 3 + ["ok"] * 3
-    assert runner.stuck_threads(slow) - before == 3
+    assert timeouts.stuck_threads(slow) - before == 3
     threads = [t for t in threading.enumerate() if t.name == f"flowrl-tool:{slow}"]
     assert threads and all(t.daemon for t in threads)  # never keeps the process alive
 
@@ -323,18 +323,18 @@ def test_a_tool_with_too_many_stuck_calls_is_not_started_again():
 
     async def go():
         out = []
-        for _ in range(runner.MAX_STUCK + 2):
+        for _ in range(timeouts.MAX_STUCK + 2):
             try:
-                await runner.run_call("hang_test", hang, {}, 0.05)
-            except runner.ToolStuck:
+                await timeouts.run_call("hang_test", hang, {}, 0.05)
+            except timeouts.ToolStuck:
                 out.append("refused")
             except TimeoutError:
                 out.append("timeout")
         return out
 
     outcome = run(go())
-    assert outcome == ["timeout"] * runner.MAX_STUCK + ["refused"] * 2
-    assert len(started) == runner.MAX_STUCK  # threads stop growing at the cap
+    assert outcome == ["timeout"] * timeouts.MAX_STUCK + ["refused"] * 2
+    assert len(started) == timeouts.MAX_STUCK  # threads stop growing at the cap
     release(never, "hang_test")
 
 
@@ -343,7 +343,7 @@ def release(never: threading.Event, name: str) -> None:
     never.set()
     for thread in [t for t in threading.enumerate() if t.name == f"flowrl-tool:{name}"]:
         thread.join(5)
-    assert runner.stuck_threads(name) == 0
+    assert timeouts.stuck_threads(name) == 0
 
 
 def test_calls_in_flight_count_toward_a_hung_tools_cap():
@@ -360,20 +360,20 @@ def test_calls_in_flight_count_toward_a_hung_tools_cap():
 
     async def attempt():
         try:
-            await runner.run_call("flight_test", hang, {}, 0.05)
-        except runner.ToolStuck:
+            await timeouts.run_call("flight_test", hang, {}, 0.05)
+        except timeouts.ToolStuck:
             return "refused"
         except TimeoutError:
             return "timeout"
 
     async def go():
         first = await attempt()  # one abandoned call
-        return [first, *await asyncio.gather(*(attempt() for _ in range(runner.MAX_STUCK)))]
+        return [first, *await asyncio.gather(*(attempt() for _ in range(timeouts.MAX_STUCK)))]
 
     outcome = run(go())
     # 1 abandoned + 3 in flight reach the cap: the 4th of the second wave is refused
-    assert outcome == ["timeout"] * runner.MAX_STUCK + ["refused"]
-    assert len(started) == runner.MAX_STUCK == runner.stuck_threads("flight_test")
+    assert outcome == ["timeout"] * timeouts.MAX_STUCK + ["refused"]
+    assert len(started) == timeouts.MAX_STUCK == timeouts.stuck_threads("flight_test")
     release(never, "flight_test")
 
 

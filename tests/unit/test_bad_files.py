@@ -335,7 +335,7 @@ def test_a_tool_returning_a_bad_reward_is_recorded_not_raised():
     import asyncio
 
     from flowrl.agent.parsers import ToolCall
-    from flowrl.agent.session import Session
+    from flowrl.agent.tools.session import Session
 
     session = Session([], {})
     session.functions = {"calc": lambda: ("7", float("nan"))}

@@ -122,7 +122,7 @@ class Tutor:
 
 def test_an_error_is_described_at_the_users_line(tmp_path):
     from flowrl import refs
-    from flowrl.agent.objects import ToolError
+    from flowrl.agent.tools import ToolError
     from flowrl.agent.verl import make_interaction
 
     (tmp_path / "tutor.py").write_text(USER_CODE)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import flowrl
-from flowrl.agent.sandbox import SandboxLimits, run_python
+from flowrl.agent.tools.sandbox import SandboxLimits, run_python
 
 pytestmark = pytest.mark.slow  # each case starts a Python child process
 LIMITS = SandboxLimits(cpu_s=2, wall_s=20.0, memory_mb=256, output_bytes=4000)

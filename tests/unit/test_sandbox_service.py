@@ -12,18 +12,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from flowrl.agent.objects import ToolError
 from flowrl.agent.parsers import ToolCall
-from flowrl.agent.sandbox_service import (
+from flowrl.agent.tools import ToolError
+from flowrl.agent.tools.sandbox_service import (
     SandboxFusionTool,
     SandboxServiceError,
     output_text,
     post_run_code,
     service_settings,
 )
-from flowrl.agent.session import Session
-from flowrl.agent.tools import Toolbox
-from flowrl.agent.verl import VerlTool
+from flowrl.agent.tools.session import Session
+from flowrl.agent.tools.toolbox import Toolbox
+from flowrl.agent.tools.verl import VerlTool
 
 
 def answer(stdout="", stderr="", status="Success", run_status="Finished", code=0):

@@ -18,11 +18,11 @@ from fake_sglang import FakeEngine
 from flowrl.backends import SGLangOptions
 from flowrl.engines.batch import generate_batch
 from flowrl.engines.rollout import Result, RolloutBackend, make_rollout, rollout_class
+from flowrl.engines.served_weights import weight_buckets
 from flowrl.engines.sglang import backend as sglang_backend
 from flowrl.engines.sglang import process as sglang_process
 from flowrl.engines.sglang.backend import PushRefused, SGLangRollout
 from flowrl.engines.sglang.io import request_result
-from flowrl.engines.weights import weight_buckets
 from flowrl.testing import tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -205,7 +205,7 @@ def test_a_multi_turn_rollout_sends_each_turn_with_the_whole_conversation(backen
     from flowrl.agent.driver import run_requests
     from flowrl.agent.episode import Episode, Limits
     from flowrl.agent.parsers import user_parser
-    from flowrl.agent.tools import FunctionTool, Toolbox
+    from flowrl.agent.tools.toolbox import FunctionTool, Toolbox
 
     def echo(text: str) -> str:
         """Echo.

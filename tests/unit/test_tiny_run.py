@@ -118,8 +118,8 @@ def test_a_user_update_with_its_own_mini_batch_param_is_shrunk(tmp_path):
 def test_an_agent_graph_scripts_a_first_turn_calling_each_tool(tmp_path):
     """A tool of the user's own (a sibling of the graph) beside the calculator: the tiny
     overrides script the first turn, allow both calls in it, and budget the turn to fit."""
-    from flowrl.agent.script import first_turn_text
-    from flowrl.agent.tools import Toolbox
+    from flowrl.agent.first_turn import first_turn_text
+    from flowrl.agent.tools.toolbox import Toolbox
 
     (tmp_path / "units.py").write_text(UNIT_TOOL)
     graph = tmp_path / "g.toml"
@@ -283,7 +283,7 @@ def test_an_agent_with_an_interaction_gets_room_for_two_replies(tmp_path):
     """The random policy's turns are cut, so the tiny run lets the interaction answer cut
     turns, and sizes the turns and the budget for two replies: a sampled turn, a reply, a
     turn, a reply, and the turn verl's limit ends the request after."""
-    from flowrl.agent.tiny import REPLY_TOKENS, TURN_TOKENS
+    from flowrl.agent.tiny_setup import REPLY_TOKENS, TURN_TOKENS
 
     out = tiny_overrides(interaction_graph(tmp_path, 'interaction = "judge.py:reply"'))
     node = "nodes.generate."

@@ -45,7 +45,7 @@ from flowrl.engines.hf.scheduler import Scheduler
 from flowrl.engines.hf.static import make_runner
 from flowrl.engines.host_copies import HostCopies
 from flowrl.engines.rollout import Request, Result, RolloutBase
-from flowrl.engines.weights import refresh_in_place
+from flowrl.engines.served_weights import refresh_in_place
 
 
 class HFRollout(RolloutBase):

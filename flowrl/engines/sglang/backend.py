@@ -85,6 +85,7 @@ import torch
 from flowrl import compat
 from flowrl.backends import ROLLOUT_BACKENDS, SGLangOptions
 from flowrl.engines.rollout import Request, Result, RolloutBase
+from flowrl.engines.served_weights import rollout_weights, weight_buckets
 from flowrl.engines.sglang.io import (
     free_port,
     request_result,
@@ -93,7 +94,6 @@ from flowrl.engines.sglang.io import (
     write_model_dir,
 )
 from flowrl.engines.sglang.process import EngineGuard
-from flowrl.engines.weights import rollout_weights, weight_buckets
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}  # SGLang's kernels
 VERIFY_ROWS = 4  # rows of each checked parameter read back in verify mode

@@ -18,7 +18,7 @@ import re
 import types
 import typing
 
-from flowrl.agent.objects import ToolError
+from flowrl.agent.tools import ToolError
 
 SCALARS = {int: "integer", float: "number", str: "string", bool: "boolean", type(None): "null"}
 CONTAINERS = {list: "array", tuple: "array", dict: "object"}

@@ -16,7 +16,7 @@ import ast
 import math
 import operator
 
-from flowrl.agent.sandbox import SandboxLimits, run_python
+from flowrl.agent.tools.sandbox import SandboxLimits, run_python
 from flowrl.rewards import gsm8k
 
 MAX_EXPRESSION = 200  # characters
@@ -106,7 +106,7 @@ def python_tool(sandbox: str = "auto"):
     return python
 
 
-python = python_tool()  # "flowrl.agent.builtin:python", with the default setting
+python = python_tool()  # "flowrl.agent.tools.builtin:python", with the default setting
 
 
 class AnswerCheck:

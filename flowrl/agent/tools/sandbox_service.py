@@ -15,7 +15,7 @@ Configured as verl's tool is, in a tool YAML (the agent node's `tool_config`), u
 key names, so a verl YAML needs only its class_name changed:
 
     tools:
-      - class_name: sandbox_fusion      # or flowrl.agent.sandbox_service.SandboxFusionTool
+      - class_name: sandbox_fusion      # or flowrl.agent.tools.sandbox_service.SandboxFusionTool
         config: {sandbox_fusion_url: "http://localhost:8080", default_timeout: 10}
 
 The standard library's urllib only: no new dependency. A blocking request is fine in the

@@ -3,7 +3,7 @@ params that make its tools and its interactions run on the random policy, and wh
 summary lists of them.
 
 - Tools: the random policy never writes a call, so the first turn is scripted to call each
-  tool once (flowrl/agent/script.py); the budget fits that turn (the tiny tokenizer spends a
+  tool once (flowrl/agent/first_turn.py); the budget fits that turn (the tiny tokenizer spends a
   token per character), the tools' answers and a sampled turn after them.
 - Interactions: the random policy almost never samples the end-of-turn token, and a turn cut
   by `max_turn_tokens` ends its request without the interaction (verl's rule). So the tiny
@@ -65,8 +65,8 @@ def room_for_replies(p, turn: int, answers: int, tool_rounds: int) -> dict:
 
 def _scripted(p, base_dir: str) -> tuple[tuple[str, ...], str, int]:
     """(tool names, the scripted first turn's text or "", its calls)."""
-    from flowrl.agent.script import first_turn_text
-    from flowrl.agent.tools import Toolbox
+    from flowrl.agent.first_turn import first_turn_text
+    from flowrl.agent.tools.toolbox import Toolbox
 
     if not (p.tools or p.tool_config):
         return (), "", 0

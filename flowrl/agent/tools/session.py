@@ -15,8 +15,7 @@ import typing
 
 import attrs
 
-from flowrl.agent.parsers import ToolCall
-from flowrl.agent.runner import ToolStuck, run_call
+from flowrl.agent.tools.timeouts import ToolStuck, run_call
 from flowrl.rewards import BadValue, finite
 
 JSON_TYPES = {
@@ -27,6 +26,18 @@ JSON_TYPES = {
     "array": (list, tuple),
     "object": (dict,),
 }
+
+
+@attrs.frozen
+class ToolCall:
+    """One call as parsed: a tool name and its arguments, or the reason it is malformed.
+
+    `arguments` is a dict of named arguments, or a string: the single argument of a tag call,
+    given to the tool's one parameter."""
+
+    name: str | None
+    arguments: dict | str | None = None
+    error: str | None = None  # set when the call could not be parsed
 
 
 @attrs.frozen

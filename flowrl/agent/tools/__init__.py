@@ -10,10 +10,10 @@ from flowrl import refs
 
 # a tool's short name in a graph -> the reference it stands for (tools.py and verl.py read it)
 BUILTIN_TOOLS = {
-    "calculator": "flowrl.agent.builtin:calc",
-    "python": "flowrl.agent.builtin:python",
-    "answer_check": "flowrl.agent.builtin:AnswerCheck",
-    "sandbox_fusion": "flowrl.agent.sandbox_service:SandboxFusionTool",  # config: a tool YAML
+    "calculator": "flowrl.agent.tools.builtin:calc",
+    "python": "flowrl.agent.tools.builtin:python",
+    "answer_check": "flowrl.agent.tools.builtin:AnswerCheck",
+    "sandbox_fusion": "flowrl.agent.tools.sandbox_service:SandboxFusionTool",  # config: a tool YAML
 }
 
 

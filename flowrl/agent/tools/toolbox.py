@@ -5,7 +5,7 @@ builtin.py and sandbox_service.py) or "file.py:name" (relative to the graph file
 "package.module:name", naming one of:
 
 - a function, sync or `async def`, with type hints and a Google-style docstring (its schema
-  comes from them: flowrl/agent/schema.py, the output of transformers' `get_json_schema`
+  comes from them: flowrl/agent/tools/schema.py, the output of transformers' `get_json_schema`
   without importing transformers). It returns the text the model
   sees, or (text, step_reward).
 - a class with per-request state: `__init__(self, **create_kwargs)` gets the row's
@@ -25,10 +25,10 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
-from flowrl.agent.objects import BUILTIN_TOOLS, ToolError, load_object
-from flowrl.agent.schema import function_schema
-from flowrl.agent.session import Session, maybe_await
-from flowrl.agent.verl import VerlTool, is_verl_tool, load_tool_config
+from flowrl.agent.tools import BUILTIN_TOOLS, ToolError, load_object
+from flowrl.agent.tools.schema import function_schema
+from flowrl.agent.tools.session import Session, maybe_await
+from flowrl.agent.tools.verl import VerlTool, is_verl_tool, load_tool_config
 
 LIFECYCLE = ("reward", "close")  # class-tool methods that are not tools
 
@@ -110,9 +110,9 @@ class ClassTool:
 
 def make_tool(ref: str, base_dir: str | Path = ".", sandbox: str = "auto"):
     """The tool a reference names (see the module docstring); the built-in `python` runs
-    its code under the agent node's `sandbox` setting (flowrl/agent/sandbox.py)."""
+    its code under the agent node's `sandbox` setting (flowrl/agent/tools/sandbox.py)."""
     if ref == "python":
-        from flowrl.agent.builtin import python_tool
+        from flowrl.agent.tools.builtin import python_tool
 
         return FunctionTool(python_tool(sandbox))
     target = load_object(BUILTIN_TOOLS.get(ref, ref), base_dir)
