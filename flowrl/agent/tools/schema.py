@@ -2,7 +2,7 @@
 transformers (so `flowrl check` stays torch-free and fast for agent graphs).
 
 The output is the one transformers' `get_json_schema` gives (the chat templates that render
-`tools=` were written against it; tests/unit/test_agent_schema.py compares the two):
+`tools=` were written against it; tests/unit/agent/tools/test_agent_schema.py compares the two):
 
     {"type": "function", "function": {"name", "description", "parameters": {"type": "object",
      "properties": {arg: {"type", "description"[, "enum", "items", "nullable"]}},
