@@ -28,8 +28,8 @@ tensors: CUDA graphs captured over them stay valid); it moves with the model's w
 (an offload and a reload: the graphs are captured again). Exactness: greedy output equals
 transformers `generate` token for token (tests/unit/engines/test_engines.py, tests/integration/
 test_embedded_model.py), and the log-probs of sampled tokens equal the train engine's
-(tests/unit/engines/hf/test_hf_scheduler.py). Step cost against decoding rows on the 2-core CPU machine
-(SmolLM2-135M fp32): 1 row 65 ms, 4 rows 98, 8 rows 106, 16 rows 123, 32 rows 165 - a step
+(tests/unit/engines/hf/test_hf_scheduler.py). Step cost against decoding rows on the 2-core CPU
+machine (SmolLM2-135M fp32): 1 row 65 ms, 4 rows 98, 8 rows 106, 16 rows 123, 32 rows 165 - a step
 is bound by reading the weights, so every request that can decode should be in it.
 """
 

@@ -23,7 +23,8 @@ hidden warning). The model's dtype must be 16-bit (SGLang's attention kernels ar
 check` refuses float32 first). SGLang's signal handlers and its shutdown (which kill the whole
 process tree) are replaced: process.py; the tensors crossing over: io.py.
 
-When what happens (the order tests/unit/engines/sglang/test_sglang_backend.py checks around a plan's steps):
+When what happens (the order tests/unit/engines/sglang/test_sglang_backend.py checks around a
+plan's steps):
 - build: engine up, weights pushed, cache flushed;
 - offload(parts): release_memory_occupation(tags) of the parts still held;
 - reload(parts) with the kv_cache part (before a generate): resume "weights" if released, push
