@@ -58,6 +58,7 @@ import asyncio
 import functools
 import json
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -69,6 +70,9 @@ from pathlib import Path
 
 import attrs
 
+from flowrl.agent import _sandbox_end, _sandbox_filter
+
+UNCONFINABLE = "FLOWRL_SANDBOX_UNCONFINABLE"  # set: act as a machine that cannot confine
 CHILD = Path(__file__).with_name("_sandbox_child.py")
 CPU_EXIT = 124  # as in _sandbox_child.py
 SANDBOX_SETTINGS = ("auto", "required")  # an agent node's `sandbox`
@@ -82,8 +86,10 @@ class SandboxLimits:
     wall_s: float = 10.0  # wall-clock seconds for the whole run
     memory_mb: int = 512  # address space of each process
     output_bytes: int = 16_384  # of stdout and of stderr (and of any file written)
-    processes: int = 16  # RLIMIT_NPROC where seccomp cannot refuse new processes
+    processes: int = 16  # processes and threads together (RLIMIT_NPROC, pids cgroup)
     scratch_mb: int = 64  # of /scratch and of /tmp, each, in a confined run (tmpfs)
+    scratch_inodes: int = 4096  # files and directories in each of /scratch and /tmp
+    open_files: int = 64  # RLIMIT_NOFILE
 
 
 @attrs.frozen
@@ -92,6 +98,7 @@ class SandboxResult:
     stderr: str
     status: str  # "ok", "error" (non-zero exit), "cpu", "timeout", "killed"
     returncode: int | None
+    cut: bool = False  # stdout or stderr passed output_bytes: the rest was not read
 
     def message(self, limits: SandboxLimits) -> str:
         """What the model sees: the output, and why the run stopped if it did not finish."""
@@ -103,21 +110,37 @@ class SandboxResult:
             "timeout": f"stopped: the code ran longer than {limits.wall_s:g} s",
             "killed": f"stopped: the process was killed (signal {-(self.returncode or 0)})",
         }.get(self.status)
-        if "Resource temporarily unavailable" in self.stderr:
+        if self.returncode in (-signal.SIGSYS, 128 + signal.SIGSYS):
+            reason = "stopped: the code made a system call the python tool does not allow"
+        elif "Resource temporarily unavailable" in self.stderr:
             reason = "stopped: the python tool may not start processes"
+        elif "can't start new thread" in self.stderr:
+            reason = f"stopped: the code may run at most {limits.processes} threads"
         elif "MemoryError" in self.stderr:
             reason = f"stopped: the code needed more than {limits.memory_mb} MB of memory"
-        elif "File too large" in self.stderr or "File too large" in self.stdout:
+        elif self.cut:
             reason = f"output cut: more than {limits.output_bytes} bytes were written"
+        elif "File too large" in self.stderr or "File too large" in self.stdout:
+            reason = f"stopped: a file passed the {limits.output_bytes}-byte limit"
         if reason:
             out = f"{out.rstrip()}\n{reason}" if out.strip() else reason
         return out if out.strip() else "(no output)"
 
 
-@functools.cache
+def unconfinable() -> bool:
+    """FLOWRL_SANDBOX_UNCONFINABLE set (to anything but "" or "0"): this machine is treated as
+    one that cannot confine, to see the notice or test the unconfined path."""
+    return os.environ.get(UNCONFINABLE, "") not in ("", "0")
+
+
 def isolation() -> tuple[str, ...]:
     """The command prefix that gives the child fresh network and PID namespaces, or ()
-    where `unshare` cannot (no binary, or user namespaces disabled)."""
+    where `unshare` cannot (no binary, user namespaces disabled, or `unconfinable()`)."""
+    return () if unconfinable() else _isolation()
+
+
+@functools.cache
+def _isolation() -> tuple[str, ...]:
     unshare = shutil.which("unshare")
     if unshare is None:
         return ()
@@ -170,32 +193,44 @@ def _interpreter_paths() -> list[str]:
 
 def confinement() -> Confinement:
     """Whether the child can be confined to its view on this machine: a probe that builds
-    the view once and runs a one-line program in it (once per process: the first calls of
-    a step, each on a thread of its own, wait for the one probe)."""
+    the view once and runs a one-line program in it under the seccomp filter (once per
+    process: the first calls of a step, each on a thread of its own, wait for the one
+    probe)."""
+    if unconfinable():
+        return Confinement(False, f"{UNCONFINABLE} is set")
     with _PROBE:
         return _probe()
 
 
 _PROBE = threading.Lock()
+# what the probe prints confined: its working directory, and seccomp mode 2 (a filter)
+PROBE = (
+    "import os\nprint(os.getcwd())\n"
+    "print(open('/proc/self/status').read().split('Seccomp:')[1].split()[0])"
+)
 
 
 @functools.cache
 def _probe() -> Confinement:
     if sys.platform != "linux":
         return Confinement(False, f"it needs Linux's namespaces, and this is {sys.platform}")
+    if platform.machine() not in _sandbox_filter.AUDIT_ARCH:
+        return Confinement(False, f"no system call filter is written for {platform.machine()}")
     if shutil.which("unshare") is None:
         return Confinement(False, "`unshare` (util-linux) is not installed")
     if not isolation():
         return Confinement(False, "user namespaces are off: `unshare --map-root-user` fails")
     run_dir = Path(tempfile.mkdtemp(prefix="flowrl-python-"))
     try:
-        command, env = _command("import os\nprint(os.getcwd())", SandboxLimits(), run_dir, True)
-        done = subprocess.run(command, env=env, capture_output=True, timeout=30)
+        command, env = _command(SandboxLimits(), run_dir, True, None)
+        done = subprocess.run(
+            command, input=PROBE.encode(), env=env, capture_output=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return Confinement(False, f"the probe failed: {e}")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    if done.returncode == 0 and done.stdout.endswith(b"/scratch\n"):
+    if done.returncode == 0 and done.stdout == b"/scratch\n2\n":
         return Confinement(True)
     said = done.stderr.decode(errors="replace").strip().splitlines()
     printed = f"the probe exited {done.returncode}, printing {done.stdout[-80:]!r}"
@@ -252,53 +287,98 @@ async def run_python(
     code: str, limits: SandboxLimits = SandboxLimits(), sandbox: str = "auto"
 ) -> SandboxResult:
     """Run `code` as a script in a child process under `limits` (see the module docstring),
-    confined to its view where `sandbox` and the machine allow (`use_view`). Cancelling the
-    call (a tool timeout) kills the child's whole process tree."""
+    confined to its view where `sandbox` and the machine allow (`use_view`). However the
+    call ends (the code's own end, the wall clock, an error, a cancelled call: a tool
+    timeout), every process it made is killed and seen gone before it returns
+    (_sandbox_end.py)."""
     confined = use_view(sandbox)
     run_dir = Path(tempfile.mkdtemp(prefix="flowrl-python-"))
-    stdout_path, stderr_path = run_dir / "stdout", run_dir / "stderr"
-    process = None
+    group = _sandbox_end.call_cgroup(limits.processes)
+    process, readers, ended = None, [], False
     try:
-        command, env = _command(code, limits, run_dir, confined)
-        with open(stdout_path, "wb") as stdout, open(stderr_path, "wb") as stderr:
+        command, env = _command(limits, run_dir, confined, group)
+        pipes = [os.pipe(), os.pipe()]  # stdout, stderr: read here, at most output_bytes
+        try:
             process = await asyncio.create_subprocess_exec(
                 *command,
-                stdin=subprocess.DEVNULL,
-                stdout=stdout,
-                stderr=stderr,
-                start_new_session=True,  # its own process group: killed as one
+                stdin=subprocess.PIPE,
+                stdout=pipes[0][1],
+                stderr=pipes[1][1],
+                start_new_session=True,  # its own process group, which it cannot leave
                 env=env,
             )
+        finally:
+            for _, write_end in pipes:
+                os.close(write_end)
+            if process is None:
+                for read_end, _ in pipes:
+                    os.close(read_end)
+        readers = [asyncio.ensure_future(_capped(r, limits.output_bytes)) for r, _ in pipes]
         try:
-            returncode = await asyncio.wait_for(process.wait(), limits.wall_s)
+            returncode = await asyncio.wait_for(_feed(process, code), limits.wall_s)
             status = _status(returncode)
         except TimeoutError:
-            _kill(process)
-            returncode, status = await process.wait(), "timeout"
-        return SandboxResult(
-            _read(stdout_path, limits.output_bytes),
-            _read(stderr_path, limits.output_bytes, skip=("unshare: ",)),
-            status,
-            returncode,
-        )
+            status = "timeout"
+        ended = True
+        await _sandbox_end.reap(process, _sandbox_end.end(process, group), group)
+        (stdout, cut_out), (stderr, cut_err) = await asyncio.gather(*readers)
+        stderr_text = _text(stderr, skip=("unshare: ",))
+        cut = cut_out or cut_err
+        return SandboxResult(_text(stdout), stderr_text, status, process.returncode, cut)
     finally:
-        if process is not None and process.returncode is None:
-            _kill(process)  # cancelled: leave nothing running
+        if process is not None and not ended:  # cancelled: leave nothing running
+            inits = _sandbox_end.end(process, group)
+            await asyncio.shield(_sandbox_end.reap(process, inits, group))
+        for reader in readers:
+            reader.cancel()
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _command(code: str, limits: SandboxLimits, run_dir: Path, confined: bool):
-    """(the child's command line, its environment), its files under `run_dir`."""
+async def _feed(process, code: str) -> int:
+    """Hand the code to the child on its standard input; its exit status."""
+    try:
+        process.stdin.write(code.encode())
+        await process.stdin.drain()
+        process.stdin.close()
+    except (BrokenPipeError, ConnectionResetError):  # it ended before reading it all
+        pass
+    return await process.wait()
+
+
+async def _capped(fd: int, limit: int) -> tuple[bytes, bool]:
+    """(at most `limit` bytes read from the pipe `fd`, whether more came). Past the limit
+    the pipe is closed: the child's next write fails (EPIPE), it cannot fill memory here."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0)
+    )
+    data = bytearray()
+    try:
+        while len(data) <= limit:
+            chunk = await reader.read(65536)
+            if not chunk:
+                return bytes(data), False
+            data += chunk
+        return bytes(data[:limit]), True
+    finally:
+        transport.close()
+
+
+def _command(limits: SandboxLimits, run_dir: Path, confined: bool, group):
+    """(the child's command line, its environment); its working directory under `run_dir`,
+    and `group` the call's cgroup or None."""
     work = run_dir / "work"
     work.mkdir()
-    (work / "main.py").write_text(code)
     prefix = isolation()
     settings = {
         "cpu_s": limits.cpu_s,
         "memory_bytes": limits.memory_mb * 2**20,
         "output_bytes": limits.output_bytes,
+        "open_files": limits.open_files,
         "processes": limits.processes,
-        "block_network": not prefix,
+        "count_processes": confined,  # in a user namespace: RLIMIT_NPROC counts this call
+        "cgroup": str(group.procs) if group is not None else None,
         "view": None,
     }
     if confined:
@@ -309,6 +389,7 @@ def _command(code: str, limits: SandboxLimits, run_dir: Path, confined: bool):
             "read_only": read_only,
             "symlinks": symlinks,
             "scratch_mb": limits.scratch_mb,
+            "scratch_inodes": limits.scratch_inodes,
         }
         prefix = (*prefix[:2], "--mount", "--ipc", *prefix[2:])
     command = [*prefix, sys.executable, "-I", str(CHILD), json.dumps(settings), str(work)]
@@ -336,18 +417,8 @@ def _status(returncode: int) -> str:
     return "killed" if number else "error"
 
 
-def _kill(process) -> None:
-    """SIGKILL the child's process group (with `unshare --kill-child`, killing unshare also
-    kills the PID namespace, and every process in it)."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _read(path: Path, limit: int, skip=()) -> str:
-    """At most `limit` bytes of a file, without lines that start with `skip` (the wrapper's
-    own complaints about its child's death)."""
-    with open(path, "rb") as f:
-        text = f.read(limit).decode("utf-8", errors="replace")
+def _text(data: bytes, skip=()) -> str:
+    """The output as text, without lines that start with `skip` (the wrapper's own
+    complaints about its child's death)."""
+    text = data.decode("utf-8", errors="replace")
     return "\n".join(line for line in text.splitlines() if not line.startswith(skip)).strip()
