@@ -12,8 +12,9 @@ A call's processes are ended three ways at once, each enough where it applies:
   removed once empty. Its pids.max also bounds the call's processes and threads, which
   RLIMIT_NPROC does not do for root.
 
-`end` kills; `reap` waits until the init's pidfd is readable, the wrapper is reaped and the
-cgroup is empty, so that a call returns only when nothing of it is alive.
+`end` kills the inits and the cgroup; `reap` waits until each init's pidfd is readable (the
+wrapper reaps it: no zombie is left for the host's pid 1), kills the group, waits for the
+wrapper and removes the cgroup once empty: a call returns only when nothing of it is alive.
 """
 
 from __future__ import annotations
@@ -108,13 +109,10 @@ def _pids_cgroup() -> Path | None:
 
 
 def end(process, group: CallCgroup | None) -> list[int]:
-    """SIGKILL everything of the call now (never waits); returns pidfds of the namespace's
-    init processes, for `reap`."""
+    """SIGKILL the namespace's init processes and the cgroup now (never waits); returns the
+    inits' pidfds for `reap`. The wrapper lives on to reap its init (an orphaned init would
+    wait for the host's pid 1 to reap it)."""
     inits = _pidfds(_children(process.pid)) if process.returncode is None else []
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     for fd in inits:
         try:
             signal.pidfd_send_signal(fd, signal.SIGKILL)
@@ -122,19 +120,23 @@ def end(process, group: CallCgroup | None) -> list[int]:
             pass
     if group is not None:
         group.kill()
+    if not inits:  # no namespace (unconfined), or it is gone: the group is all there is
+        _kill_group(process)
     return inits
 
 
 async def reap(process, inits: list[int], group: CallCgroup | None) -> None:
-    """Wait until the wrapper is reaped, each init has died (so its namespace is empty) and
-    the cgroup is empty and removed; warn if something is still alive after GONE_S."""
+    """Wait until each init has died (so its namespace is empty), then kill the process
+    group and wait until the wrapper is reaped and the cgroup is empty and removed; warn if
+    something is still alive after GONE_S."""
     deadline = time.monotonic() + GONE_S
+    waiting = list(inits)
     try:
-        await asyncio.wait_for(process.wait(), GONE_S)
-        waiting = list(inits)
         while waiting and time.monotonic() < deadline:
             ready, _, _ = await asyncio.to_thread(select.select, waiting, [], [], 0.5)
             waiting = [fd for fd in waiting if fd not in ready]
+        _kill_group(process)
+        await asyncio.wait_for(process.wait(), max(deadline - time.monotonic(), 0.1))
         while group is not None and not group.remove() and time.monotonic() < deadline:
             group.kill()
             await asyncio.sleep(0.01)
@@ -148,6 +150,13 @@ async def reap(process, inits: list[int], group: CallCgroup | None) -> None:
         warnings.warn(
             f"python tool: a call's process is alive {GONE_S:g} s after SIGKILL", stacklevel=3
         )
+
+
+def _kill_group(process) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _children(pid: int) -> list[int]:

@@ -190,7 +190,8 @@ def program(machine: str, own_pid: int | None = None) -> list[tuple[int, int, in
         on("socket", (RET, 0, 0, ERRNO | EACCES))
         on("tkill", (RET, 0, 0, ERRNO | EPERM))
         for name in SIGNALS:
-            on(name, *load, (JEQ, ".allow", ".eperm", own_pid), *allow, *eperm)
+            mine = (JEQ, ".allow", 0, own_pid)  # itself, or (kill) its own group: 0
+            on(name, *load, mine, (JEQ, ".allow", ".eperm", 0), *allow, *eperm)
     for name, errno in REFUSED.items():
         on(name, (RET, 0, 0, ERRNO | errno))
     code += [(JEQ, "allow", 0, number[name]) for name in ALLOWED if number[name] is not None]

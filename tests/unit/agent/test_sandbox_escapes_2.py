@@ -1,0 +1,443 @@
+"""Code written by someone who has read the sandbox's source, trying its side entrances: the
+32-bit and x32 system call entries, leaving the process group to outlive the call, host
+objects within reach (descriptors, keyrings, file locks), and resources no limit covered.
+Each case makes the attempt for real through the tool's own entry (`run_python`) and checks
+the host afterwards: which processes are alive, whether a lock or a connection got through.
+A case that needs something this kernel lacks (32-bit emulation, confinement) skips, saying
+which."""
+
+import asyncio
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from flowrl.agent import _sandbox_filter, sandbox
+from flowrl.agent.sandbox import SandboxLimits, run_python
+
+LIMITS = SandboxLimits(cpu_s=2, wall_s=20.0, memory_mb=256, output_bytes=4000)
+X86_64 = sys.platform == "linux" and os.uname().machine == "x86_64"
+# a function of (number, a, b, c) that makes an i386 system call through `int 0x80`, machine
+# code written into an executable mapping: push rbx; eax, ebx, ecx, edx = the arguments
+INT80 = """
+import ctypes, mmap
+CODE = bytes.fromhex("53" "89f8" "89f3" "4189c8" "89d1" "4489c2" "cd80" "5b" "c3")
+page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+page.write(CODE)
+address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+call32 = ctypes.CFUNCTYPE(*[ctypes.c_int] * 5)(address)
+"""
+
+
+def attempt(code: str, limits: SandboxLimits = LIMITS):
+    return asyncio.run(run_python(code, limits))
+
+
+def needs_confinement():
+    state = sandbox.confinement()
+    if not state.available:
+        pytest.skip(f"no confinement here: {state.reason}")
+
+
+def needs_32_bit_entry():
+    if not X86_64:
+        pytest.skip("the 32-bit entry is x86-64's")
+    probe = INT80 + "import os\nassert call32(20, 0, 0, 0) == os.getpid()  # i386 getpid\n"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=30)
+    if done.returncode != 0:  # SIGSEGV: the kernel has no IA32 emulation
+        pytest.skip(f"this kernel has no 32-bit entry (the probe ended {done.returncode})")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("what", "number", "args"),
+    [
+        ("fork", 2, (0, 0, 0)),
+        ("clone, new user and PID namespaces", 120, (0x10000000 | 0x20000000 | 17, 0, 0)),
+        ("unshare a user namespace", 310, (0x10000000, 0, 0)),
+        ("setsid", 66, (0, 0, 0)),
+        ("keyctl: read the session keyring", 288, (11, 0xFFFFFFFD, 0)),
+        ("getpid, harmless", 20, (0, 0, 0)),
+    ],
+)
+def test_the_32_bit_entry_kills_the_child(what, number, args):
+    needs_32_bit_entry()
+    code = INT80 + f"result = call32({number}, {', '.join(map(str, args))})\n"
+    code += "import os\nif result == 0:\n    os._exit(0)  # a child, had it worked\n"
+    code += "print('ran', result)\n"
+    result = attempt(code)
+    assert result.returncode in (-signal.SIGSYS, 128 + signal.SIGSYS), (what, result)
+    assert "ran" not in result.stdout
+    message = result.message(LIMITS)
+    assert message == "stopped: the code made a system call the python tool does not allow"
+
+
+@pytest.mark.slow
+def test_the_x32_range_kills_the_child():
+    if not X86_64:
+        pytest.skip("the x32 range is x86-64's")
+    code = (
+        "import ctypes\nlibc = ctypes.CDLL(None)\n"
+        "print('ran', libc.syscall(0x40000000 | 39))  # x32 getpid\n"
+    )
+    result = attempt(code)
+    assert result.returncode in (-signal.SIGSYS, 128 + signal.SIGSYS) and "ran" not in result.stdout
+
+
+# Every way out of the process group and the namespace that the code could try: each
+# attempt prints what it got; then the code sleeps, to be killed by the wall clock (or ends).
+ESCAPES = """
+import ctypes, os, subprocess, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+print(os.getpid(), os.getpgrp(), os.readlink('/proc/self/ns/pid'), flush=True)
+def report(what, value):
+    print(what, value, ctypes.get_errno() if value == -1 else 0, flush=True)
+    if value == 0:  # a child: stay alive past the call, as an escape would
+        time.sleep(60)
+        os._exit(0)
+report('pdeathsig', libc.prctl(1, 0, 0, 0, 0))  # PR_SET_PDEATHSIG 0
+report('setsid', libc.setsid())
+report('setpgid', libc.setpgid(0, 0))
+report('fork', libc.fork())
+report('vfork', libc.syscall(58))
+report('clone new pid namespace', libc.syscall(56, 0x20000000 | 17, 0, 0, 0, 0))
+report('clone parent', libc.syscall(56, 0x00008000 | 17, 0, 0, 0, 0))
+report('clone3', libc.syscall(435, 0, 0))
+report('unshare pid namespace', libc.unshare(0x20000000))
+report('daemon', libc.daemon(0, 0))
+for how in ('os.fork', 'posix_spawn', 'Popen new session'):
+    try:
+        if how == 'os.fork':
+            pid = os.fork()
+        elif how == 'posix_spawn':
+            pid = os.posix_spawn('/bin/sleep', ['sleep', '60'], {})
+        else:
+            pid = subprocess.Popen(['sleep', '60'], start_new_session=True).pid
+        report(how, pid)
+    except OSError as e:
+        print(how, -1, e.errno, flush=True)
+"""
+
+
+def alive_in(namespace: str) -> list[int]:
+    """Processes of this machine in the PID namespace `namespace` ("pid:[inode]")."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*/ns/pid"):
+        try:
+            if os.readlink(entry) == namespace:
+                pids.append(int(entry.parent.parent.name))
+        except OSError:
+            pass
+    return pids
+
+
+def alive_in_group(group: int) -> list[int]:
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if group in (int(fields[2]), int(fields[3])):  # its process group or session
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def check_nothing_outlived(result, confined: bool) -> dict:
+    lines = result.stdout.splitlines()
+    pid, group, namespace = lines[0].split()
+    outcome = {" ".join(line.split()[:-2]): line.split()[-2:] for line in lines[1:]}
+    if confined:
+        assert alive_in(namespace) == [], f"left alive: {outcome}"
+    else:
+        assert not Path(f"/proc/{pid}").exists() and alive_in_group(int(group)) == [], outcome
+    for what in ("pdeathsig", "setsid", "setpgid"):
+        assert outcome[what] == ["-1", "1"], (what, outcome[what])  # EPERM
+    made = {what: v for what, v in outcome.items() if v[0] not in ("-1",)}
+    assert made == {}, f"processes were made: {made}"
+    return outcome
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ["wall clock", "own end", "cancelled"])
+def test_nothing_of_a_call_outlives_it(ending):
+    needs_confinement()
+    limits = SandboxLimits(cpu_s=5, wall_s=2.0 if ending == "wall clock" else 20.0)
+    code = ESCAPES + ("" if ending == "own end" else "time.sleep(60)\n")
+    if ending == "cancelled":  # the tool's own timeout cancels the call
+        namespace = _cancelled_call(code, limits)
+        assert alive_in(namespace) == [], "the cancelled call left processes alive"
+        return
+    result = attempt(code, limits)
+    assert result.status == ("timeout" if ending == "wall clock" else "ok"), result
+    check_nothing_outlived(result, confined=True)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def _cancelled_call(code: str, limits: SandboxLimits) -> str:
+    """Start the call, find its PID namespace from outside (the wrapper is this process's
+    child, the namespace's init the wrapper's), cancel the call once the code has made its
+    attempts and sleeps; the namespace ("pid:[inode]")."""
+
+    async def go():
+        task = asyncio.ensure_future(run_python(code, limits))
+        namespace = None
+        for _ in range(400):
+            await asyncio.sleep(0.05)
+            inits = [i for wrapper in _children(os.getpid()) for i in _children(wrapper)]
+            if inits and namespace is None:
+                namespace = os.readlink(f"/proc/{inits[0]}/ns/pid")
+            if namespace and _sleeping_in(namespace):
+                break
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return namespace
+
+    namespace = asyncio.run(go())
+    assert namespace is not None, "the call's namespace was not found"
+    return namespace
+
+
+def _sleeping_in(namespace: str) -> bool:
+    """The namespace's init is in its final sleep: its wait channel is a sleep."""
+    for pid in alive_in(namespace):
+        try:
+            if "nanosleep" in Path(f"/proc/{pid}/wchan").read_text():
+                return True
+        except OSError:
+            pass
+    return False
+
+
+@pytest.mark.slow
+def test_nothing_outlives_an_unconfined_call(monkeypatch):
+    monkeypatch.setenv(sandbox.UNCONFINABLE, "1")
+    monkeypatch.setattr(sandbox, "_NOTICE", ["said"])  # no warning in this test's output
+    if sandbox.platform.machine() not in _sandbox_filter.AUDIT_ARCH:
+        pytest.skip("no system call filter for this machine: unconfined code can fork")
+    result = attempt(ESCAPES + "time.sleep(60)\n", SandboxLimits(cpu_s=5, wall_s=2.0))
+    assert result.status == "timeout"
+    check_nothing_outlived(result, confined=False)
+
+
+@pytest.mark.slow
+def test_output_comes_through_pipes_and_is_cut():
+    code = (
+        "import os\nfds = sorted(os.listdir('/proc/self/fd'))\n"
+        "print(json.dumps({fd: os.readlink(f'/proc/self/fd/{fd}') for fd in fds[:3]}))\n"
+        "try:\n    os.posix_fallocate(1, 0, 2**30)\nexcept OSError as e:\n"
+        "    print('fallocate', e.errno)\n"
+    )
+    result = attempt("import json\n" + code)
+    targets = json.loads(result.stdout.splitlines()[0])
+    assert targets["0"] == "/dev/null" and targets["1"].startswith("pipe:")
+    assert targets["2"].startswith("pipe:") and "fallocate" in result.stdout
+    start = time.monotonic()
+    flood = attempt("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n")
+    assert time.monotonic() - start < 10 and flood.cut and len(flood.stdout) == 4000
+    assert flood.message(LIMITS).endswith("output cut: more than 4000 bytes were written")
+
+
+@pytest.mark.slow
+def test_a_file_lock_in_the_view_holds_against_nothing(tmp_path):
+    """The code locks a file of the view (the interpreter's os.py) for seconds; this
+    process takes the same lock meanwhile, every 50 ms. Then the other way round."""
+    needs_confinement()
+    target = os.path.realpath(os.__file__)
+    code = (
+        f"import fcntl, os, time\nf = open({target!r})\n"
+        "fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+        "fcntl.lockf(f, fcntl.LOCK_SH | fcntl.LOCK_NB)\n"
+        "print(time.time(), flush=True)\ntime.sleep(3)\n"
+    )
+    attempts, stop = [], threading.Event()
+
+    def take():
+        with open(target) as f:
+            while not stop.is_set():
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(f, fcntl.LOCK_UN)
+                    attempts.append((time.time(), True))
+                except OSError:
+                    attempts.append((time.time(), False))
+                time.sleep(0.05)
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    try:
+        result = attempt(code)
+    finally:
+        stop.set()
+        thread.join()
+    locked_at = float(result.stdout.split()[0])
+    after = [ok for when, ok in attempts if when > locked_at]
+    assert after and all(after), "a lock from the sandbox held against this process"
+    with open(target) as f:  # this process holds it: the code's lock is a no-op, not a wait
+        fcntl.flock(f, fcntl.LOCK_EX)
+        again = attempt(code.replace("time.sleep(3)", ""))
+    assert again.status == "ok", again
+
+
+@pytest.mark.slow
+def test_threads_past_the_limit_fail():
+    limits = SandboxLimits(cpu_s=5, wall_s=20.0, processes=8)
+    code = (
+        "import threading, time\nstarted = 0\nfor _ in range(64):\n"
+        "    threading.Thread(target=time.sleep, args=(2,), daemon=True).start()\n"
+        "    started += 1\n"
+    )
+    result = attempt(code, limits)
+    if result.status == "ok":
+        pytest.skip("this machine bounds no thread count for this user (root without a cgroup)")
+    assert "can't start new thread" in result.stderr
+    assert result.message(limits).endswith("stopped: the code may run at most 8 threads")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["/tmp", "/scratch"])
+def test_inodes_and_bytes_of_tmp_and_scratch_are_bounded(where):
+    needs_confinement()
+    limits = SandboxLimits(cpu_s=5, wall_s=20.0, scratch_inodes=200, scratch_mb=1)
+    files = f"import os\nfor k in range(1000):\n    open(f'{where}/f{{k}}', 'w').close()\n"
+    result = attempt(files, limits)
+    assert "No space left on device" in result.stderr
+    data = f"for k in range(100):\n    open(f'{where}/d{{k}}', 'wb').write(bytes(16000))\n"
+    result = attempt(data, SandboxLimits(cpu_s=5, wall_s=20.0, scratch_mb=1, output_bytes=16000))
+    assert "No space left on device" in result.stderr
+
+
+@pytest.mark.slow
+def test_open_files_are_bounded():
+    limits = SandboxLimits(cpu_s=5, wall_s=20.0, open_files=32)
+    code = "import os\npipes = [os.pipe() for _ in range(100)]\n"
+    result = attempt(code, limits)
+    assert "Too many open files" in result.stderr
+
+
+@pytest.mark.slow
+def test_shared_memory_has_no_way_in():
+    """SysV segments, POSIX message queues and memfd live outside the address-space limit."""
+    code = (
+        "import ctypes, mmap, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.shmget(0, 2**30, 0o1000 | 0o600), ctypes.get_errno())  # IPC_CREAT\n"
+        "print(libc.syscall(_mq_open, b'/q', 0o100 | 2, 0o600, None), ctypes.get_errno())\n"
+        "try:\n    os.memfd_create('x')\n    print('memfd made')\nexcept OSError as e:\n"
+        "    print('memfd', e.errno)\n"
+        "try:\n    mmap.mmap(-1, 2**30, flags=mmap.MAP_SHARED)\n    print('mapped')\n"
+        "except OSError as e:\n    print('mmap', e.errno)\n"
+    )
+    mq_open = 240 if X86_64 else 180
+    result = attempt(f"_mq_open = {mq_open}\n" + code)
+    shm, mq, memfd, shared = result.stdout.splitlines()
+    assert shm.startswith("-1 ") and mq.startswith("-1 ") and memfd.startswith("memfd ")
+    assert shared == "mmap 12", result.stdout  # ENOMEM: the address-space limit
+
+
+@pytest.mark.slow
+def test_unconfined_calls_reach_no_socket_and_no_other_process(monkeypatch):
+    monkeypatch.setenv(sandbox.UNCONFINABLE, "1")
+    monkeypatch.setattr(sandbox, "_NOTICE", [])
+    assert not sandbox.confinement().available
+    assert sandbox.UNCONFINABLE in sandbox.confinement().reason
+    if sandbox.platform.machine() not in _sandbox_filter.AUDIT_ARCH:
+        pytest.skip("no system call filter for this machine")
+    server = socket.socket(socket.AF_UNIX)
+    path = f"/tmp/flowrl-escape-{os.getpid()}.sock"
+    server.bind(path)
+    server.listen(1)
+    server.setblocking(False)
+    victim = subprocess.Popen(["sleep", "60"])
+    code = (
+        "import ctypes, socket, struct\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "for family in (socket.AF_UNIX, socket.AF_INET, 40):\n"
+        "    print('socket', libc.socket(family, socket.SOCK_STREAM, 0), ctypes.get_errno())\n"
+        f"print('kill', libc.kill({victim.pid}, 9), ctypes.get_errno())\n"
+        "print('kill self', libc.kill(0, 0))\n"
+    )
+    try:
+        with pytest.warns(UserWarning, match="network"):
+            result = attempt(code)
+        with pytest.raises(BlockingIOError):
+            server.accept()
+        assert victim.poll() is None, "the unconfined code killed another process"
+    finally:
+        victim.kill()
+        victim.wait()
+        server.close()
+        os.unlink(path)
+    assert result.stdout.splitlines() == [
+        "socket -1 13",  # EACCES
+        "socket -1 13",
+        "socket -1 13",
+        "kill -1 1",  # EPERM
+        "kill self 0",
+    ]
+
+
+@pytest.mark.slow
+def test_a_virtual_environment_under_tmp_is_in_view(monkeypatch, tmp_path):
+    needs_confinement()
+    venv = Path("/tmp") / f"flowrl-venv-{os.getpid()}"
+    (venv / "lib").mkdir(parents=True)
+    (venv / "lib" / "marker.py").write_text("VALUE = 7\n")
+    paths = sandbox._interpreter_paths()
+    monkeypatch.setattr(sandbox, "_interpreter_paths", lambda: [*paths, str(venv)])
+    sandbox.view.cache_clear()
+    try:
+        code = (
+            f"import os, sys\nsys.path.insert(0, {str(venv / 'lib')!r})\nimport marker\n"
+            "open('/tmp/mine', 'w').write('x')\n"
+            "print(marker.VALUE, sorted(os.listdir('/tmp')))\n"
+            f"try:\n    open({str(venv / 'planted')!r}, 'w')\nexcept OSError as e:\n"
+            "    print(e.strerror)\n"
+        )
+        result = attempt(code)
+    finally:
+        sandbox.view.cache_clear()
+        (venv / "lib" / "marker.py").unlink()
+        (venv / "lib").rmdir()
+        venv.rmdir()
+    assert result.stdout.splitlines() == [f"7 ['{venv.name}', 'mine']", "Read-only file system"]
+    assert not (venv / "planted").exists()
+
+
+def test_the_filter_kills_other_architectures_and_x32_first():
+    """The program's first instructions, per machine: the arch check, then the x32 bit."""
+    for machine, arch in _sandbox_filter.AUDIT_ARCH.items():
+        program = _sandbox_filter.program(machine)
+        load, check, kill = program[:3]
+        assert load == (0x20, 0, 0, 4) and check == (0x15, 1, 0, arch)
+        assert kill == (0x06, 0, 0, 0x80000000)
+    x86 = _sandbox_filter.program("x86_64")
+    assert x86[3:6] == [(0x20, 0, 0, 0), (0x45, 0, 1, 0x40000000), (0x06, 0, 0, 0x80000000)]
+
+
+@pytest.mark.parametrize("machine", ["riscv64", "armv7l"])
+def test_no_confinement_is_claimed_without_a_filter(monkeypatch, machine):
+    monkeypatch.setattr(sandbox.platform, "machine", lambda: machine)
+    sandbox._probe.cache_clear()
+    try:
+        state = sandbox.confinement()
+    finally:
+        sandbox._probe.cache_clear()
+    assert not state.available and machine in state.reason
