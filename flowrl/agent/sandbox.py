@@ -242,11 +242,22 @@ class SandboxUnavailable(RuntimeError):
 
 
 def unconfined_notice(reason: str) -> str:
-    return (
+    said = (
         f"the python tool cannot confine its code on this machine ({reason}): the code "
         "a model writes runs with the rights of the user running flowrl, so it can read and "
         "write every file that user can (checkpoints, the scorer's source, flowrl's own "
-        "files, credentials); the network, other processes and resource limits stay bounded"
+        "files, credentials); "
+    )
+    if sys.platform == "linux" and platform.machine() in _sandbox_filter.AUDIT_ARCH:
+        return said + (
+            "a system call filter still refuses it every socket (no network, no Unix socket "
+            "of this machine), new processes and signals to other processes, and its CPU, "
+            "memory, output and time stay bounded"
+        )
+    return said + (
+        f"no system call filter is written for {platform.machine()}, so only Python's socket "
+        "module is replaced: code that calls the C library reaches the network and this "
+        "machine's services (Ray's among them), and can start processes"
     )
 
 
