@@ -15,8 +15,8 @@ order, each step before the code runs, nothing run where one fails:
    can remount a read-only bind writable or mount anything;
 4. the limits, soft and hard equal (the CPU hard limit one second later), so the code cannot
    raise them again: CPU, address space, file size, open files, no core, no locked memory,
-   no message queues, and processes and threads (RLIMIT_NPROC, where a user namespace
-   counts them per call);
+   no message queues, 64 pending signals, and processes and threads (RLIMIT_NPROC, where a
+   user namespace counts them per call);
 5. the seccomp filter (_sandbox_filter.py): an allowlist, the 32-bit and x32 entries kill
    the process, no new process, no leaving the process group or clearing the parent-death
    signal. Confined, a run without it does not start.
@@ -38,6 +38,7 @@ LIBC = ctypes.CDLL(None, use_errno=True)
 LIBC.syscall.restype = ctypes.c_long
 KEYCTL_JOIN_SESSION_KEYRING = 1
 # the IPC namespace's limits: no SysV shared memory, message queue or semaphore set
+PENDING_SIGNALS = 64  # RLIMIT_SIGPENDING
 IPC_LIMITS = {"shmmax": "0", "shmall": "0", "shmmni": "0", "msgmni": "0", "sem": "0 0 0 0"}
 
 
@@ -188,6 +189,7 @@ def set_limits(settings: dict) -> None:
         resource.RLIMIT_CORE: 0,
         resource.RLIMIT_MEMLOCK: 0,
         resource.RLIMIT_MSGQUEUE: 0,
+        resource.RLIMIT_SIGPENDING: PENDING_SIGNALS,  # each queued signal is kernel memory
     }
     if settings["count_processes"]:  # in a user namespace of its own: this call's count
         limits[resource.RLIMIT_NPROC] = settings["processes"]

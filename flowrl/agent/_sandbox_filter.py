@@ -20,8 +20,9 @@ In order, for every call the code makes (any thread, after any execve):
 5. the allowlist below; every other call fails with ENOSYS, as on a kernel without it:
    mount and its kin, ptrace, bpf, perf_event_open, io_uring (whose operations bypass this
    filter), userfaultfd, SysV and POSIX IPC, memfd_create, fallocate, inotify, personality,
-   modify_ldt, process_vm_*, pidfd_*, the set*id calls and everything else a program that
-   computes does not need.
+   modify_ldt, process_vm_*, pidfd_*, the set*id calls, POSIX timers (kernel memory no
+   limit bounds: setitimer and timerfd remain), membarrier and everything else a program
+   that computes does not need.
 
 The numbers come from the kernel's uapi headers (asm/unistd_64.h for x86-64,
 asm-generic/unistd.h for arm64; Linux 6.1). A machine not in AUDIT_ARCH gets no filter, and
@@ -98,7 +99,8 @@ NUMBERS = {
     "sched_getattr": (315, 275), "setsid": (112, 157), "setpgid": (109, 154),
     "unshare": (272, 97), "setns": (308, 268), "clone3": (435, 435), "add_key": (248, 217),
     "request_key": (249, 218), "keyctl": (250, 219),
-    "fchmodat2": (452, 452), "seccomp": (317, 277),
+    "fchmodat2": (452, 452), "seccomp": (317, 277), "chown": (92, None), "fchown": (93, 55),
+    "lchown": (94, None), "fchownat": (260, 54),
 }
 # fmt: on
 
@@ -109,15 +111,16 @@ preadv pwritev preadv2 pwritev2 sendfile splice tee vmsplice copy_file_range rea
 fadvise64 stat fstat lstat newfstatat statx statfs fstatfs access faccessat faccessat2
 getdents getdents64 getcwd chdir fchdir rename renameat renameat2 mkdir mkdirat rmdir link
 linkat unlink unlinkat symlink symlinkat readlink readlinkat chmod fchmod fchmodat fchmodat2
-mknod mknodat umask truncate ftruncate fsync fdatasync utime utimes utimensat futimesat
+mknod mknodat chown fchown lchown fchownat umask truncate ftruncate fsync fdatasync utime
+utimes utimensat futimesat
 getxattr lgetxattr fgetxattr listxattr llistxattr flistxattr ioctl dup dup2 dup3 pipe pipe2
 poll ppoll select pselect6 epoll_create epoll_create1 epoll_ctl epoll_wait epoll_pwait
 epoll_pwait2 eventfd eventfd2 signalfd signalfd4 timerfd_create timerfd_settime
 timerfd_gettime mmap munmap mprotect mremap msync mincore madvise brk rt_sigaction
 rt_sigprocmask rt_sigreturn rt_sigpending rt_sigtimedwait rt_sigsuspend sigaltstack pause
 nanosleep clock_nanosleep clock_gettime clock_getres gettimeofday time times getitimer
-setitimer alarm timer_create timer_settime timer_gettime timer_getoverrun timer_delete futex
-futex_waitv set_robust_list get_robust_list set_tid_address rseq membarrier arch_prctl
+setitimer alarm futex
+futex_waitv set_robust_list get_robust_list set_tid_address rseq arch_prctl
 sched_yield sched_getaffinity sched_setaffinity sched_getparam sched_getscheduler
 sched_getattr sched_get_priority_max sched_get_priority_min sched_rr_get_interval getcpu
 getpriority getrandom uname sysinfo getrusage getrlimit setrlimit prlimit64 capget getpid
@@ -183,9 +186,11 @@ def program(machine: str, own_pid: int | None = None) -> list[tuple[int, int, in
         *eperm,
     )
     on("flock", (RET, 0, 0, ERRNO | 0))
-    if own_pid is None:
+    if own_pid is None:  # signals reach only the call's own PID namespace
         families = [(JEQ, ".allow", 0, family) for family in FAMILIES]
         on("socket", *load, *families, (RET, 0, 0, ERRNO | EAFNOSUPPORT), *allow)
+        for name in (*SIGNALS, "tkill"):
+            on(name, (RET, 0, 0, ALLOW))
     else:
         on("socket", (RET, 0, 0, ERRNO | EACCES))
         on("tkill", (RET, 0, 0, ERRNO | EPERM))

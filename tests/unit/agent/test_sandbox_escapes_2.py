@@ -445,3 +445,20 @@ def test_no_confinement_is_claimed_without_a_filter(monkeypatch, machine):
     finally:
         sandbox._probe.cache_clear()
     assert not state.available and machine in state.reason
+
+
+@pytest.mark.slow
+def test_queued_signals_and_posix_timers_are_bounded():
+    """Each queued real-time signal and each POSIX timer is kernel memory outside RLIMIT_AS:
+    10000 signals sent to itself while blocked, then a POSIX timer."""
+    code = (
+        "import ctypes, os, signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN])\n"
+        "for _ in range(10000):\n    os.kill(os.getpid(), signal.SIGRTMIN)\n"
+        "print(open('/proc/self/status').read().split('SigQ:')[1].split()[0])\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\ntimer = ctypes.c_int()\n"
+        "print(libc.timer_create(1, None, ctypes.byref(timer)), ctypes.get_errno())\n"
+    )
+    result = attempt(code)
+    queued, timers = result.stdout.splitlines()
+    assert queued == "64/64", result  # queued / RLIMIT_SIGPENDING: the rest were not queued
+    assert timers == "-1 38"  # ENOSYS
