@@ -462,3 +462,66 @@ def test_queued_signals_and_posix_timers_are_bounded():
     queued, timers = result.stdout.splitlines()
     assert queued == "64/64", result  # queued / RLIMIT_SIGPENDING: the rest were not queued
     assert timers == "-1 38"  # ENOSYS
+
+
+def run_filter(program, nr: int, arch: int, args=(0,) * 6) -> int:
+    """Classic BPF as the kernel runs a seccomp filter (the four instructions it uses) on one
+    seccomp_data: the action returned."""
+    data = {0: nr & 0xFFFFFFFF, 4: arch}
+    data |= {16 + 8 * k: value & 0xFFFFFFFF for k, value in enumerate(args)}
+    pc, accumulator = 0, 0
+    while True:
+        op, jt, jf, k = program[pc]
+        if op == 0x20:
+            accumulator = data[k]
+        elif op in (0x15, 0x45):
+            hit = accumulator == k if op == 0x15 else bool(accumulator & k)
+            pc += jt if hit else jf
+        elif op == 0x06:
+            return k
+        pc += 1
+
+
+@pytest.mark.parametrize("machine", sorted(_sandbox_filter.AUDIT_ARCH))
+def test_the_filter_decides_each_kind_of_call(machine):
+    """Every machine's program, run here on the calls that matter."""
+    f = _sandbox_filter
+    program, arch = f.program(machine), f.AUDIT_ARCH[machine]
+    unconfined = f.program(machine, own_pid=4242)
+
+    def number(name):
+        return f.NUMBERS[name][f.COLUMN[machine]]
+
+    allow, kill, enosys = f.ALLOW, f.KILL, f.ERRNO | f.ENOSYS
+    thread = 0x10000 | 0x100 | 0x800 | 0x400 | 0x200  # CLONE_THREAD, VM, SIGHAND, FILES, FS
+    cases = [
+        (program, number("read"), arch, (), allow),
+        (program, number("read"), 0x40000003, (), kill),  # AUDIT_ARCH_I386
+        (program, number("read"), 0x40000028, (), kill),  # AUDIT_ARCH_ARM
+        (program, number("clone"), arch, (thread,), allow),
+        (program, number("clone"), arch, (17,), f.ERRNO | f.EAGAIN),  # SIGCHLD: a process
+        (program, number("clone"), arch, (thread | 0x20000000,), f.ERRNO | f.EPERM),
+        (program, number("clone3"), arch, (), enosys),
+        (program, number("setsid"), arch, (), f.ERRNO | f.EPERM),
+        (program, number("setpgid"), arch, (), f.ERRNO | f.EPERM),
+        (program, number("prctl"), arch, (1, 0), f.ERRNO | f.EPERM),  # PR_SET_PDEATHSIG
+        (program, number("prctl"), arch, (15, 0), allow),  # PR_SET_NAME
+        (program, number("fcntl"), arch, (3, 7), f.ERRNO),  # F_SETLKW: no-op, returns 0
+        (program, number("fcntl"), arch, (3, 1024), f.ERRNO | f.EPERM),  # F_SETLEASE
+        (program, number("fcntl"), arch, (3, 1), allow),  # F_GETFD
+        (program, number("flock"), arch, (3, 2), f.ERRNO),
+        (program, number("keyctl"), arch, (), f.ERRNO | f.EPERM),
+        (program, number("socket"), arch, (40, 1, 0), f.ERRNO | f.EAFNOSUPPORT),  # AF_VSOCK
+        (program, number("socket"), arch, (2, 1, 0), allow),
+        (program, number("kill"), arch, (1, 9), allow),
+        (program, {"x86_64": 165, "aarch64": 40}[machine], arch, (), enosys),  # mount
+        (unconfined, number("socket"), arch, (1, 1, 0), f.ERRNO | f.EACCES),
+        (unconfined, number("kill"), arch, (4242, 9), allow),
+        (unconfined, number("kill"), arch, (-1, 9), f.ERRNO | f.EPERM),
+        (unconfined, number("tgkill"), arch, (4243, 4243, 9), f.ERRNO | f.EPERM),
+    ]
+    if machine == "x86_64":
+        cases += [(program, 0x40000000 | number("read"), arch, (), kill)]
+    for code, nr, audit, args, expected in cases:
+        action = run_filter(code, nr, audit, (*args, *[0] * (6 - len(args))))
+        assert action == expected, (machine, nr, hex(audit), args, hex(action))
