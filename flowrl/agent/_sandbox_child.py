@@ -3,8 +3,8 @@
 Run as `python -I _sandbox_child.py SETTINGS_JSON WORK_DIR`, the code on standard input. In
 order, each step before the code runs, nothing run where one fails:
 
-1. with settings["cgroup"], join that per-call cgroup (its pids.max bounds processes and
-   threads where RLIMIT_NPROC does not: for root);
+1. join the per-call cgroups in settings["cgroups"] (pids.max bounds processes and threads
+   where RLIMIT_NPROC does not: for root; a memory limit bounds all the call's memory);
 2. join a fresh, anonymous session keyring (the one inherited is the trainer's);
 3. with settings["view"] (inside `unshare --map-root-user --mount ...`, so this process is
    root of a user namespace of its own), build its file system: a tmpfs root holding
@@ -162,10 +162,11 @@ def _no_network(*args, **kwargs):
     raise PermissionError("network access is disabled in the python tool")
 
 
-def join_cgroup(procs: str) -> None:
-    """Move this process into the per-call cgroup whose cgroup.procs is `procs`."""
-    with open(procs, "w") as f:
-        f.write("0")  # this process
+def join_cgroups(procs: list[str]) -> None:
+    """Move this process into the per-call cgroups whose cgroup.procs files are `procs`."""
+    for path in procs:
+        with open(path, "w") as f:
+            f.write("0")  # this process
 
 
 def fresh_keyring() -> None:
@@ -200,8 +201,7 @@ def set_limits(settings: dict) -> None:
 def setup(settings: dict, work: str, source: str) -> str:
     """Every step of the module docstring before the code; returns the working directory.
     Raises OSError or ValueError where one fails."""
-    if settings["cgroup"]:
-        join_cgroup(settings["cgroup"])
+    join_cgroups(settings["cgroups"])
     fresh_keyring()
     if settings["view"]:
         build_view(settings["view"], source)

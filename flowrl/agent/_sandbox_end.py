@@ -10,7 +10,8 @@ A call's processes are ended three ways at once, each enough where it applies:
 - the per-call cgroup, where one can be made (root, or a delegated cgroup v2 subtree with
   the pids controller): cgroup.kill (v2) or every member (v1) is killed, and the cgroup is
   removed once empty. Its pids.max also bounds the call's processes and threads, which
-  RLIMIT_NPROC does not do for root.
+  RLIMIT_NPROC does not do for root, and where the memory controller is there too, its
+  memory limit bounds all the call's memory: processes, tmpfs, pipes, kernel memory.
 
 `end` kills the inits and the cgroup; `reap` waits until each init's pidfd is readable (the
 wrapper reaps it: no zombie is left for the host's pid 1), kills the group, waits for the
@@ -33,79 +34,126 @@ GONE_S = 10.0  # how long a SIGKILLed process may take to be gone before a warni
 
 
 class CallCgroup:
-    """A cgroup of one call, bounding its processes and threads at `processes`."""
+    """The cgroups of one call (one directory on cgroup v2, one per hierarchy on v1):
+    processes and threads at most `processes`, memory at most `memory_bytes` (all of the
+    call's: its processes, tmpfs, pipes, kernel memory) where a memory cgroup can be made."""
 
-    def __init__(self, path: Path, processes: int):
-        self.path = path
-        path.mkdir()
+    def __init__(self, bases: dict[str, Path], processes: int, memory_bytes: int):
+        name = f"flowrl-python-{secrets.token_hex(6)}"
+        self.paths = sorted({base / name for base in bases.values()})
+        self.memory, self.oom_kills = None, 0
         try:
-            (path / "pids.max").write_text(str(processes))
+            for path in self.paths:
+                path.mkdir()
+            (bases["pids"] / name / "pids.max").write_text(str(processes))
+            if "memory" in bases:
+                self.memory = bases["memory"] / name
+                self._limit_memory(memory_bytes)
         except OSError:
-            path.rmdir()
+            self.remove()
             raise
 
+    def _limit_memory(self, memory_bytes: int) -> None:
+        if (self.memory / "memory.max").exists():  # v2; no swap beyond it
+            (self.memory / "memory.max").write_text(str(memory_bytes))
+            if (self.memory / "memory.swap.max").exists():
+                (self.memory / "memory.swap.max").write_text("0")
+            return
+        (self.memory / "memory.limit_in_bytes").write_text(str(memory_bytes))  # v1
+        if (self.memory / "memory.memsw.limit_in_bytes").exists():
+            (self.memory / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
+
     @property
-    def procs(self) -> Path:
-        return self.path / "cgroup.procs"
+    def procs(self) -> list[str]:
+        return [str(path / "cgroup.procs") for path in self.paths]
 
     def kill(self) -> None:
-        try:
-            if (self.path / "cgroup.kill").exists():  # v2, Linux 5.14 on: all at once
-                (self.path / "cgroup.kill").write_text("1")
-            for pid in self.procs.read_text().split():  # v1; on v2 none should be left
-                _signal(int(pid))
-        except FileNotFoundError:  # removed already
-            pass
+        for path in self.paths:
+            try:
+                if (path / "cgroup.kill").exists():  # v2, Linux 5.14 on: all at once
+                    (path / "cgroup.kill").write_text("1")
+                for pid in (path / "cgroup.procs").read_text().split():  # v1
+                    _signal(int(pid))
+            except FileNotFoundError:  # removed already
+                pass
 
     def remove(self) -> bool:
-        """Remove the cgroup if it is empty; True when it is gone."""
-        try:
-            self.path.rmdir()
-        except FileNotFoundError:
-            return True
-        except OSError:  # EBUSY: a member is still exiting
-            return False
-        return True
+        """Remove the cgroups that are empty (counting the memory cgroup's OOM kills
+        first); True when all are gone."""
+        gone = True
+        for path in self.paths:
+            if path == self.memory:
+                self.oom_kills = max(self.oom_kills, _oom_kills(path))
+            try:
+                path.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:  # EBUSY: a member is still exiting
+                gone = False
+        return gone
+
+    def exists(self) -> bool:
+        return any(path.exists() for path in self.paths)
 
 
-def call_cgroup(processes: int) -> CallCgroup | None:
-    """A fresh cgroup under this process's own pids cgroup, or None where none can be made."""
-    base = _pids_cgroup()
-    if base is None:
+def call_cgroup(processes: int, memory_bytes: int) -> CallCgroup | None:
+    """Fresh cgroups below this process's own, or None where no pids cgroup can be made."""
+    bases = _cgroup_bases()
+    if "pids" not in bases:
         return None
     try:
-        return CallCgroup(base / f"flowrl-python-{secrets.token_hex(6)}", processes)
+        return CallCgroup(bases, processes, memory_bytes)
     except OSError:
         return None
 
 
+def _oom_kills(path: Path) -> int:
+    """How many of the cgroup's processes the kernel's OOM killer ended."""
+    for name in ("memory.events", "memory.oom_control"):  # v2, v1
+        try:
+            for line in (path / name).read_text().splitlines():
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+    return 0
+
+
 @functools.cache
-def _pids_cgroup() -> Path | None:
-    """This process's cgroup of the pids controller, where this user may make one below it:
-    cgroup v2 with pids in its subtree_control, else the v1 pids hierarchy."""
+def _cgroup_bases() -> dict[str, Path]:
+    """This process's own cgroup for the pids and memory controllers, where this user may
+    make cgroups below it: on cgroup v2 where the controller is in its subtree_control, else
+    in the controller's v1 hierarchy."""
     try:
         memberships = Path("/proc/self/cgroup").read_text().splitlines()
         mounts = [
             line.split(" - ") for line in Path("/proc/self/mountinfo").read_text().splitlines()
         ]
     except OSError:
-        return None
+        return {}
+    bases = {}
     for line in memberships:
         _, controllers, path = line.split(":", 2)
         for fields, (fstype, _, options) in ((m[0].split(), m[1].split()[:3]) for m in mounts):
             root, mount_point = fields[3], fields[4]
-            v2 = controllers == "" and fstype == "cgroup2"
-            v1 = "pids" in controllers.split(",") and fstype == "cgroup" and "pids" in options
-            if not (v1 or v2) or not path.startswith(root):
+            if not path.startswith(root) or fstype not in ("cgroup", "cgroup2"):
                 continue
             where = Path(mount_point + "/" + path[len(root) :].lstrip("/"))
-            try:
-                usable = not v2 or "pids" in (where / "cgroup.subtree_control").read_text().split()
-            except OSError:
-                usable = False
-            if usable and os.access(where, os.W_OK):
-                return where
-    return None
+            if not os.access(where, os.W_OK):
+                continue
+            for controller in ("pids", "memory"):
+                if controller in bases:
+                    continue
+                if fstype == "cgroup2" and controllers == "":
+                    try:
+                        enabled = (where / "cgroup.subtree_control").read_text().split()
+                    except OSError:
+                        enabled = []
+                    if controller in enabled:
+                        bases[controller] = where
+                elif controller in controllers.split(",") and controller in options.split(","):
+                    bases[controller] = where
+    return bases
 
 
 def end(process, group: CallCgroup | None) -> list[int]:
@@ -140,7 +188,7 @@ async def reap(process, inits: list[int], group: CallCgroup | None) -> None:
         while group is not None and not group.remove() and time.monotonic() < deadline:
             group.kill()
             await asyncio.sleep(0.01)
-        alive = bool(waiting) or (group is not None and group.path.exists())
+        alive = bool(waiting) or (group is not None and group.exists())
     except TimeoutError:
         alive = True
     finally:

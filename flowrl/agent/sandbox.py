@@ -90,13 +90,21 @@ class SandboxLimits:
     scratch_mb: int = 64  # of /scratch and of /tmp, each, in a confined run (tmpfs)
     scratch_inodes: int = 4096  # files and directories in each of /scratch and /tmp
     open_files: int = 64  # RLIMIT_NOFILE
+    # all of a call's memory (processes, /tmp and /scratch, pipes, kernel memory) where a
+    # memory cgroup can be made; 0: memory_mb + both tmpfs + 64 MB for pipes and the kernel
+    call_memory_mb: int = 0
+
+    @property
+    def call_memory_bytes(self) -> int:
+        megabytes = self.call_memory_mb or self.memory_mb + 2 * self.scratch_mb + 64
+        return megabytes * 2**20
 
 
 @attrs.frozen
 class SandboxResult:
     stdout: str
     stderr: str
-    status: str  # "ok", "error" (non-zero exit), "cpu", "timeout", "killed"
+    status: str  # "ok", "error" (non-zero exit), "cpu", "timeout", "memory", "killed"
     returncode: int | None
     cut: bool = False  # stdout or stderr passed output_bytes: the rest was not read
 
@@ -108,6 +116,8 @@ class SandboxResult:
         reason = {
             "cpu": f"stopped: the code used more than {limits.cpu_s} s of CPU time",
             "timeout": f"stopped: the code ran longer than {limits.wall_s:g} s",
+            "memory": f"stopped: the call used more than {limits.call_memory_bytes >> 20} MB of "
+            "memory in all (its processes, files in /tmp and /scratch, pipes)",
             "killed": f"stopped: the process was killed (signal {-(self.returncode or 0)})",
         }.get(self.status)
         if self.returncode in (-signal.SIGSYS, 128 + signal.SIGSYS):
@@ -304,7 +314,7 @@ async def run_python(
     (_sandbox_end.py)."""
     confined = use_view(sandbox)
     run_dir = Path(tempfile.mkdtemp(prefix="flowrl-python-"))
-    group = _sandbox_end.call_cgroup(limits.processes)
+    group = _sandbox_end.call_cgroup(limits.processes, limits.call_memory_bytes)
     process, readers, ended = None, [], False
     try:
         command, env = _command(limits, run_dir, confined, group)
@@ -332,6 +342,8 @@ async def run_python(
             status = "timeout"
         ended = True
         await _sandbox_end.reap(process, _sandbox_end.end(process, group), group)
+        if group is not None and group.oom_kills:  # the kernel killed it: the call's memory
+            status = "memory"
         (stdout, cut_out), (stderr, cut_err) = await asyncio.gather(*readers)
         stderr_text = _text(stderr, skip=("unshare: ",))
         cut = cut_out or cut_err
@@ -389,7 +401,7 @@ def _command(limits: SandboxLimits, run_dir: Path, confined: bool, group):
         "open_files": limits.open_files,
         "processes": limits.processes,
         "count_processes": confined,  # in a user namespace: RLIMIT_NPROC counts this call
-        "cgroup": str(group.procs) if group is not None else None,
+        "cgroups": group.procs if group is not None else [],
         "view": None,
     }
     if confined:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.agent import _sandbox_filter, sandbox
+from flowrl.agent import _sandbox_end, _sandbox_filter, sandbox
 from flowrl.agent.sandbox import SandboxLimits, run_python
 
 LIMITS = SandboxLimits(cpu_s=2, wall_s=20.0, memory_mb=256, output_bytes=4000)
@@ -324,6 +324,25 @@ def test_inodes_and_bytes_of_tmp_and_scratch_are_bounded(where):
     data = f"for k in range(100):\n    open(f'{where}/d{{k}}', 'wb').write(bytes(16000))\n"
     result = attempt(data, SandboxLimits(cpu_s=5, wall_s=20.0, scratch_mb=1, output_bytes=16000))
     assert "No space left on device" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["allocation", "files in /tmp and /scratch"])
+def test_a_calls_memory_is_bounded_as_a_whole(how):
+    """Where a memory cgroup can be made, the call's memory in all: here 100 MB, against an
+    address space of 512 MB and 64 MB of /tmp and of /scratch each."""
+    if "memory" not in _sandbox_end._cgroup_bases():
+        pytest.skip("no memory cgroup can be made here (root, or cgroup v2 delegation)")
+    needs_confinement()
+    limits = SandboxLimits(cpu_s=5, wall_s=20.0, call_memory_mb=100, output_bytes=2**20)
+    code = {
+        "allocation": "x = bytearray(200 * 2**20)\n",
+        "files in /tmp and /scratch": "for k in range(120):\n"
+        "    open(f'/{\"tmp\" if k < 60 else \"scratch\"}/f{k}', 'wb').write(bytes(2**20))\n",
+    }[how]
+    result = attempt(code + "print('done')\n", limits)
+    assert result.status == "memory" and "done" not in result.stdout, result
+    assert result.message(limits).startswith("stopped: the call used more than 100 MB")
 
 
 @pytest.mark.slow
