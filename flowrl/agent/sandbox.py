@@ -4,51 +4,59 @@ What bounds a run (each stops it with a message the model can read; the rollout 
 
 - CPU time: RLIMIT_CPU; the child's SIGXCPU handler exits with a CPU_EXIT status at the soft
   limit, the kernel's SIGKILL follows a second later if the code is stuck inside a C call;
-- wall time: the whole process tree is killed after `wall_s` (a sleeping or blocked program
-  spends no CPU);
-- memory: RLIMIT_AS, so a huge allocation fails with MemoryError inside the child;
-- output: stdout and stderr go to files under RLIMIT_FSIZE, so writing more fails there with
-  "File too large" (any file the code writes is bounded the same way); the parent reads at
-  most the limit back;
-- processes: a seccomp filter (installed with prctl through ctypes, on x86-64 and arm64)
-  refuses fork, vfork and clone without CLONE_THREAD: threads work, a fork bomb's first fork
-  fails with EAGAIN. Where seccomp is unavailable RLIMIT_NPROC = `processes` is set instead,
-  which binds only users other than root;
-- network: the child runs in new network and PID namespaces (`unshare --map-root-user --net
-  --pid --fork --kill-child`): no interface but a downed loopback, so a connection fails with
-  "Network is unreachable", and killing `unshare` on a timeout kills every process inside.
-  Where unprivileged user namespaces are off (or `unshare` is missing) the child instead
-  replaces `socket.socket` and `socket.create_connection` with functions that raise, which
-  stops ordinary code but not code that works around it (ctypes);
+- wall time: every process of the call is killed after `wall_s` (_sandbox_end.py);
+- memory: RLIMIT_AS per process (a huge allocation fails with MemoryError inside the
+  child); where a memory cgroup can be made (root, or cgroup v2 delegation) the call's
+  memory in all, tmpfs, pipes and kernel memory included (`call_memory_mb`); elsewhere
+  what lies outside RLIMIT_AS is bounded one by one: SysV IPC and POSIX message queues are
+  refused (the IPC namespace's limits zero, the calls filtered), memfd_create too, /tmp and
+  /scratch have a size, pipes and sockets come out of RLIMIT_NOFILE;
+- output: stdout and stderr are pipes read here, at most `output_bytes` each; past that the
+  pipe is closed (the child's next write fails) and the result says the output was cut.
+  Files the code writes are bounded by RLIMIT_FSIZE = `output_bytes`;
+- processes and threads: the seccomp filter (_sandbox_filter.py) refuses every new process
+  (fork, vfork, clone without CLONE_THREAD) and every way out of the process group (setsid,
+  setpgid, clearing the parent-death signal); threads are counted by RLIMIT_NPROC in the
+  call's own user namespace (ordinary users) or by a per-call pids cgroup (root);
+- open files (RLIMIT_NOFILE), inodes of /tmp and /scratch (tmpfs nr_inodes), queued signals
+  (RLIMIT_SIGPENDING): set, never inherited;
+- network: new network and PID namespaces (`unshare --map-root-user --net --pid --fork
+  --kill-child`): no interface but a downed loopback ("Network is unreachable"); the filter
+  allows only AF_UNIX, AF_INET, AF_INET6 and AF_NETLINK sockets (AF_VSOCK and the rest
+  reach past a network namespace);
 - files (confinement): with `--mount --ipc` added, the child builds its own file system
-  before running the code (_sandbox_child.py): a read-only view of what the interpreter
-  needs (/usr and the merged-/usr symlinks, the loader's cache, this interpreter's prefixes
-  with the standard library and site-packages: `view()`), a private writable /scratch (the
-  working directory and HOME) and /tmp (tmpfs, `scratch_mb` each), /dev's null, zero, full,
-  random and urandom, and a read-only /proc of its PID namespace; it pivots into it,
-  detaches the host's root and drops every capability. So writes outside /scratch and /tmp
-  fail ("Read-only file system"), and the run directory, the checkout, the home directory,
-  /etc and every other path do not exist for the code: reads fail from the view, not from
-  file modes (as root, a mode-600 file is readable wherever it is visible). Root inside is
-  root of a user namespace only, holding no capability: it cannot remount the view
-  writable, and the seccomp filter refuses unshare and setns too (and the keyrings, which
-  it would otherwise share with flowrl). The environment holds only PATH, HOME and
+  before running the code (_sandbox_child.py): a private writable /scratch (the working
+  directory and HOME) and /tmp (tmpfs), then a read-only view of what the interpreter needs
+  (/usr and the merged-/usr symlinks, the loader's cache, this interpreter's prefixes with
+  the standard library and site-packages, a virtual environment under /tmp included:
+  `view()`), /dev's null, zero, full, random and urandom, and a read-only /proc of its PID
+  namespace; it pivots into it, detaches the host's root and drops every capability. So
+  writes outside /scratch and /tmp fail ("Read-only file system"), and the run directory,
+  the checkout, the home directory, /etc and every other path do not exist for the code.
+  File locks are no-ops (a lock on a file of the view would hold against the host), the
+  keyring is a fresh anonymous one, and the filter refuses unshare, setns, mount, ptrace,
+  bpf, io_uring and every call a computing program does not need; the 32-bit and x32
+  system call entries kill the process. The environment holds only PATH, HOME and
   one-thread BLAS settings.
 
-Why this mechanism: the namespaces the network isolation already used plus a mount
-namespace, built in the child with mount(2) and pivot_root(2) through ctypes: nothing to
-install (bubblewrap, which does the same, is not on every machine; `unshare` is part of
-util-linux), the same whether flowrl runs as root or not, and the view hides paths rather
-than denying access to them (Landlock, also available on recent kernels, denies by path but
-gives no private /tmp or /proc of its own). It adds about 2 ms to a call of about 65 ms
-(bench/sandbox.py; docs/performance.md).
+Nothing outlives a call: on its end, a timeout, an error or a cancelled call, the PID
+namespace's init, the process group and the per-call cgroup are killed, and the call
+returns only once they are seen gone (_sandbox_end.py).
 
-Where the kernel does not allow it (no user namespaces, not Linux: `confinement()` says
-why) the code runs unconfined in a scratch directory of the host, with the user's rights on
-every file: the agent node's `sandbox = "auto"` (the default) warns once, `"required"`
-refuses (SandboxUnavailable; `flowrl check` reports it as an error). It is not a VM:
-the code shares the host's kernel, and a kernel bug is an escape. For code you would not run
-on the machine at all, the sandbox_fusion tool sends it to a sandbox service
+Why this mechanism: namespaces, mount(2), pivot_root(2) and seccomp through ctypes: nothing
+to install (bubblewrap, which does the same, is not on every machine; `unshare` is part of
+util-linux), the same whether flowrl runs as root or not, and the view hides paths rather
+than denying access to them (Landlock denies by path but gives no private /tmp or /proc).
+The cost per call: bench/sandbox.py; docs/multi-turn.md.
+
+Where the kernel does not allow it (no user namespaces, not Linux, a machine without a
+filter written for it, or FLOWRL_SANDBOX_UNCONFINABLE set: `confinement()` says why) the
+code runs unconfined in a scratch directory of the host, with the user's rights on every
+file, under the unconfined variant of the filter where one exists (no socket at all,
+signals only to itself): the agent node's `sandbox = "auto"` (the default) warns once,
+`"required"` refuses (SandboxUnavailable; `flowrl check` reports it as an error). It is not
+a VM: the code shares the host's kernel, and a kernel bug is an escape. For code you would
+not run on the machine at all, the sandbox_fusion tool sends it to a sandbox service
 (sandbox_service.py).
 """
 
