@@ -414,6 +414,21 @@ def test_unconfined_calls_reach_no_socket_and_no_other_process(monkeypatch):
 
 
 @pytest.mark.slow
+def test_unconfined_code_holds_no_capability_and_cannot_raise_its_limits(monkeypatch):
+    """Unconfined as root, CAP_SYS_RESOURCE would raise every hard limit."""
+    monkeypatch.setenv(sandbox.UNCONFINABLE, "1")
+    monkeypatch.setattr(sandbox, "_NOTICE", ["said"])
+    code = (
+        "import resource\nstatus = open('/proc/self/status').read()\n"
+        "print(status.split('CapEff:')[1].split()[0])\n"
+        "try:\n    resource.setrlimit(resource.RLIMIT_CPU, (100, 100))\n    print('raised')\n"
+        "except (OSError, ValueError) as e:\n    print('refused')\n"
+    )
+    result = attempt(code)
+    assert result.stdout.splitlines() == ["0000000000000000", "refused"], result
+
+
+@pytest.mark.slow
 def test_a_virtual_environment_under_tmp_is_in_view(monkeypatch, tmp_path):
     needs_confinement()
     venv = Path("/tmp") / f"flowrl-venv-{os.getpid()}"
