@@ -215,7 +215,7 @@ def confinement() -> Confinement:
     process: the first calls of a step, each on a thread of its own, wait for the one
     probe)."""
     if unconfinable():
-        return Confinement(False, f"{UNCONFINABLE} is set")
+        return Confinement(False, f"{UNCONFINABLE} is set; unset it to confine")
     with _PROBE:
         return _probe()
 
