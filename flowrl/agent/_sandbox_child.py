@@ -48,6 +48,8 @@ MS_BIND, MS_REC, MS_PRIVATE, MNT_DETACH = 4096, 16384, 1 << 18, 2
 LOCKED = 1 | 2 | 4 | 8 | 1024 | 2048 | 4096  # ro, nosuid, nodev, noexec, the atime flags
 PROC = MS_NOSUID | MS_NODEV | MS_NOEXEC
 DEVICES = ("null", "zero", "full", "random", "urandom")
+# /proc files shown as empty: every key's name on the machine, timers and scheduler state
+MASKED = ("keys", "key-users", "timer_list", "sched_debug", "kcore", "latency_stats")
 SCRATCH = "/scratch"  # the working directory inside the view
 SETUP_EXIT = 125  # the view could not be built: nothing was run
 
@@ -117,6 +119,9 @@ def build_view(view: dict, code: str) -> None:
         pass
     else:  # read-only, or no run at all
         _zero_ipc_limits(root + "/proc/sys/kernel/")
+        for name in MASKED:  # what other users' processes and the kernel hold
+            if os.path.exists(f"{root}/proc/{name}"):
+                _mount("/dev/null", f"{root}/proc/{name}", None, MS_BIND)
         _mount(None, root + "/proc", None, MS_REMOUNT | MS_BIND | MS_RDONLY | PROC)
     _mount(None, root, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.chdir(root)

@@ -258,6 +258,28 @@ def test_output_comes_through_pipes_and_is_cut():
 
 
 @pytest.mark.slow
+def test_the_names_of_this_machines_keys_are_not_listed():
+    """/proc/keys lists every key its reader may view (as root: every root key's name)."""
+    needs_confinement()
+    if not X86_64:
+        pytest.skip("add_key below uses x86-64's number")
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    name = f"flowrl-escape-{os.getpid()}".encode()
+    key = libc.syscall(248, b"user", name, b"payload", 7, ctypes.c_int(-3))  # add_key
+    if key < 0:
+        pytest.skip(f"no session keyring to test with (errno {ctypes.get_errno()})")
+    try:
+        result = attempt("print(open('/proc/keys').read(), open('/proc/key-users').read())")
+    finally:
+        libc.syscall(250, 3, ctypes.c_long(key))  # KEYCTL_REVOKE
+    assert result.status == "ok" and name.decode() not in result.stdout
+    assert result.stdout.strip() == ""
+
+
+@pytest.mark.slow
 def test_a_file_lock_in_the_view_holds_against_nothing(tmp_path):
     """The code locks a file of the view (the interpreter's os.py) for seconds; this
     process takes the same lock meanwhile, every 50 ms. Then the other way round."""
