@@ -244,6 +244,7 @@ def main() -> None:
         os.write(2, f"python tool: cannot confine the code ({said})\n".encode())
         os._exit(SETUP_EXIT)
     sys.argv = ["main.py"]
+    sys.stdout.reconfigure(line_buffering=True)  # what it printed before a stop comes back
     sys.path.insert(0, work)
     code = compile(source, "main.py", "exec")
     try:
