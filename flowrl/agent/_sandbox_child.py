@@ -37,8 +37,8 @@ import _sandbox_filter  # noqa: E402 (the filter, beside this file)
 LIBC = ctypes.CDLL(None, use_errno=True)
 LIBC.syscall.restype = ctypes.c_long
 KEYCTL_JOIN_SESSION_KEYRING = 1
-# the IPC namespace's limits: no SysV shared memory, message queue or semaphore set
 PENDING_SIGNALS = 64  # RLIMIT_SIGPENDING
+# the IPC namespace's limits: no SysV shared memory, message queue or semaphore set
 IPC_LIMITS = {"shmmax": "0", "shmall": "0", "shmmni": "0", "msgmni": "0", "sem": "0 0 0 0"}
 
 
@@ -178,8 +178,10 @@ def fresh_keyring() -> None:
     """A new anonymous session keyring: the inherited one is the trainer's (and shared by
     every call). The filter refuses the keyring calls after this; where the kernel has no
     keyrings there is nothing to leave."""
-    keyctl = _sandbox_filter.NUMBERS["keyctl"][_sandbox_filter.COLUMN.get(os.uname().machine, 0)]
-    LIBC.syscall(keyctl, KEYCTL_JOIN_SESSION_KEYRING, None)
+    machine = os.uname().machine
+    if machine in _sandbox_filter.COLUMN:  # elsewhere the number is not known here
+        keyctl = _sandbox_filter.NUMBERS["keyctl"][_sandbox_filter.COLUMN[machine]]
+        LIBC.syscall(keyctl, KEYCTL_JOIN_SESSION_KEYRING, None)
 
 
 def set_limits(settings: dict) -> None:
