@@ -79,6 +79,7 @@ from pathlib import Path
 import attrs
 
 from flowrl.agent import _sandbox_end, _sandbox_filter
+from flowrl.agent._sandbox_end import GONE_S
 
 UNCONFINABLE = "FLOWRL_SANDBOX_UNCONFINABLE"  # set: act as a machine that cannot confine
 CHILD = Path(__file__).with_name("_sandbox_child.py")
@@ -348,11 +349,12 @@ async def run_python(
             status = _status(returncode)
         except TimeoutError:
             status = "timeout"
-        ended = True
         await _sandbox_end.reap(process, _sandbox_end.end(process, group), group)
+        ended = True
         if group is not None and group.oom_kills:  # the kernel killed it: the call's memory
             status = "memory"
-        (stdout, cut_out), (stderr, cut_err) = await asyncio.gather(*readers)
+        output = asyncio.gather(*readers)  # at its end now: nothing holds the pipes
+        (stdout, cut_out), (stderr, cut_err) = await asyncio.wait_for(output, GONE_S)
         stderr_text = _text(stderr, skip=("unshare: ",))
         cut = cut_out or cut_err
         return SandboxResult(_text(stdout), stderr_text, status, process.returncode, cut)
@@ -360,6 +362,8 @@ async def run_python(
         if process is not None and not ended:  # cancelled: leave nothing running
             inits = _sandbox_end.end(process, group)
             await asyncio.shield(_sandbox_end.reap(process, inits, group))
+        elif process is None and group is not None:  # it never started
+            group.remove()
         for reader in readers:
             reader.cancel()
         shutil.rmtree(run_dir, ignore_errors=True)
