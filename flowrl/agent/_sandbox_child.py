@@ -5,7 +5,8 @@ order, each step before the code runs, nothing run where one fails:
 
 1. join the per-call cgroups in settings["cgroups"] (pids.max bounds processes and threads
    where RLIMIT_NPROC does not: for root; a memory limit bounds all the call's memory);
-2. join a fresh, anonymous session keyring (the one inherited is the trainer's);
+2. die with flowrl (PR_SET_PDEATHSIG), and join a fresh, anonymous session keyring (the
+   one inherited is the trainer's);
 3. with settings["view"] (inside `unshare --map-root-user --mount ...`, so this process is
    root of a user namespace of its own), build its file system: a tmpfs root holding
    read-only binds of the paths the parent lists, a private /scratch and /tmp (size and
@@ -174,6 +175,16 @@ def join_cgroups(procs: list[str]) -> None:
             f.write("0")  # this process
 
 
+def die_with_parent(flowrl: int) -> None:
+    """SIGKILL when the process that started this one dies: flowrl, or a wrapper (unshare)
+    that dies with flowrl (`setpriv --pdeathsig`). Kept through execve; the filter refuses to
+    clear it. Started by flowrl itself, and flowrl gone already: exit. (The init of a PID
+    namespace sees its parent as 0.)"""
+    _call("PR_SET_PDEATHSIG", LIBC.prctl(1, signal.SIGKILL, 0, 0, 0))
+    if os.getppid() not in (flowrl, 0):
+        raise ValueError("flowrl, which started it, is gone")
+
+
 def fresh_keyring() -> None:
     """A new anonymous session keyring: the inherited one is the trainer's (and shared by
     every call). The filter refuses the keyring calls after this; where the kernel has no
@@ -209,6 +220,7 @@ def setup(settings: dict, work: str, source: str) -> str:
     """Every step of the module docstring before the code; returns the working directory.
     Raises OSError or ValueError where one fails."""
     join_cgroups(settings["cgroups"])
+    die_with_parent(settings["parent"])
     fresh_keyring()
     if settings["view"]:
         build_view(settings["view"], source)

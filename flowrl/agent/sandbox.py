@@ -172,6 +172,23 @@ def _isolation() -> tuple[str, ...]:
     return prefix if done.returncode == 0 else ()
 
 
+@functools.cache
+def tied_to_this_process() -> tuple[str, ...]:
+    """The prefix that kills the child when this process dies (`setpriv --pdeathsig KILL`,
+    util-linux), or () where setpriv cannot: then the child, started directly, sets its own
+    parent-death signal, but a wrapper (`unshare`) outlives a killed flowrl and with it its
+    child, until the CPU or a sleep ends."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return ()
+    prefix = (setpriv, "--pdeathsig", "KILL")
+    try:
+        done = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    return prefix if done.returncode == 0 else ()
+
+
 @attrs.frozen
 class Confinement:
     available: bool
@@ -413,6 +430,7 @@ def _command(limits: SandboxLimits, run_dir: Path, confined: bool, group):
         "open_files": limits.open_files,
         "processes": limits.processes,
         "count_processes": confined,  # in a user namespace: RLIMIT_NPROC counts this call
+        "parent": os.getpid(),  # the child, started directly, dies with it
         "cgroups": group.procs if group is not None else [],
         "view": None,
     }
@@ -428,6 +446,7 @@ def _command(limits: SandboxLimits, run_dir: Path, confined: bool, group):
         }
         prefix = (*prefix[:2], "--mount", "--ipc", *prefix[2:])
     command = [*prefix, sys.executable, "-I", str(CHILD), json.dumps(settings), str(work)]
+    command = [*tied_to_this_process(), *command]
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": "/scratch" if confined else str(work),

@@ -583,3 +583,68 @@ def test_the_filter_decides_each_kind_of_call(machine):
     for code, nr, audit, args, expected in cases:
         action = run_filter(code, nr, audit, (*args, *[0] * (6 - len(args))))
         assert action == expected, (machine, nr, hex(audit), args, hex(action))
+
+
+FLOWRL_LIKE = """
+import asyncio, threading, time
+from flowrl.agent.sandbox import SandboxLimits, run_python
+code = "import time\\nprint('started', flush=True)\\ntime.sleep(120)\\n"
+limits = SandboxLimits(cpu_s=100, wall_s=120.0)
+threading.Thread(target=lambda: asyncio.run(run_python(code, limits)), daemon=True).start()
+time.sleep(120)
+"""
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for child in _children(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _namespace(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("confined", [True, False])
+def test_a_call_dies_with_the_process_that_made_it(monkeypatch, confined):
+    """flowrl killed mid-call (SIGKILL: no finally runs): the call's processes die too."""
+    if confined:
+        needs_confinement()
+    else:
+        monkeypatch.setenv(sandbox.UNCONFINABLE, "1")
+    flowrl = subprocess.Popen(
+        [sys.executable, "-W", "ignore", "-c", FLOWRL_LIKE], env=dict(os.environ)
+    )
+    try:
+        ours = os.readlink("/proc/self/ns/pid")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the code runs (confined: in its namespace)
+            tree = _descendants(flowrl.pid)
+            elsewhere = [p for p in tree if _namespace(p) not in (None, ours)]
+            if tree and (elsewhere or not confined):
+                break
+            time.sleep(0.1)
+        time.sleep(1.0)  # past the child's setup
+        tree = _descendants(flowrl.pid)
+        assert tree, "the call did not start"
+    finally:
+        flowrl.kill()
+        flowrl.wait()
+    deadline = time.monotonic() + 10
+    while any(_running(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p for p in tree if _running(p)] == [], "the call outlived the process that made it"
