@@ -99,12 +99,30 @@ class CallCgroup:
 def call_cgroup(processes: int, memory_bytes: int) -> CallCgroup | None:
     """Fresh cgroups below this process's own, or None where no pids cgroup can be made."""
     bases = _cgroup_bases()
+    _sweep(tuple(sorted(set(bases.values()))))
     if "pids" not in bases:
         return None
     try:
         return CallCgroup(bases, processes, memory_bytes)
     except OSError:
         return None
+
+
+STALE_S = 600  # an empty call cgroup older than this was left by a flowrl that was killed
+
+
+@functools.cache
+def _sweep(bases: tuple[Path, ...]) -> None:
+    """Once per process: remove the empty call cgroups a killed flowrl left behind (a live
+    call's cgroup is either younger or not empty, and rmdir refuses a cgroup with members)."""
+    now = time.time()
+    for base in bases:
+        for path in base.glob("flowrl-python-*"):
+            try:
+                if now - path.stat().st_ctime > STALE_S:
+                    path.rmdir()
+            except OSError:
+                pass
 
 
 def _oom_kills(path: Path) -> int:

@@ -626,6 +626,8 @@ def test_a_call_dies_with_the_process_that_made_it(monkeypatch, confined):
         needs_confinement()
     else:
         monkeypatch.setenv(sandbox.UNCONFINABLE, "1")
+    bases = set(_sandbox_end._cgroup_bases().values())
+    before = {path for base in bases for path in base.glob("flowrl-python-*")}
     flowrl = subprocess.Popen(
         [sys.executable, "-W", "ignore", "-c", FLOWRL_LIKE], env=dict(os.environ)
     )
@@ -648,3 +650,29 @@ def test_a_call_dies_with_the_process_that_made_it(monkeypatch, confined):
     while any(_running(p) for p in tree) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [p for p in tree if _running(p)] == [], "the call outlived the process that made it"
+    for base in set(_sandbox_end._cgroup_bases().values()):  # the killed process's, now empty
+        for path in set(base.glob("flowrl-python-*")) - before:
+            try:
+                path.rmdir()
+            except OSError:
+                pass
+
+
+def test_empty_call_cgroups_left_by_a_killed_flowrl_are_swept(monkeypatch):
+    bases = sorted(set(_sandbox_end._cgroup_bases().values()))
+    if not bases:
+        pytest.skip("no cgroup can be made here (root, or cgroup v2 delegation)")
+    left = [base / f"flowrl-python-left{os.getpid()}" for base in bases]
+    for path in left:
+        path.mkdir()
+    monkeypatch.setattr(_sandbox_end, "STALE_S", -1)  # every empty one counts as stale
+    _sandbox_end._sweep.cache_clear()
+    group = _sandbox_end.call_cgroup(4, 2**26)
+    try:
+        assert group is not None and [p for p in left if p.exists()] == []
+    finally:
+        _sandbox_end._sweep.cache_clear()
+        for path in left:
+            path.rmdir() if path.exists() else None
+        if group is not None:
+            group.remove()
