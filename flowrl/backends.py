@@ -25,7 +25,7 @@ from pathlib import Path
 
 import attrs
 
-from flowrl import refs
+from flowrl import contracts, refs
 from flowrl.params import checked, count, interval, one_of, positive
 
 
@@ -148,6 +148,34 @@ def record_of(cls: type, ref: str) -> Backend:
         multi_turn=bool(getattr(cls, "multi_turn", False)),
         options=getattr(cls, "Options", NoOptions),
     )
+
+
+BACKEND_METHODS = ("generate", "run", "release", "offload", "reload", "sync_weights")
+BACKEND_INIT = (("module", "tokenizer", "device"), {"options": None, "seed": 0, "where": ""})
+BACKEND_FIX = (
+    "a rollout backend is a class built as Backend(module, tokenizer, device, *, options, seed, "
+    "where) with `async def generate(request) -> Result`: subclass flowrl.api.RolloutBase "
+    '(docs/extending.md, "A rollout backend")'
+)
+
+
+def class_problems(cls) -> list[tuple[str, str]]:
+    """(what is wrong, fix) with a backend class named by reference: the contract's methods
+    (those `RolloutBase` does not give it), `generate` async, `Options` an attrs class, the
+    constructor's shape (flowrl/contracts.py)."""
+    return contracts.class_problems(
+        cls,
+        "rollout backend",
+        methods=BACKEND_METHODS if not _has_base(cls) else ("generate",),
+        coroutines=("generate",),
+        init=BACKEND_INIT,
+        init_fix=BACKEND_FIX,
+    )
+
+
+def _has_base(cls) -> bool:
+    """`cls` subclasses RolloutBase (read by name: the module is not imported here)."""
+    return any(getattr(k, "__name__", "") == "RolloutBase" for k in getattr(cls, "__mro__", ()))
 
 
 def missing_package(name: str) -> str:

@@ -32,6 +32,7 @@ from flowrl.runtime import steps as step_sources
 from flowrl.runtime.executor import StepResult
 from flowrl.runtime.feed import PromptFeed
 from flowrl.runtime.loggers import Loggers
+from flowrl.runtime.node_call import StateError, unstorable
 from flowrl.runtime.trace import Trace
 
 
@@ -281,13 +282,14 @@ class Trainer:
         }
         if queued is not None:
             state.update(pipelines.entries(queued))
+        text = _state_json(state)  # a state JSON cannot hold stops here, naming its owner
         keep, graph = self.spec.run.keep_checkpoints, self.spec.raw
         with self._writing(f"the checkpoint of step {step}", step=step):
             with checkpoint.writing(self.run_dir, step, keep, graph) as out:
                 if queued is not None:
                     pipelines.save_queue(out, queued)
                 self.executor.broadcast("save", str(out))
-                (out / "controller.json").write_text(_state_json(state))
+                (out / "controller.json").write_text(text)
 
     def _resume(self, directory: Path | None) -> tuple[int, pipelines.Queued]:
         """Load a checkpoint (None: the newest, verified) and cut the logs back to its step.
@@ -328,10 +330,17 @@ def _close_quietly(file) -> None:
 
 
 def _state_json(state: dict) -> str:
+    for node, kept in state["node_state"].items():
+        if problem := unstorable(kept):
+            raise StateError(
+                f"node {node} keeps {problem} in its state, which a checkpoint (JSON) cannot "
+                "store: keep numbers, strings, lists and dicts with string keys (a list for a "
+                "set or a tuple, float(x) or x.tolist() for a tensor)"
+            )
     try:
         return json.dumps(state)
-    except TypeError as e:
-        raise TypeError(
-            f"a stateful node keeps a value a checkpoint cannot store ({e}): keep numbers, "
-            "strings, lists and dicts in its state"
+    except (TypeError, ValueError) as e:
+        raise StateError(
+            f"the checkpoint's state cannot be written as JSON ({e}): keep numbers, strings, "
+            "lists and dicts in a node's or a sampler's state"
         ) from e
