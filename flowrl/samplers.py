@@ -21,9 +21,9 @@ results of steps s-k..s-1 are known (the rollout runs ahead), so a curriculum re
 later. With refill (DAPO's dynamic sampling) the extra rounds draw from the sampler too, and
 the rows a filter drops are reported with the rows it keeps.
 
-`UniformSampler` is the default and the one uniform sampler (each epoch a fresh permutation, the tail that does not fill a
-batch skipped, exactly the order runs had before the seam); `PassRateBand` is the built-in
-curriculum.
+`UniformSampler` is the default and the one uniform sampler (each epoch a fresh permutation,
+or the data set's order with its option `shuffle = false`; the tail that does not fill a batch
+skipped); `PassRateBand` is the built-in curriculum.
 """
 
 from __future__ import annotations

@@ -105,8 +105,9 @@ def check_sampler(data: schema.DataConfig, base_dir: Path, errors: Collector, ov
         "sampler",
         methods=SAMPLER_METHODS,
         init=(("size", "seed", "options"), {}),
-        init_fix="a sampler is a class built as Sampler(size, seed, options) with next(batch_size), "
-        "update(indices, scores, step), state_dict() and load_state_dict(state) (docs/data.md)",
+        init_fix="a sampler is a class built as Sampler(size, seed, options) with "
+        "next(batch_size), update(indices, scores, step), state_dict() and "
+        "load_state_dict(state) (docs/data.md)",
     )
     for message, fix in problems:
         errors.add(where, f'{said_it}"{data.sampler}" {message}', fix)
