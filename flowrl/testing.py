@@ -299,13 +299,17 @@ def loss_params(**fields):
     return SimpleNamespace(**(attrs.asdict(Params()) | fields))
 
 
-def try_loss(loss: str, base_dir: str | Path = ".", **fields):
+def try_loss(loss: str, base_dir: str | Path = ".", options: dict | None = None, **fields):
     """A policy loss taken as `update.policy` takes it: `loss`, a built-in name or a reference
-    ("my_losses.py:TOPR", relative to base_dir), loaded and checked as `flowrl check` checks it,
-    then called once on `update_rows()` (log-probs that carry a gradient, the node's params
-    overridden by `fields`) and its return value checked as every call's is. Returns (the
-    scalar loss, its rates as floats); raises `ComponentError` naming the function's file:line
-    and the fix."""
+    ("my_losses.py:TOPR", relative to base_dir), loaded and checked as `flowrl check` checks it
+    (with `options`, the update node's `loss_options` table), then called once on
+    `update_rows()` (log-probs that carry a gradient, the node's params overridden by `fields`,
+    the loss's first state) and its return value checked as every call's is; a loss with
+    `after_update` then makes its next state from the rates, checked too. Returns (the scalar
+    loss, its rates as floats); raises `ComponentError` (or `StateError`) naming the function's
+    file:line and the fix."""
+    from types import MappingProxyType
+
     from flowrl.math import components
     from flowrl.math.losses import Chunk
     from flowrl.nodes.update.policy import Params
@@ -313,11 +317,16 @@ def try_loss(loss: str, base_dir: str | Path = ".", **fields):
     record = components.resolve_loss(loss, base_dir)
     for problem in components.loss_problems(record, loss, Params, "update.policy"):
         raise problem
+    built = components.loss_options(record, loss, options or {}, "update_policy")
+    state = components.first_state(record, loss, built)
     rows = update_rows()
     old = rows["old_logprobs"]
     logprobs = (old + 0.1 * old.sign()).requires_grad_()  # (b, t): a step away from the old
     args = (logprobs, old, rows["advantages"], rows["response_mask"], loss_params(**fields))
-    return components.checked_loss(record, loss, record.fn(*args, Chunk()))
+    chunk = Chunk(options=built, state=MappingProxyType(state))
+    value, rates = components.checked_loss(record, loss, record.fn(*args, chunk))
+    components.next_state(record, loss, state, rates, built)
+    return value, rates
 
 
 def check_sampler(sampler_class, size: int = 20, options=None, batch_size: int = 4, steps=6):
