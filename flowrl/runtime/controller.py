@@ -34,6 +34,7 @@ from flowrl.runtime.feed import PromptFeed
 from flowrl.runtime.loggers import Loggers
 from flowrl.runtime.node_call import StateError, unstorable
 from flowrl.runtime.trace import Trace
+from flowrl.runtime.weight_check import StaleWeights
 
 
 def run(
@@ -94,6 +95,7 @@ class Trainer:
         guards.check_packages(plan)
         spec = plan.spec
         self.spec, self.plan, self.run_dir = spec, plan, run_dir
+        self.stale_weights = StaleWeights(spec)
         self.command = command or f"flowrl run {spec.file}"
         self.started, self.steps_done = False, 0  # for the message of a stopped run
         self.zero_steps: dict[str, int] = {}  # node -> steps in a row of gradient norm 0
@@ -242,6 +244,7 @@ class Trainer:
         seconds = time.time() - start
         self.trace.add(walked.slices, step)
         out = step_log.step_metrics(step, seconds, walked, self.train_set)
+        out.update(self.stale_weights.observe(step, walked.batch))
         return StepResult(walked.batch, out, walked.slices)
 
     def validate(self, step: int = 0) -> dict:

@@ -60,11 +60,18 @@ class PromptFeed:
         batch.meta.update(self.batch_meta, step=step)
         if round_:
             batch.meta["round"] = round_
+        self._record(step, round_, batch)
+        return batch
+
+    def _record(self, step: int, round_: int, batch: DataProto) -> None:
+        """A line of prompts.jsonl: the sampler's indices and the rows they are; a resumed
+        run appends the batches it draws again (the last line of a step and round counts)."""
+        if not Path(self.run_dir).is_dir():  # a trainer built without its run directory
+            return
         line = {"step": step, "round": round_, "indices": self.loader.drawn}
-        line["rows"] = batch["uid"].tolist()  # the rows of the training set they are
+        line["rows"] = batch["uid"].tolist()  # their numbers among the training set's rows
         with open(Path(self.run_dir) / DRAWS, "a") as f:
             f.write(json.dumps(line) + "\n")
-        return batch
 
     def record(self, step: int, state_step: int, validation: bool = False) -> Recording:
         """Where the node calls of a walk of `step` keep their inputs, seeing the weights after

@@ -102,6 +102,8 @@ class PoolWorker:
                 where=f"pool {setup.pool}, rank {rank}, model {name}",
                 base_dir=setup.base_dir,
             )
+            if getattr(self.rollout[name], "own_weights", False):  # a server: before generating
+                self.rollout[name].sync_weights(rollout_module)
 
     def call(
         self, node_id: str, batch: DataProto, changes: dict | None = None, record=None
@@ -242,6 +244,18 @@ class PoolWorker:
         if model in self.rollout:  # a backend with its own copy (sglang) takes them too
             self.rollout[model].sync_weights(self.train[model].module)
         return Timed((exported.start, exported.end), start, time.time())
+
+    def close(self) -> None:
+        """Let each rollout backend release what it made (`close()`: a server, temp folders);
+        one that fails is reported, the others still close."""
+        for name, backend in self.rollout.items():
+            close = getattr(backend, "close", None)
+            if not callable(close):
+                continue
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001 (the run is ending: say it, go on)
+                print(f"flowrl: warning: rollout backend of {name}: close() failed: {e}")
 
     def apply(self, fn, *args):
         """`fn(self, *args)` on this rank: how tests and diagnostics look inside a rank (its
