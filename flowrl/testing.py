@@ -332,20 +332,28 @@ def try_loss(loss: str, base_dir: str | Path = ".", options: dict | None = None,
 def check_sampler(sampler_class, size: int = 20, options=None, batch_size: int = 4, steps=6):
     """Check a data sampler (flowrl/samplers.py's protocol) the way a run relies on it:
     drawing `steps` batches of `batch_size` from `size` prompts, told made-up scores after each
-    (prompt i passes when i is even), it draws indices in range, its state is plain JSON, two
-    samplers of the same seed draw alike, one of another seed is built as well, and one
-    restored from the state after half the steps draws what the first drew next. Raises
-    AssertionError saying what failed; returns the draws."""
+    (prompt i passes when i is even), it draws `batch_size` integers in range and its state is
+    plain JSON (else `SamplerError`, the run's own message: `flowrl.samplers.checked_draw`),
+    two samplers of the same seed draw alike, and one restored from the state after half the
+    steps draws what the first drew next (else AssertionError saying what failed). Returns the
+    draws."""
+    from flowrl.runtime.node_call import unstorable
+    from flowrl.samplers import SamplerError, checked_draw
+
     options = sampler_class.Options() if options is None else options
 
     def drawn(sampler, first: int, last: int) -> list[list[int]]:
         out = []
         for step in range(first, last + 1):
-            picked = [int(i) for i in sampler.next(batch_size)]
-            assert len(picked) == batch_size, f"step {step}: {len(picked)} of {batch_size} drawn"
-            assert all(0 <= i < size for i in picked), f"step {step}: index out of 0..{size - 1}"
+            picked = checked_draw(sampler, sampler.next(batch_size), batch_size, size)
             sampler.update(picked, [float(i % 2 == 0) for i in picked], step)
             out.append(picked)
+        if problem := unstorable(sampler.state_dict()):
+            raise SamplerError(
+                f"{sampler_class.__name__}.state_dict() returned {problem}",
+                "a checkpoint (JSON) cannot store it: return numbers, strings, lists and dicts "
+                "with string keys",
+            )
         return out
 
     first = sampler_class(size, 0, options)
