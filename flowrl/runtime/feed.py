@@ -68,8 +68,9 @@ class PromptFeed:
         run appends the batches it draws again (the last line of a step and round counts)."""
         if not Path(self.run_dir).is_dir():  # a trainer built without its run directory
             return
-        line = {"step": step, "round": round_, "indices": self.loader.drawn}
-        line["rows"] = batch["uid"].tolist()  # their numbers among the training set's rows
+        rows = batch["uid"].tolist() if "uid" in batch.keys() else None  # among the set's rows
+        indices = getattr(self.loader, "drawn", rows)  # a loader of another kind: its rows
+        line = {"step": step, "round": round_, "indices": indices, "rows": rows}
         with open(Path(self.run_dir) / DRAWS, "a") as f:
             f.write(json.dumps(line) + "\n")
 
