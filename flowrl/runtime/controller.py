@@ -286,6 +286,7 @@ class Trainer:
         if queued is not None:
             state.update(pipelines.entries(queued))
         text = _state_json(state)  # a state JSON cannot hold stops here, naming its owner
+        self.executor.broadcast("node_states")  # so does a model node worker's, on its rank
         keep, graph = self.spec.run.keep_checkpoints, self.spec.raw
         with self._writing(f"the checkpoint of step {step}", step=step):
             with checkpoint.writing(self.run_dir, step, keep, graph) as out:
