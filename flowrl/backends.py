@@ -163,7 +163,7 @@ def class_problems(cls) -> list[tuple[str, str]]:
     """(what is wrong, fix) with a backend class named by reference: the contract's methods
     (those `RolloutBase` does not give it), `generate` async, `Options` an attrs class, the
     constructor's shape (flowrl/contracts.py)."""
-    return contracts.class_problems(
+    out = contracts.class_problems(
         cls,
         "rollout backend",
         methods=BACKEND_METHODS if not _has_base(cls) else ("generate",),
@@ -171,11 +171,38 @@ def class_problems(cls) -> list[tuple[str, str]]:
         init=BACKEND_INIT,
         init_fix=BACKEND_FIX,
     )
+    return out + _server_problems(cls) if isinstance(cls, type) else out
 
 
-def _has_base(cls) -> bool:
-    """`cls` subclasses RolloutBase (read by name: the module is not imported here)."""
-    return any(getattr(k, "__name__", "") == "RolloutBase" for k in getattr(cls, "__mro__", ()))
+# ServerRollout's routes for the weights: the method each needs the subclass to write
+WEIGHT_ROUTES = {"directory": "load_weights", "buckets": "load_weight_buckets"}
+
+
+def _server_problems(cls) -> list[tuple[str, str]]:
+    """A ServerRollout subclass (flowrl/engines/server.py) names a route for the weights and
+    writes its method: found at check, not at the first sync."""
+    if not _has_base(cls, "ServerRollout"):
+        return []
+    where, route = contracts.place(cls), getattr(cls, "weights_as", None)
+    if route not in WEIGHT_ROUTES:
+        routes = ", ".join(f'"{r}"' for r in WEIGHT_ROUTES)
+        fix = f'set weights_as to one of {routes} (docs/extending.md, "A server backend")'
+        return [(f"{where}: weights_as = {route!r}", fix)]
+    method = getattr(cls, WEIGHT_ROUTES[route])
+    if getattr(method, "__qualname__", "").startswith("ServerRollout."):
+        return [
+            (
+                f'{where} has weights_as = "{route}" but no {WEIGHT_ROUTES[route]}',
+                f"write {WEIGHT_ROUTES[route]}: how the server takes the weights "
+                '(docs/extending.md, "A server backend")',
+            )
+        ]
+    return []
+
+
+def _has_base(cls, base: str = "RolloutBase") -> bool:
+    """`cls` subclasses `base` (read by name: flowrl.engines is not imported here)."""
+    return any(getattr(k, "__name__", "") == base for k in getattr(cls, "__mro__", ()))
 
 
 def missing_package(name: str) -> str:

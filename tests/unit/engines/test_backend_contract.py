@@ -126,3 +126,32 @@ def test_every_backend_made_by_make_rollout_is_checked_naming_its_file(tmp_path)
     message = str(caught.value)
     assert 'rollout backend "mine.py:Mine": Mine (' in message and "mine.py:" in message
     assert "2 ids with 1 log-probs" in message and "one log-prob per sampled id" in message
+
+
+SERVER = """
+from flowrl.api import Result, ServerRollout
+
+class Mine(ServerRollout):
+    weights_as = "directory"
+
+    def load_weights(self, directory):
+        pass
+
+    async def generate(self, request):
+        return Result([], [], "length")
+"""
+
+
+@pytest.mark.parametrize(
+    "old, new, said",
+    [
+        ('weights_as = "directory"', 'weights_as = "disk"', "weights_as = 'disk'"),
+        ('weights_as = "directory"', 'weights_as = "buckets"', "but no load_weight_buckets"),
+        ("    def load_weights(self, directory):\n        pass\n", "", "but no load_weights"),
+    ],
+)
+def test_check_refuses_a_server_backend_without_its_route_for_the_weights(tmp_path, old, new, said):
+    with pytest.raises(AssertionError, match="the graph compiled"):
+        problems(tmp_path / "good", SERVER)
+    found = problems(tmp_path / "bad", SERVER.replace(old, new))
+    assert any(said in p and "A server backend" in p for p in found), found
