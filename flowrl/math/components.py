@@ -20,11 +20,12 @@ import inspect
 import attrs
 
 from flowrl import refs
-from flowrl.errors import FlowrlError, did_you_mean, located
+from flowrl.errors import did_you_mean, located
 from flowrl.lazy import torch
 from flowrl.math import losses, ops
 from flowrl.math.loss_state import (  # noqa: F401 (update.policy reads them here)
     STATE_FIX,
+    ComponentError,
     ModuleWatch,
     checked_state,
     first_state,
@@ -37,14 +38,6 @@ from flowrl.params import Rule, one_of
 LOSS_ARGUMENTS = ("logprobs", "old_logprobs", "advantages", "response_mask", "params", "chunk")
 KL_ARGUMENTS = ("logprobs", "ref_logprobs")
 OWN_LOSS = 'write your own in a file and name it: loss = "my_losses.py:my_loss"'
-
-
-class ComponentError(FlowrlError, ValueError):
-    """A loss or KL kind that cannot be used, with where it is and what to do."""
-
-    def __init__(self, message: str, fix: str = ""):
-        super().__init__(f"{message}: {fix}" if fix else message)
-        self.message, self.fix = message, fix
 
 
 def _load(ref: str, base_dir, what: str):

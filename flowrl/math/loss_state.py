@@ -2,21 +2,24 @@
 record's `options` built from the update node's `loss_options` table, its `state` made,
 advanced after each update and checked to be what a checkpoint (JSON) holds, and the watch on
 its file's module-level names that refuses state kept there (it would reset on --resume and
-differ between ranks). `flowrl.math.components` re-exports these for the update node."""
+differ between ranks); and `ComponentError`, the error of a loss or KL kind that cannot be used.
+`flowrl.math.components` re-exports these for the update node."""
 
 from __future__ import annotations
 
 import sys
 
-from flowrl.errors import Collector, located
+from flowrl.errors import Collector, FlowrlError, located
 from flowrl.lazy import torch
 from flowrl.math.losses import Loss
 
 
-def _error(message: str, fix: str):
-    from flowrl.math.components import ComponentError
+class ComponentError(FlowrlError, ValueError):
+    """A loss or KL kind that cannot be used, with where it is and what to do."""
 
-    return ComponentError(message, fix)
+    def __init__(self, message: str, fix: str = ""):
+        super().__init__(f"{message}: {fix}" if fix else message)
+        self.message, self.fix = message, fix
 
 
 STATE_FIX = (
@@ -31,7 +34,7 @@ def loss_options(loss: Loss, name: str, table: dict, node: str):
     the table must be empty). Raises ComponentError listing every problem."""
     if loss.options is None:
         if table:
-            raise _error(
+            raise ComponentError(
                 f'[nodes.{node}] loss_options: loss "{name}" has no options of its own, but '
                 f"loss_options sets {sorted(table)}",
                 "remove loss_options, or give the loss's Loss record options=<attrs class>",
@@ -44,7 +47,7 @@ def loss_options(loss: Loss, name: str, table: dict, node: str):
     if errors.problems:
         text = "; ".join(f"{p.where}: {p.message}" for p in errors.problems)
         fixes = "; ".join(p.fix for p in errors.problems if p.fix)
-        raise _error(f'loss "{name}": {text}', fixes or "see the loss's options class")
+        raise ComponentError(f'loss "{name}": {text}', fixes or "see the loss's options class")
     return built
 
 
