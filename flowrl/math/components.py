@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 
 import attrs
 
@@ -175,6 +176,23 @@ def checked_loss(loss: Loss, name: str, out) -> tuple:
             "logged, or leave them out",
         )
     return value, {key: _number(where, key, rate) for key, rate in rates.items()}
+
+
+def check_finite(loss: Loss, name: str, value, rates: dict, inputs: tuple, mask) -> None:
+    """A loss or rate that is not finite while its inputs are (on the trained tokens: `inputs`
+    (b, t) tensors, `mask` (b, t)) is the loss's own doing: ComponentError naming it, rather
+    than a skipped step blamed later on the learning rate. Non-finite inputs are the model's
+    (its weights), left to the run's guard."""
+    bad = [] if bool(torch.isfinite(value)) else [f"a loss of {float(value)}"]
+    bad += [f'the rate "{k}" = {v}' for k, v in rates.items() if not math.isfinite(v)]
+    trained = mask.bool()
+    if not bad or not all(bool(torch.isfinite(x[trained]).all()) for x in inputs):
+        return
+    raise ComponentError(
+        f'loss "{name}": {located(loss.fn)} returned {" and ".join(bad)} from finite inputs',
+        "fix its formula: a log of 0, a division by a zero count or std, an exp of a log-ratio "
+        "without ops.ratio_from_log's clamp",
+    )
 
 
 def _number(where: str, key: str, rate) -> float:

@@ -171,6 +171,8 @@ class PolicyUpdateWorker:
         )
         returned = self.loss.fn(logprobs, old, micro["advantages"], mask, p, chunk)
         loss, rates = components.checked_loss(self.loss, p.loss, returned)
+        inputs = (logprobs.detach(), old, micro["advantages"])
+        components.check_finite(self.loss, p.loss, loss.detach(), rates, inputs, mask)
         share = counts.share(mask)
         metrics = {"pg_loss": float(loss.detach())}
         metrics |= {key: rates[key] * share for key in self.loss.rates}

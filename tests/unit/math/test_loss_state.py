@@ -161,3 +161,9 @@ def test_a_tiny_run_logs_beta_at_every_step_and_saves_it(tmp_path):
     (checkpoint,) = (run.run_dir / "checkpoints").glob("step_*")
     (saved,) = checkpoint.glob("nodes-*.json")
     assert json.loads(saved.read_text()) == {"update_policy": {"loss": {"beta": betas[-1]}}}
+
+
+def test_a_loss_that_makes_a_nan_from_finite_inputs_is_named(tmp_path):
+    write_example(tmp_path, 'rates = {"kl": float(', 'rates = {"kl": float("nan") + float(')
+    with pytest.raises(ComponentError, match=r'the rate "kl" = nan from finite inputs'):
+        worker(tmp_path)(rows(tmp_path))
