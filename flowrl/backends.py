@@ -25,7 +25,7 @@ from pathlib import Path
 
 import attrs
 
-from flowrl import refs
+from flowrl import contracts, refs
 from flowrl.params import checked, count, interval, one_of, positive
 
 
@@ -148,6 +148,61 @@ def record_of(cls: type, ref: str) -> Backend:
         multi_turn=bool(getattr(cls, "multi_turn", False)),
         options=getattr(cls, "Options", NoOptions),
     )
+
+
+BACKEND_METHODS = ("generate", "run", "release", "offload", "reload", "sync_weights")
+BACKEND_INIT = (("module", "tokenizer", "device"), {"options": None, "seed": 0, "where": ""})
+BACKEND_FIX = (
+    "a rollout backend is a class built as Backend(module, tokenizer, device, *, options, seed, "
+    "where) with `async def generate(request) -> Result`: subclass flowrl.api.RolloutBase "
+    '(docs/extending.md, "A rollout backend")'
+)
+
+
+def class_problems(cls) -> list[tuple[str, str]]:
+    """(what is wrong, fix) with a backend class named by reference: the contract's methods
+    (those `RolloutBase` does not give it), `generate` async, `Options` an attrs class, the
+    constructor's shape (flowrl/contracts.py)."""
+    out = contracts.class_problems(
+        cls,
+        "rollout backend",
+        methods=BACKEND_METHODS if not _has_base(cls) else ("generate",),
+        coroutines=("generate",),
+        init=BACKEND_INIT,
+        init_fix=BACKEND_FIX,
+    )
+    return out + _server_problems(cls) if isinstance(cls, type) else out
+
+
+# ServerRollout's routes for the weights: the method each needs the subclass to write
+WEIGHT_ROUTES = {"directory": "load_weights", "buckets": "load_weight_buckets"}
+
+
+def _server_problems(cls) -> list[tuple[str, str]]:
+    """A ServerRollout subclass (flowrl/engines/server.py) names a route for the weights and
+    writes its method: found at check, not at the first sync."""
+    if not _has_base(cls, "ServerRollout"):
+        return []
+    where, route = contracts.place(cls), getattr(cls, "weights_as", None)
+    if route not in WEIGHT_ROUTES:
+        routes = ", ".join(f'"{r}"' for r in WEIGHT_ROUTES)
+        fix = f'set weights_as to one of {routes} (docs/extending.md, "A server backend")'
+        return [(f"{where}: weights_as = {route!r}", fix)]
+    method = getattr(cls, WEIGHT_ROUTES[route])
+    if getattr(method, "__qualname__", "").startswith("ServerRollout."):
+        return [
+            (
+                f'{where} has weights_as = "{route}" but no {WEIGHT_ROUTES[route]}',
+                f"write {WEIGHT_ROUTES[route]}: how the server takes the weights "
+                '(docs/extending.md, "A server backend")',
+            )
+        ]
+    return []
+
+
+def _has_base(cls, base: str = "RolloutBase") -> bool:
+    """`cls` subclasses `base` (read by name: flowrl.engines is not imported here)."""
+    return any(getattr(k, "__name__", "") == base for k in getattr(cls, "__mro__", ()))
 
 
 def missing_package(name: str) -> str:

@@ -21,18 +21,21 @@ results of steps s-k..s-1 are known (the rollout runs ahead), so a curriculum re
 later. With refill (DAPO's dynamic sampling) the extra rounds draw from the sampler too, and
 the rows a filter drops are reported with the rows it keeps.
 
-`UniformSampler` is the default (each epoch a fresh permutation, the tail that does not fill a
-batch skipped, exactly the order runs had before the seam); `PassRateBand` is the built-in
-curriculum.
+`UniformSampler` is the default and the one uniform sampler (each epoch a fresh permutation,
+or the data set's order with its option `shuffle = false`; the tail that does not fill a batch
+skipped); `PassRateBand` is the built-in curriculum.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import attrs
 import numpy as np
 
+from flowrl import contracts
+from flowrl.errors import FlowrlError
 from flowrl.params import checked, count, interval
 
 
@@ -41,14 +44,23 @@ class NoOptions:
     """The options of a sampler that has none: `[data.sampler_options]` must stay empty."""
 
 
+@attrs.frozen
+class UniformOptions:
+    shuffle: bool = True  # a fresh permutation every epoch; false: the data set's order
+
+
 class UniformSampler:
     """Every prompt once per epoch, in a permutation seeded by (seed, epoch); with
-    `shuffle = False` (`[data] shuffle`) in the data set's order."""
+    `shuffle = false` (`[data.sampler_options]`, or `[data] shuffle`) in the data set's order.
+    It ignores results (`learns = False`), so the prompt feed tells it none."""
 
-    Options = NoOptions
+    Options = UniformOptions
+    learns = False
 
-    def __init__(self, size: int, seed: int, options=None, shuffle: bool = True):
-        self.size, self.seed, self.shuffle = size, seed, shuffle
+    def __init__(self, size: int, seed: int, options=None, shuffle: bool | None = None):
+        options = options or UniformOptions()
+        self.size, self.seed = size, seed
+        self.shuffle = options.shuffle if shuffle is None else shuffle  # `shuffle`: older form
         self.epoch, self.position = 0, 0  # batches drawn in this epoch
 
     def _order(self) -> np.ndarray:
@@ -99,6 +111,7 @@ class PassRateBand:
     """
 
     Options = PassRateOptions
+    learns = True
 
     def __init__(self, size: int, seed: int, options: PassRateOptions | None = None):
         self.size, self.seed = size, seed
@@ -144,6 +157,42 @@ class PassRateBand:
     def load_state_dict(self, state: dict) -> None:
         self.drawn = state["drawn"]
         self.recent = {int(index): list(scores) for index, scores in state["recent"].items()}
+
+
+class SamplerError(FlowrlError, ValueError):
+    """A sampler's draw or state breaks the contract: names the sampler, its file and the fix."""
+
+    def __init__(self, message: str, fix: str):
+        super().__init__(f"{message}: {fix}")
+
+
+def checked_draw(sampler, indices, batch_size: int, size: int) -> list[int]:
+    """`indices`, what `sampler.next(batch_size)` returned, as a list of ints, or SamplerError:
+    not a sequence of integers (a bool, a float, a string), not `batch_size` of them, one
+    outside [0, size) (a -1 would silently take the last prompt)."""
+    where = f"data sampler {contracts.place(type(sampler))}: next({batch_size}) returned"
+    try:
+        drawn = [operator.index(i) for i in indices]
+        if any(isinstance(i, bool | np.bool_) for i in indices):
+            raise TypeError("a bool")
+    except TypeError:
+        shown = repr(indices) if len(repr(indices)) < 80 else repr(indices)[:77] + "..."
+        raise SamplerError(
+            f"{where} {shown}: not a list of integers",
+            "return a list of dataset indices, ints (a numpy array's .tolist())",
+        ) from None
+    if len(drawn) != batch_size:
+        raise SamplerError(
+            f"{where} {len(drawn)} indices",
+            f"return exactly batch_size = {batch_size} (the step trains on what it draws)",
+        )
+    if bad := [i for i in drawn if not 0 <= i < size]:
+        raise SamplerError(
+            f"{where} the index {bad[0]}, outside the {size} prompts [0, {size})",
+            "return indices of kept prompts, 0 to size - 1 (a negative one is not counted "
+            "from the end)",
+        )
+    return drawn
 
 
 # [data] sampler = "<name>" for the built-in ones; a user's own is "file.py:Class"

@@ -299,13 +299,17 @@ def loss_params(**fields):
     return SimpleNamespace(**(attrs.asdict(Params()) | fields))
 
 
-def try_loss(loss: str, base_dir: str | Path = ".", **fields):
+def try_loss(loss: str, base_dir: str | Path = ".", options: dict | None = None, **fields):
     """A policy loss taken as `update.policy` takes it: `loss`, a built-in name or a reference
-    ("my_losses.py:TOPR", relative to base_dir), loaded and checked as `flowrl check` checks it,
-    then called once on `update_rows()` (log-probs that carry a gradient, the node's params
-    overridden by `fields`) and its return value checked as every call's is. Returns (the
-    scalar loss, its rates as floats); raises `ComponentError` naming the function's file:line
-    and the fix."""
+    ("my_losses.py:TOPR", relative to base_dir), loaded and checked as `flowrl check` checks it
+    (with `options`, the update node's `loss_options` table), then called once on
+    `update_rows()` (log-probs that carry a gradient, the node's params overridden by `fields`,
+    the loss's first state) and its return value checked as every call's is; a loss with
+    `after_update` then makes its next state from the rates, checked too. Returns (the scalar
+    loss, its rates as floats); raises `ComponentError` (or `StateError`) naming the function's
+    file:line and the fix."""
+    from types import MappingProxyType
+
     from flowrl.math import components
     from flowrl.math.losses import Chunk
     from flowrl.nodes.update.policy import Params
@@ -313,30 +317,43 @@ def try_loss(loss: str, base_dir: str | Path = ".", **fields):
     record = components.resolve_loss(loss, base_dir)
     for problem in components.loss_problems(record, loss, Params, "update.policy"):
         raise problem
+    built = components.loss_options(record, loss, options or {}, "update_policy")
+    state = components.first_state(record, loss, built)
     rows = update_rows()
     old = rows["old_logprobs"]
     logprobs = (old + 0.1 * old.sign()).requires_grad_()  # (b, t): a step away from the old
     args = (logprobs, old, rows["advantages"], rows["response_mask"], loss_params(**fields))
-    return components.checked_loss(record, loss, record.fn(*args, Chunk()))
+    chunk = Chunk(options=built, state=MappingProxyType(state))
+    value, rates = components.checked_loss(record, loss, record.fn(*args, chunk))
+    components.next_state(record, loss, state, rates, built)
+    return value, rates
 
 
 def check_sampler(sampler_class, size: int = 20, options=None, batch_size: int = 4, steps=6):
     """Check a data sampler (flowrl/samplers.py's protocol) the way a run relies on it:
     drawing `steps` batches of `batch_size` from `size` prompts, told made-up scores after each
-    (prompt i passes when i is even), it draws indices in range, its state is plain JSON, two
-    samplers of the same seed draw alike, one of another seed is built as well, and one
-    restored from the state after half the steps draws what the first drew next. Raises
-    AssertionError saying what failed; returns the draws."""
+    (prompt i passes when i is even), it draws `batch_size` integers in range and its state is
+    plain JSON (else `SamplerError`, the run's own message: `flowrl.samplers.checked_draw`),
+    two samplers of the same seed draw alike, and one restored from the state after half the
+    steps draws what the first drew next (else AssertionError saying what failed). Returns the
+    draws."""
+    from flowrl.runtime.node_call import unstorable
+    from flowrl.samplers import SamplerError, checked_draw
+
     options = sampler_class.Options() if options is None else options
 
     def drawn(sampler, first: int, last: int) -> list[list[int]]:
         out = []
         for step in range(first, last + 1):
-            picked = [int(i) for i in sampler.next(batch_size)]
-            assert len(picked) == batch_size, f"step {step}: {len(picked)} of {batch_size} drawn"
-            assert all(0 <= i < size for i in picked), f"step {step}: index out of 0..{size - 1}"
+            picked = checked_draw(sampler, sampler.next(batch_size), batch_size, size)
             sampler.update(picked, [float(i % 2 == 0) for i in picked], step)
             out.append(picked)
+        if problem := unstorable(sampler.state_dict()):
+            raise SamplerError(
+                f"{sampler_class.__name__}.state_dict() returned {problem}",
+                "a checkpoint (JSON) cannot store it: return numbers, strings, lists and dicts "
+                "with string keys",
+            )
         return out
 
     first = sampler_class(size, 0, options)

@@ -10,7 +10,7 @@ from flowrl.data.preferences import arithmetic_preference_rows
 from flowrl.data.verl_format import DataError, load_rows
 from flowrl.front.schema import DATASET_KEYS
 from flowrl.protocol import DataProto
-from flowrl.samplers import UniformSampler
+from flowrl.samplers import UniformOptions, UniformSampler, checked_draw
 
 
 def make_rows(source: str, split: str, size: int, seed: int, base_dir=".") -> list[dict]:
@@ -63,7 +63,13 @@ class PromptDataset:
                 self.items.append((index, text, ids, row))
             seen.add((text, str(row["reward_model"]["ground_truth"])))
         self.rows, self.filtered = len(rows), len(rows) - len(self.items)
+        self.positions = {index: k for k, (index, *_) in enumerate(self.items)}
         self.duplicates = len(rows) - len(seen)
+
+    def indices(self, uids) -> list[int]:
+        """The dataset indices (of kept prompts, what a sampler draws) of rows' `uid`s (their
+        numbers among all rows: they differ once an over-long prompt was dropped)."""
+        return [self.positions[int(uid)] for uid in uids]
 
     def summary(self) -> str:
         """One line for the run's first output: what was kept, dropped and repeated."""
@@ -129,7 +135,8 @@ class PromptLoader:
                 + (", or raise data.max_prompt_len" if dataset.filtered else "")
             )
         self.dataset, self.batch_size = dataset, batch_size
-        self.sampler = sampler or UniformSampler(len(dataset), seed, shuffle=shuffle)
+        self.drawn: list[int] = []  # the indices of the last batch
+        self.sampler = sampler or UniformSampler(len(dataset), seed, UniformOptions(shuffle))
 
     def __len__(self) -> int:
         return len(self.dataset) // self.batch_size
@@ -137,13 +144,15 @@ class PromptLoader:
     @property
     def learns(self) -> bool:
         """The sampler chooses prompts from results (the uniform one ignores them)."""
-        return not isinstance(self.sampler, UniformSampler)
+        return bool(getattr(self.sampler, "learns", True))
 
     def __iter__(self):
         return self
 
     def __next__(self) -> DataProto:
-        return self.dataset.collate(self.sampler.next(self.batch_size))
+        drawn = self.sampler.next(self.batch_size)
+        self.drawn = checked_draw(self.sampler, drawn, self.batch_size, len(self.dataset))
+        return self.dataset.collate(self.drawn)
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()

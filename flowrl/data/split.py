@@ -11,6 +11,7 @@
 
 import sys
 
+import attrs
 import numpy as np
 
 from flowrl.data.loader import PromptDataset, make_rows
@@ -91,10 +92,10 @@ def prompt_sets(spec, tokenizer) -> tuple[PromptDataset, object, list[str]]:
 
 def make_sampler(spec, size: int):
     """The sampler `[data] sampler` names over `size` prompts, with its checked options and the
-    run's seed; None for the default ("uniform": the loader's own, with `[data] shuffle`)."""
+    run's seed (`[data] shuffle = false` sets the uniform sampler's `shuffle` option)."""
     from flowrl.front.sections import sampler_options
 
-    if spec.data.sampler == "uniform":
-        return None
     cls, options = sampler_options(spec.data, spec.base_dir)
+    if spec.data.sampler == "uniform" and not spec.data.shuffle:
+        options = attrs.evolve(options, shuffle=False)
     return cls(size, spec.run.seed, options)

@@ -35,13 +35,17 @@ server with its own copy of the weights: both). After an update it calls
 
 from __future__ import annotations
 
+import functools
+import math
+import operator
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from flowrl import refs
+from flowrl import contracts, refs
 from flowrl.backends import NoOptions, backend
 from flowrl.engines import threads
+from flowrl.errors import FlowrlError
 from flowrl.lazy import torch
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -191,6 +195,10 @@ class RolloutBase:
         if source is not self.module:
             self.module.load_state_dict(source.state_dict())
 
+    def close(self) -> None:
+        """Release what the backend made (a server process, a temp folder, a session) when
+        the pool shuts down; called once, also after a failed run."""
+
 
 def request_seed(base: int, row: int) -> int:
     """The seed of row `row` of a batch whose generator seed is `base` (splitmix64 of both)."""
@@ -236,4 +244,99 @@ def make_rollout(
     record = backend(name, base_dir)
     cls = refs.load(record.ref, base_dir, what=f'rollout backend "{name}"')
     options = record.options() if options is None else options
-    return cls(module, tokenizer, device, options=options, seed=seed, where=where)
+    made = f'rollout backend "{name}": {contracts.place(cls)}'
+    try:
+        instance = cls(module, tokenizer, device, options=options, seed=seed, where=where)
+    except TypeError as e:  # an old constructor shape; `flowrl check` says so first
+        raise RolloutResultError(f"{made} could not be built ({e})", BACKEND_INIT_FIX) from e
+    return checking(instance, made, module)
+
+
+BACKEND_INIT_FIX = (
+    "take __init__(self, module, tokenizer, device, *, options=None, seed=0, where=''), "
+    "or subclass flowrl.api.RolloutBase and call super().__init__ with them"
+)
+
+
+class RolloutResultError(FlowrlError, ValueError):
+    """What a rollout backend returned breaks the contract: names the backend, its file, what
+    was wrong with the result and the fix."""
+
+    def __init__(self, message: str, fix: str):
+        super().__init__(f"{message}: {fix}")
+
+
+def checking(instance, made: str, module=None):
+    """`instance` with its `generate` checked at every call (`result_problem`): a result that
+    breaks the contract raises `RolloutResultError` naming `made` (the backend and its file)
+    instead of training on it. Returns the instance itself."""
+    generate = instance.generate
+    embeddings = getattr(module, "get_input_embeddings", lambda: None)()
+    tokenizer = getattr(instance, "tokenizer", None)
+    vocab = getattr(embeddings, "num_embeddings", None) or len(tokenizer or ()) or None
+
+    @functools.wraps(generate)
+    async def checked_generate(request):
+        result = await generate(request)
+        try:
+            return checked_result(request, result, vocab)
+        except _Wrong as e:
+            raise RolloutResultError(f"{made} returned {e}", e.fix) from None
+
+    instance.generate = checked_generate
+    return instance
+
+
+class _Wrong(ValueError):
+    def __init__(self, what: str, fix: str):
+        super().__init__(what)
+        self.fix = fix
+
+
+RESULT_FIX = "return flowrl.api.Result(ids, logprobs, finish_reason)"
+
+
+def checked_result(request: Request, result, vocab: int | None = None) -> Result:
+    """`result` of `request` as a `Result` of plain ints and floats, or ValueError (with a
+    `.fix`) saying what breaks the contract: not a result; ids that are not token ids of the
+    vocabulary; log-probs not one finite number <= 0 per id; more ids than `max_new_tokens`;
+    ids that do not start with the forced ones; an unknown finish reason."""
+    if not all(hasattr(result, k) for k in ("ids", "logprobs", "finish_reason")):
+        raise _Wrong(f"a {type(result).__name__}, not a Result", RESULT_FIX)
+    try:
+        ids = [operator.index(i) for i in result.ids]
+    except TypeError:
+        kinds = sorted({type(i).__name__ for i in result.ids})
+        raise _Wrong(f"ids of types {kinds}", "return token ids as ints (tolist())") from None
+    if any(i < 0 or (vocab is not None and i >= vocab) for i in ids):
+        bad = next(i for i in ids if i < 0 or i >= (vocab or math.inf))
+        raise _Wrong(f"the id {bad}, outside the vocabulary [0, {vocab})", "return token ids")
+    try:
+        logprobs = [float(v) for v in result.logprobs]
+    except (TypeError, ValueError):
+        raise _Wrong("log-probs that are not numbers", "one float per id (tolist())") from None
+    if len(logprobs) != len(ids):
+        raise _Wrong(
+            f"{len(ids)} ids with {len(logprobs)} log-probs",
+            "one log-prob per sampled id (0.0 each when the request does not ask for them)",
+        )
+    if len(ids) > request.max_new_tokens:
+        raise _Wrong(
+            f"{len(ids)} ids for max_new_tokens = {request.max_new_tokens}",
+            'stop at max_new_tokens and finish with reason "length"',
+        )
+    if tuple(ids[: len(request.forced)]) != request.forced[: len(ids)]:
+        raise _Wrong(
+            f"ids {ids[: len(request.forced)]} where the request forced {list(request.forced)}",
+            "begin the ids with request.forced (taken as sampled)",
+        )
+    if bad := [v for v in logprobs if not math.isfinite(v) or v > 1e-3]:
+        raise _Wrong(
+            f"the log-prob {bad[0]} (not a finite number <= 0)",
+            "return each sampled token's log-prob under the distribution it was drawn from "
+            "(a NaN or inf is a bug in the backend, not the learning rate)",
+        )
+    if result.finish_reason not in FINISH_REASONS:
+        reasons = ", ".join(f'"{r}"' for r in FINISH_REASONS)
+        raise _Wrong(f'the finish reason "{result.finish_reason}"', f"use one of {reasons}")
+    return Result(ids, logprobs, result.finish_reason)

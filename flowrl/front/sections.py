@@ -11,8 +11,8 @@ from pathlib import Path
 
 import attrs
 
-from flowrl import refs
-from flowrl.backends import backend
+from flowrl import contracts, refs
+from flowrl.backends import backend, class_problems, is_reference
 from flowrl.errors import Collector, did_you_mean, one_of
 from flowrl.front import schema
 from flowrl.front.overrides import addressable, said
@@ -100,15 +100,20 @@ def check_sampler(data: schema.DataConfig, base_dir: Path, errors: Collector, ov
     except Exception as e:  # a user's file may raise anything while loading
         errors.add(where, f"{said_it}{e}", 'see docs/data.md, "Choosing the prompts"')
         return
-    missing = [m for m in SAMPLER_METHODS if not callable(getattr(cls, m, None))]
-    if missing:
-        errors.add(
-            where,
-            f'{said_it}"{data.sampler}" has no {", ".join(missing)}',
-            "a sampler has next(batch_size), update(indices, scores, step), state_dict() and "
-            "load_state_dict(state) (docs/data.md)",
-        )
+    problems = contracts.class_problems(
+        cls,
+        "sampler",
+        methods=SAMPLER_METHODS,
+        init=(("size", "seed", "options"), {}),
+        init_fix="a sampler is a class built as Sampler(size, seed, options) with "
+        "next(batch_size), update(indices, scores, step), state_dict() and "
+        "load_state_dict(state) (docs/data.md)",
+    )
+    for message, fix in problems:
+        errors.add(where, f'{said_it}"{data.sampler}" {message}', fix)
     options = getattr(cls, "Options", NoOptions)
+    if problems and not (isinstance(options, type) and attrs.has(options)):
+        return
     build_attrs(options, data.sampler_options, "data.sampler_options", errors, overridden)
 
 
@@ -179,6 +184,14 @@ def check_rollout(name, model: schema.ModelConfig, pools, folder: Path, errors, 
             "(docs/extending.md)",
         )
         return
+    if is_reference(model.rollout):
+        where = f"[models.{name}] rollout"
+        cls = refs.load(record.ref, folder, what="rollout backend")
+        for message, fix in class_problems(cls):
+            said_it = said(overridden, f"models.{name}.rollout")
+            errors.add(where, f'{said_it}"{model.rollout}" {message}', fix)
+        if not attrs.has(record.options):
+            return
     check_rollout_device(name, model, record, pools, errors, overridden)
     check_rollout_dtype(name, model, record, errors, overridden)
     build_attrs(

@@ -16,27 +16,29 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 
 import attrs
 
 from flowrl import refs
-from flowrl.errors import FlowrlError, did_you_mean, located
+from flowrl.errors import did_you_mean, located
 from flowrl.lazy import torch
 from flowrl.math import losses, ops
+from flowrl.math.loss_state import (  # noqa: F401 (update.policy reads them here)
+    STATE_FIX,
+    ComponentError,
+    ModuleWatch,
+    checked_state,
+    first_state,
+    loss_options,
+    next_state,
+)
 from flowrl.math.losses import Loss
 from flowrl.params import Rule, one_of
 
 LOSS_ARGUMENTS = ("logprobs", "old_logprobs", "advantages", "response_mask", "params", "chunk")
 KL_ARGUMENTS = ("logprobs", "ref_logprobs")
 OWN_LOSS = 'write your own in a file and name it: loss = "my_losses.py:my_loss"'
-
-
-class ComponentError(FlowrlError, ValueError):
-    """A loss or KL kind that cannot be used, with where it is and what to do."""
-
-    def __init__(self, message: str, fix: str = ""):
-        super().__init__(f"{message}: {fix}" if fix else message)
-        self.message, self.fix = message, fix
 
 
 def _load(ref: str, base_dir, what: str):
@@ -117,6 +119,24 @@ def loss_problems(loss: Loss, name: str, params_class: type, node: str) -> list[
     if loss.agg is not None and loss.agg not in ops.AGG_MODES:
         modes = ", ".join(f'"{m}"' for m in ops.AGG_MODES)
         out.append(ComponentError(f'{where}: agg = "{loss.agg}" is unknown', f"use one of {modes}"))
+    if loss.options is not None and not (inspect.isclass(loss.options) and attrs.has(loss.options)):
+        out.append(
+            ComponentError(
+                f"{where}: its record's options = {loss.options!r} is not an attrs class",
+                "decorate the class of the loss's own params with @attrs.frozen",
+            )
+        )
+    for field in ("state", "after_update"):
+        value = getattr(loss, field)
+        if value is not None and (not callable(value) or inspect.isclass(value)):
+            out.append(
+                ComponentError(
+                    f"{where}: its record's {field} = {value!r} is not a function",
+                    STATE_FIX,
+                )
+            )
+    if loss.after_update is not None and loss.state is None:
+        out.append(ComponentError(f"{where}: its record has after_update but no state", STATE_FIX))
     return out
 
 
@@ -156,6 +176,23 @@ def checked_loss(loss: Loss, name: str, out) -> tuple:
             "logged, or leave them out",
         )
     return value, {key: _number(where, key, rate) for key, rate in rates.items()}
+
+
+def check_finite(loss: Loss, name: str, value, rates: dict, inputs: tuple, mask) -> None:
+    """A loss or rate that is not finite while its inputs are (on the trained tokens: `inputs`
+    (b, t) tensors, `mask` (b, t)) is the loss's own doing: ComponentError naming it, rather
+    than a skipped step blamed later on the learning rate. Non-finite inputs are the model's
+    (its weights), left to the run's guard."""
+    bad = [] if bool(torch.isfinite(value)) else [f"a loss of {float(value)}"]
+    bad += [f'the rate "{k}" = {v}' for k, v in rates.items() if not math.isfinite(v)]
+    trained = mask.bool()
+    if not bad or not all(bool(torch.isfinite(x[trained]).all()) for x in inputs):
+        return
+    raise ComponentError(
+        f'loss "{name}": {located(loss.fn)} returned {" and ".join(bad)} from finite inputs',
+        "fix its formula: a log of 0, a division by a zero count or std, an exp of a log-ratio "
+        "without ops.ratio_from_log's clamp",
+    )
 
 
 def _number(where: str, key: str, rate) -> float:

@@ -5,15 +5,20 @@ one at a time to a few child processes; a row whose scorer raises, exceeds `time
 its process down gets the fallback score and is counted, the stuck or dead process is replaced,
 and the first failure's traceback is printed once. Children are started with "spawn" (the
 trainer holds threads that a fork would copy mid-flight) and resolve the scorer themselves from
-its name, so nothing but plain row data crosses the pipe.
+its name, so nothing but plain row data crosses the pipe. A spawned child imports nothing of
+the parent's `__main__` (`clean_main`): a user's script that calls `run_tiny` without an
+`if __name__ == "__main__":` guard is not run again by each child.
 """
 
 import atexit
+import contextlib
 import multiprocessing
 import signal
 import sys
+import threading
 import time
 import traceback
+import types
 from multiprocessing.connection import wait
 
 from flowrl.rewards import BadValue, resolve_scorer, score_value
@@ -51,11 +56,30 @@ def score_row(function, scorer: str, row: tuple) -> tuple[str, object, dict]:
     return "ok", score, extra
 
 
+_MAIN = threading.Lock()
+
+
+@contextlib.contextmanager
+def clean_main():
+    """While children start, `__main__` is an empty module: "spawn" re-imports the parent's
+    main script (or module) in every child it starts, which runs a script's top level again
+    when it has no `if __name__ == "__main__":` guard. The child's target and arguments come
+    from flowrl's own modules, so it needs nothing of the script."""
+    with _MAIN:
+        main = sys.modules.get("__main__")
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            yield
+        finally:
+            sys.modules["__main__"] = main
+
+
 class _Child:
     def __init__(self, context, scorer: str, base_dir: str):
         self.connection, theirs = context.Pipe()
         self.process = context.Process(target=_serve, args=(theirs, scorer, base_dir), daemon=True)
-        self.process.start()
+        with clean_main():
+            self.process.start()
         theirs.close()
         self.row, self.deadline = None, 0.0  # the row in flight, and when it times out
         self.ready = False  # a row's timeout starts once the child has imported its scorer

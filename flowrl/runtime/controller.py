@@ -32,7 +32,9 @@ from flowrl.runtime import steps as step_sources
 from flowrl.runtime.executor import StepResult
 from flowrl.runtime.feed import PromptFeed
 from flowrl.runtime.loggers import Loggers
+from flowrl.runtime.node_call import StateError, unstorable
 from flowrl.runtime.trace import Trace
+from flowrl.runtime.weight_check import StaleWeights
 
 
 def run(
@@ -93,6 +95,7 @@ class Trainer:
         guards.check_packages(plan)
         spec = plan.spec
         self.spec, self.plan, self.run_dir = spec, plan, run_dir
+        self.stale_weights = StaleWeights(spec)
         self.command = command or f"flowrl run {spec.file}"
         self.started, self.steps_done = False, 0  # for the message of a stopped run
         self.zero_steps: dict[str, int] = {}  # node -> steps in a row of gradient norm 0
@@ -241,6 +244,7 @@ class Trainer:
         seconds = time.time() - start
         self.trace.add(walked.slices, step)
         out = step_log.step_metrics(step, seconds, walked, self.train_set)
+        out.update(self.stale_weights.observe(step, walked.batch))
         return StepResult(walked.batch, out, walked.slices)
 
     def validate(self, step: int = 0) -> dict:
@@ -281,13 +285,15 @@ class Trainer:
         }
         if queued is not None:
             state.update(pipelines.entries(queued))
+        text = _state_json(state)  # a state JSON cannot hold stops here, naming its owner
+        self.executor.broadcast("node_states")  # so does a model node worker's, on its rank
         keep, graph = self.spec.run.keep_checkpoints, self.spec.raw
         with self._writing(f"the checkpoint of step {step}", step=step):
             with checkpoint.writing(self.run_dir, step, keep, graph) as out:
                 if queued is not None:
                     pipelines.save_queue(out, queued)
                 self.executor.broadcast("save", str(out))
-                (out / "controller.json").write_text(_state_json(state))
+                (out / "controller.json").write_text(text)
 
     def _resume(self, directory: Path | None) -> tuple[int, pipelines.Queued]:
         """Load a checkpoint (None: the newest, verified) and cut the logs back to its step.
@@ -328,10 +334,17 @@ def _close_quietly(file) -> None:
 
 
 def _state_json(state: dict) -> str:
+    for node, kept in state["node_state"].items():
+        if problem := unstorable(kept):
+            raise StateError(
+                f"node {node} keeps {problem} in its state, which a checkpoint (JSON) cannot "
+                "store: keep numbers, strings, lists and dicts with string keys (a list for a "
+                "set or a tuple, float(x) or x.tolist() for a tensor)"
+            )
     try:
         return json.dumps(state)
-    except TypeError as e:
-        raise TypeError(
-            f"a stateful node keeps a value a checkpoint cannot store ({e}): keep numbers, "
-            "strings, lists and dicts in its state"
+    except (TypeError, ValueError) as e:
+        raise StateError(
+            f"the checkpoint's state cannot be written as JSON ({e}): keep numbers, strings, "
+            "lists and dicts in a node's or a sampler's state"
         ) from e

@@ -18,6 +18,7 @@ from flowrl.runtime import step_log, weights
 from flowrl.runtime.inputs import Recording
 from flowrl.runtime.node_call import ControllerFn, NodeCall, NodeFailure, call_node
 from flowrl.runtime.trace import Slice
+from flowrl.runtime.writes_check import check_writes
 
 # 2-D columns padded on the left (the loader left-pads prompts); every other one is response-
 # aligned and padded on the right
@@ -312,7 +313,9 @@ def _merge(batch: DataProto, writes: DataProto, decl) -> DataProto:
         return batch
     if len(writes) != len(batch):
         raise NodeFailure(f"node {decl.id} returned {len(writes)} rows for a batch of {len(batch)}")
-    return batch.union(writes)
+    merged = batch.union(writes)
+    check_writes(decl.id, decl.uses, writes, merged)
+    return merged
 
 
 def _merge_metrics(metrics: dict, node: str, per_rank: list[dict]) -> None:

@@ -13,10 +13,17 @@ prompts see the results of every earlier step, a rollout stage's batch generated
 weights of update v the results of steps up to v (with run.staleness = k, k steps late).
 """
 
+import json
 import threading
+from pathlib import Path
 
+from flowrl import contracts
 from flowrl.protocol import DataProto
 from flowrl.runtime.inputs import Recording
+from flowrl.runtime.node_call import unstorable
+from flowrl.samplers import SamplerError
+
+DRAWS = "prompts.jsonl"  # in the run directory: each batch's prompts, as drawn (docs/data.md)
 
 
 class PromptFeed:
@@ -53,7 +60,19 @@ class PromptFeed:
         batch.meta.update(self.batch_meta, step=step)
         if round_:
             batch.meta["round"] = round_
+        self._record(step, round_, batch)
         return batch
+
+    def _record(self, step: int, round_: int, batch: DataProto) -> None:
+        """A line of prompts.jsonl: the sampler's indices and the rows they are; a resumed
+        run appends the batches it draws again (the last line of a step and round counts)."""
+        if not Path(self.run_dir).is_dir():  # a trainer built without its run directory
+            return
+        rows = batch["uid"].tolist() if "uid" in batch.keys() else None  # among the set's rows
+        indices = getattr(self.loader, "drawn", rows)  # a loader of another kind: its rows
+        line = {"step": step, "round": round_, "indices": indices, "rows": rows}
+        with open(Path(self.run_dir) / DRAWS, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def record(self, step: int, state_step: int, validation: bool = False) -> Recording:
         """Where the node calls of a walk of `step` keep their inputs, seeing the weights after
@@ -81,7 +100,10 @@ class PromptFeed:
                 '`scores`: add a reward node that writes them, or use sampler = "uniform"'
             )
         with self.lock:
-            self.results[step] = (rows["uid"].tolist(), rows["scores"].float().tolist())
+            indices = rows["uid"].tolist()  # a row's number among all rows of the set
+            if hasattr(self.loader.dataset, "indices"):  # as kept-prompt indices
+                indices = self.loader.dataset.indices(indices)
+            self.results[step] = (indices, rows["scores"].float().tolist())
 
     def _apply(self, upto: int) -> None:
         """Tell the sampler the results of the steps up to `upto` it has not been told."""
@@ -96,32 +118,53 @@ class PromptFeed:
                     del self.results[step]
 
     def state(self) -> dict:
-        """The loader's state for a checkpoint (a learning sampler's with the last step whose
-        results it was told)."""
-        if not self.learns:
-            return self.loader.state_dict()
+        """The loader's state for a checkpoint, with the last step whose results the sampler
+        was told: {"sampler": its state_dict(), "applied": step}."""
+        sampler_state = self.loader.state_dict()
+        if problem := unstorable(sampler_state):
+            raise SamplerError(
+                f"data sampler {contracts.place(type(self.loader.sampler))}: state_dict() "
+                f"returned {problem}, which a checkpoint (JSON) cannot store",
+                "return numbers, strings, lists and dicts with string keys (a list for a set "
+                "or a tuple, int(i) for a numpy integer, .tolist() for an array)",
+            )
         with self.lock:
-            return {"sampler": self.loader.state_dict(), "applied": self.applied}
+            return {"sampler": sampler_state, "applied": self.applied}
 
     def checkpoint(self, step: int, ahead: dict | None = None) -> dict:
-        """What a checkpoint after `step` keeps of the prompts: the loader's state now, or
-        `ahead` (a rollout stage's state after the prompts it read ahead), with the results
-        told since that state's last ones, for the draws still to come."""
-        if not self.learns:
-            return ahead or self.loader.state_dict()
+        """What a checkpoint after `step` keeps of the prompts, in one format: {"sampler",
+        "applied", "pending"}: the loader's state now, or `ahead` (a rollout stage's state
+        after the prompts it read ahead), with the results told since that state's last
+        ones, for the draws still to come."""
         if ahead is None:
             self._apply(step)
             return {**self.state(), "pending": {}}
+        ahead = current(ahead)
         with self.lock:  # later checkpoints start from later states: older results can go
             self.results = {s: r for s, r in self.results.items() if s > ahead["applied"]}
             pending = {str(s): r for s, r in self.results.items()}
         return {**ahead, "pending": pending}
 
     def load(self, state: dict) -> None:
-        """Restore the loader (and a learning sampler's pending results) of a checkpoint."""
-        if not self.learns:
-            self.loader.load_state_dict(state)
-            return
-        self.loader.load_state_dict(state["sampler"])
+        """Restore the loader (and a learning sampler's pending results) of a checkpoint,
+        in this format or an older one."""
+        state = current(state)
+        try:
+            self.loader.load_state_dict(state["sampler"])
+        except Exception as e:  # the user's sampler reads its own state back
+            raise SamplerError(
+                f"data sampler {contracts.place(type(self.loader.sampler))}: "
+                f"load_state_dict(the checkpoint's state) failed: {type(e).__name__}: {e}",
+                "read back exactly what state_dict() returns (after a JSON round trip: "
+                "lists for tuples, string keys)",
+            ) from e
         self.applied = state["applied"]
         self.results = {int(s): tuple(r) for s, r in state["pending"].items()}
+
+
+def current(state: dict) -> dict:
+    """A feed state in the one format. Before it, a sampler that ignores results (the uniform
+    one) saved its own state alone, and a learning one {"sampler", "applied", "pending"}."""
+    if isinstance(state, dict) and "sampler" in state and "applied" in state:
+        return {"pending": {}, **state}
+    return {"sampler": state, "applied": 0, "pending": {}}

@@ -45,3 +45,8 @@ class LocalExecutor(Executor):
 
     def results(self, handle):
         return handle
+
+    def shutdown(self):
+        for workers in self.workers.values():
+            for worker in workers:
+                worker.close()

@@ -27,6 +27,11 @@ class NodeFailure(FlowrlError, RuntimeError):
     """A node failed: names the node, where it ran, and the batch it was given."""
 
 
+class StateError(FlowrlError, TypeError):
+    """A state a checkpoint keeps (a node's, a loss's, a sampler's) that JSON cannot hold:
+    names its owner, the value and the fix."""
+
+
 @attrs.frozen
 class NodeCall:
     """What one node's calls share, built once per node (per rank on a pool)."""

@@ -8,6 +8,7 @@ executor turns into the step's timings and trace.
 """
 
 import copy
+import json
 import os
 import time
 from pathlib import Path
@@ -101,6 +102,8 @@ class PoolWorker:
                 where=f"pool {setup.pool}, rank {rank}, model {name}",
                 base_dir=setup.base_dir,
             )
+            if getattr(self.rollout[name], "own_weights", False):  # a server: before generating
+                self.rollout[name].sync_weights(rollout_module)
 
     def call(
         self, node_id: str, batch: DataProto, changes: dict | None = None, record=None
@@ -154,9 +157,33 @@ class PoolWorker:
         for name, engine_state in state.items():
             self.train[name].load_state_dict(engine_state)
 
+    def node_states(self) -> dict:
+        """The state of each node whose worker keeps one (`state_dict()`: update.policy's
+        loss state), checked to be JSON a checkpoint can hold."""
+        from flowrl.runtime.node_call import StateError, unstorable
+
+        out = {}
+        for node_id, node in self.nodes.items():
+            if not callable(getattr(node.worker, "state_dict", None)):
+                continue
+            state = node.worker.state_dict()
+            if problem := unstorable(state):
+                raise StateError(
+                    f"node {node_id}: its worker's state_dict() returned {problem}, which a "
+                    "checkpoint (JSON) cannot store: keep numbers, strings, lists and dicts "
+                    "with string keys (float(x) or x.tolist() for a tensor)"
+                )
+            out[node_id] = state
+        return out
+
     def save(self, directory: str) -> None:
         """ddp: rank 0 writes the trainable models' state to pool-<name>.pt (all ranks hold the
-        same after each step). fsdp: every rank writes its shards into pool-<name>/."""
+        same after each step). fsdp: every rank writes its shards into pool-<name>/. Rank 0
+        writes the node workers' states (the same on every rank) to nodes-<name>.json."""
+        states = self.node_states()
+        if states and self.rank == 0:
+            path = Path(directory) / f"nodes-{self.setup.pool}.json"
+            path.write_text(json.dumps(states, sort_keys=True))
         if self.setup.strategy == "fsdp":
             from flowrl.engines.train import sharded_checkpoint
 
@@ -169,6 +196,11 @@ class PoolWorker:
     def load(self, directory: str) -> None:
         """Load what `save` wrote. A sharded checkpoint loads under any number of ranks and
         under either strategy; a ddp one (a single file) only under ddp."""
+        states = Path(directory) / f"nodes-{self.setup.pool}.json"
+        if states.exists():
+            for node_id, state in json.loads(states.read_text()).items():
+                if node_id in self.nodes:
+                    self.nodes[node_id].worker.load_state_dict(state)
         sharded = Path(directory) / f"pool-{self.setup.pool}"
         path = sharded.with_name(sharded.name + ".pt")
         if sharded.is_dir():
@@ -212,6 +244,18 @@ class PoolWorker:
         if model in self.rollout:  # a backend with its own copy (sglang) takes them too
             self.rollout[model].sync_weights(self.train[model].module)
         return Timed((exported.start, exported.end), start, time.time())
+
+    def close(self) -> None:
+        """Let each rollout backend release what it made (`close()`: a server, temp folders);
+        one that fails is reported, the others still close."""
+        for name, backend in self.rollout.items():
+            close = getattr(backend, "close", None)
+            if not callable(close):
+                continue
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001 (the run is ending: say it, go on)
+                print(f"flowrl: warning: rollout backend of {name}: close() failed: {e}")
 
     def apply(self, fn, *args):
         """`fn(self, *args)` on this rank: how tests and diagnostics look inside a rank (its

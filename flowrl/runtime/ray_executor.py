@@ -101,6 +101,11 @@ class RayExecutor(Executor):
         return out
 
     def shutdown(self):
+        closing = [actor.close.remote() for actors in self.actors.values() for actor in actors]
+        try:  # each rollout backend releases what it made (a server, temp folders)
+            ray.get(closing, timeout=60)
+        except Exception as e:  # noqa: BLE001 (a dead actor cannot close; the rest did)
+            print(f"flowrl: warning: closing the rollout backends: {_reason(e)}")
         for name, actors in self.actors.items():
             for actor in actors:
                 ray.kill(actor)

@@ -12,6 +12,8 @@ The forward attends to response_attention; the loss counts only response_mask (s
 
 from __future__ import annotations
 
+import types
+
 import attrs
 
 from flowrl import refs
@@ -43,6 +45,11 @@ KNOWN_LOSS = Rule(
 )
 
 
+TABLE = Rule(
+    "a table of the loss's own params (its record's options)", lambda v: isinstance(v, dict)
+)
+
+
 @attrs.frozen
 class Params:
     epochs: int = checked(1, count(1, MAX_EPOCHS))  # passes over the step's rows
@@ -64,6 +71,7 @@ class Params:
     tau_neg: float = checked(1.05, positive())  # loss sapo: gate temperature where A < 0
     cov_ratio: float = checked(2e-4, interval(0, 1))  # clip_cov / kl_cov: share of tokens held
     cov_kl_coef: float = checked(1.0, at_least(0))  # loss kl_cov: weight of abs(log r) there
+    loss_options: dict = checked({}, TABLE)  # a loss of your own: its own params (its options)
 
 
 def contributing_rows(advantages, params: Params, loss: Loss | None = None):
@@ -79,16 +87,30 @@ def contributing_rows(advantages, params: Params, loss: Loss | None = None):
 
 
 class PolicyUpdateWorker:
+    """Runs the update; keeps the loss's state across steps (`state_dict`, saved in every
+    checkpoint by the pool worker and restored on --resume)."""
+
     def __init__(self, engine, params: Params):
         self.engine, self.params = engine, params
         self.loss, self.kl = None, None  # resolved at the first call, from the graph's folder
+        self.options, self.state, self.loaded = None, {}, None
+
+    def _resolve(self, base_dir) -> None:
+        p = self.params
+        self.loss = components.resolve_loss(p.loss, base_dir)
+        self.kl = components.kl_function(p.kl_loss_kind, base_dir)
+        self.options = components.loss_options(self.loss, p.loss, p.loss_options, "update")
+        if self.loaded is not None:  # a resumed run: the checkpoint's state
+            loaded = self.loaded
+            self.state = components.checked_state(self.loss, p.loss, loaded, "the checkpoint")
+        else:
+            self.state = components.first_state(self.loss, p.loss, self.options)
+        self.watch = components.ModuleWatch(self.loss.fn, self.loss.state, self.loss.after_update)
 
     def __call__(self, batch):
         p = self.params
         if self.loss is None:
-            base_dir = batch.meta.get("base_dir", ".")
-            self.loss = components.resolve_loss(p.loss, base_dir)
-            self.kl = components.kl_function(p.kl_loss_kind, base_dir)
+            self._resolve(batch.meta.get("base_dir", "."))
         metrics = self.engine.update(
             batch,
             self.micro_loss,
@@ -96,12 +118,38 @@ class PolicyUpdateWorker:
             mini_batch_size=p.mini_batch_size,
             metrics=("pg_loss", "kl_loss", "entropy") + tuple(self.loss.rates),
             select=lambda mini: contributing_rows(mini["advantages"], p, self.loss),
+            rates=("entropy",) + tuple(self.loss.rates),
         )
+        if self.loss.after_update is not None:
+            rates = {key: metrics[key] for key in self.loss.rates}
+            self.state = components.next_state(self.loss, p.loss, self.state, rates, self.options)
+        if changed := self.watch.changed():
+            raise components.ComponentError(
+                f'loss "{p.loss}": its file changed the module-level {", ".join(changed)} during '
+                "a step; state kept there is not saved in checkpoints (it resets on --resume) "
+                "and differs between ranks",
+                "keep it in the Loss record's state (docs/extending.md, 'A loss with params "
+                "and state')",
+            )
+        for key, value in self.state.items():  # a loss's numbers, logged each step
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                metrics[f"loss_state/{key}"] = float(value)
         # rows with a learning signal: a zero gradient over them means the weights no longer
         # respond (the run's guard stops on it); over none, an update is rightly empty
         signal = (batch["advantages"] != 0).any(-1).float()  # (b,)
         metrics["signal_rows"] = float(signal.mean()) if len(signal) else 0.0
         return {}, metrics
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this node: the loss's state (JSON)."""
+        return {"loss": self.state if self.loss is not None else (self.loaded or {})}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = state.get("loss", {})
+        if self.loss is not None:
+            self.state = components.checked_state(
+                self.loss, self.params.loss, self.loaded, "the checkpoint"
+            )
 
     def micro_loss(self, micro, counts) -> tuple:
         """The loss of one micro-batch and its metrics (see `TrainEngine.update`)."""
@@ -113,9 +161,18 @@ class PolicyUpdateWorker:
         if p.tis_cap > 0:
             weights = tis_weights(old, micro["rollout_logprobs"], p.tis_cap)
         norm_length = p.norm_length or None
-        chunk = Chunk(counts.num_tokens, counts.num_seqs, norm_length, weights)
+        chunk = Chunk(
+            counts.num_tokens,
+            counts.num_seqs,
+            norm_length,
+            weights,
+            options=self.options,
+            state=types.MappingProxyType(self.state),  # read-only: after_update changes it
+        )
         returned = self.loss.fn(logprobs, old, micro["advantages"], mask, p, chunk)
         loss, rates = components.checked_loss(self.loss, p.loss, returned)
+        inputs = (logprobs.detach(), old, micro["advantages"])
+        components.check_finite(self.loss, p.loss, loss.detach(), rates, inputs, mask)
         share = counts.share(mask)
         metrics = {"pg_loss": float(loss.detach())}
         metrics |= {key: rates[key] * share for key in self.loss.rates}
@@ -158,6 +215,8 @@ def component_findings(params: Params, context) -> tuple[Loss | None, list[Findi
     try:
         loss = components.resolve_loss(params.loss, context.base_dir)
         problems += components.loss_problems(loss, params.loss, Params, "update.policy")
+        if not problems:
+            components.loss_options(loss, params.loss, params.loss_options, context.node)
     except components.ComponentError as e:
         problems.append(e)
     try:

@@ -126,7 +126,7 @@ def test_the_rollout_backend_example_runs_from_a_users_file_and_from_a_table_lin
     # the page's graph lines: by reference, with its option from the graph
     graph = (ROOT / "graphs/grpo.toml").read_text()
     blocks = re.findall(r"```toml\n(.*?)```", PAGE, flags=re.S)
-    (models,) = [b for b in blocks if "rollout_options]" in b]
+    (models,) = [b for b in blocks if "rollout_options]" in b and "generate_rollout" in b]
     graph = graph.replace(graph[graph.index("[models.policy]") : graph.index("[models.ref]")], "")
     (tmp_path / "g.toml").write_text(models + "\n" + graph)
     config = dsl.load(tmp_path / "g.toml").models["policy"]

@@ -127,9 +127,10 @@ def test_check_accepts_the_samplers_and_refuses_what_cannot_work(tmp_path):
     )
     assert problem.where == "[data.sampler_options]" and 'unknown key "lo"' in problem.message
     (tmp_path / "mine.py").write_text("class Half:\n    def next(self, n):\n        return []\n")
-    (problem,) = graph_problems(tmp_path, GRAPH.format(data='sampler = "mine.py:Half"'))
-    assert problem.where == "[data] sampler"
-    assert '"mine.py:Half" has no update, state_dict, load_state_dict' in problem.message
+    missing, shape = graph_problems(tmp_path, GRAPH.format(data='sampler = "mine.py:Half"'))
+    assert missing.where == shape.where == "[data] sampler"
+    assert "has no method update, state_dict, load_state_dict" in missing.message
+    assert "cannot be built as Half(size, seed, options)" in shape.message
     (problem,) = graph_problems(tmp_path, GRAPH.format(data='sampler = "nowhere.py:Cls"'))
     assert problem.where == "[data] sampler" and "no file" in problem.message
 

@@ -43,6 +43,7 @@ class UpdateLoop:
         mini_batch_size: int = 0,
         metrics: tuple[str, ...] = (),
         select=None,
+        rates: tuple[str, ...] = (),
     ) -> dict:
         """The update loop every train node shares: `epochs` passes over `rows`, each split
         into mini-batches of `mini_batch_size` rows over all ranks (0 = one), one optimizer
@@ -60,18 +61,30 @@ class UpdateLoop:
                 them too (0) and every rank sums the same keys.
             select: mini-batch -> (b,) bool: the rows that need a forward; the others add
                 nothing to the loss or its gradient, but count in `counts`. None = all.
+            rates: those of `metrics` that are per-token means (weighted by
+                `counts.share`): averaged over the computed tokens of the whole update, so a
+                mini-batch whose rows were all skipped adds no zeros to them.
 
         Returns:
-            The metrics averaged over the optimizer steps: those of `metrics`, the step's
-            (`grad_norm`, `lr`, `nonfinite_skipped`) and, with `select`, `computed_rows`
-            (the share of rows that ran).
+            The metrics averaged over the optimizer steps (`rates` over computed tokens):
+            those of `metrics`, the step's (`grad_norm`, `lr`, `nonfinite_skipped`) and, with
+            `select`, `computed_rows` (the share of rows that ran) and `skipped_rows` (how
+            many rows of an epoch were skipped, counted apart from the rates).
         """
         steps = [
             self._mini_batch_step(mini, micro_loss, metrics, select)
             for _ in range(epochs)
             for mini in self.mini_batches(rows, mini_batch_size)
         ]
-        return ops.mean_metrics(steps)
+        out = ops.mean_metrics([step for step, _ in steps])
+        for key in rates:
+            weighed = [(step[key], tokens) for step, tokens in steps if tokens > 0]
+            total = sum(tokens for _, tokens in weighed)
+            out[key] = sum(v * tokens for v, tokens in weighed) / total if total else 0.0
+        if select is not None:
+            out["skipped_rows"] = sum(step.pop("skipped", 0.0) for step, _ in steps) / epochs
+            out.pop("skipped", None)
+        return out
 
     def _mini_batch_step(self, mini, micro_loss, metrics, select) -> dict:
         """One optimizer step on this rank's share of a mini-batch; metrics over all ranks."""
@@ -80,8 +93,8 @@ class UpdateLoop:
         active, computed = mini, num_tokens
         if select is not None:
             active = mini.index(select(mini))
-            computed = max(self.all_reduce_sum(float(active["response_mask"].sum())), 1)
-        counts = Counts(num_tokens, num_seqs, computed)
+            computed = self.all_reduce_sum(float(active["response_mask"].sum()))
+        counts = Counts(num_tokens, num_seqs, max(computed, 1))
         totals = dict.fromkeys(metrics, 0.0)
         for micro in self.micro_batches(active):
             if len(micro) == 0:  # a rank may get no rows; it still steps below
@@ -92,5 +105,7 @@ class UpdateLoop:
             self.backward(loss)
         totals = {k: self.all_reduce_sum(v) for k, v in totals.items()}  # same keys on all ranks
         if select is not None:
-            totals["computed_rows"] = self.all_reduce_sum(len(active)) / num_seqs
-        return {**totals, **self.step()}
+            ran = self.all_reduce_sum(len(active))
+            totals["computed_rows"] = ran / num_seqs
+            totals["skipped"] = self.all_reduce_sum(len(mini)) - ran
+        return {**totals, **self.step()}, computed

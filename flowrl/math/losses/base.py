@@ -36,6 +36,10 @@ class Chunk:
             `tis_weights`), or None.
         generator: the torch.Generator of a loss that draws at random (Clip-Cov); None =
             torch's global one, seeded by the run.
+        options: the loss's own options (an instance of its record's `options` class, from
+            the update node's `loss_options`), or None for a loss without.
+        state: the loss's state across steps (its record's `state`), read-only during the
+            update (`after_update` changes it once a step); {} for a loss without.
     """
 
     num_tokens: Any = None
@@ -43,6 +47,8 @@ class Chunk:
     norm_length: Any = None
     token_weights: Any = None
     generator: Any = None
+    options: Any = None
+    state: Any = attrs.field(factory=dict)
 
     def weighted(self, token_loss):
         """token_loss (b, t) times the token weights, if any."""
@@ -68,6 +74,16 @@ class Loss:
             statistic over the chunk's tokens), so no row is skipped.
         agg: the aggregation the paper and verl fix for this loss, if any: `flowrl check`
             warns when the node's `agg` differs.
+        options: an attrs class of the loss's own params (a loss of the user's: the node's
+            `Params` cannot grow), set in the update node's `loss_options` table and checked
+            by `flowrl check` like node params; `fn` reads them as `chunk.options`.
+        state: options -> the loss's first state, a dict JSON can hold, kept across steps,
+            saved in every checkpoint and restored on --resume; `fn` reads it as
+            `chunk.state`. None: a loss without state.
+        after_update: (state, rates, options) -> the next state (or None: `state` changed in
+            place), called once a step after the update with the step's rates (means over
+            the update's computed tokens, equal on every rank): PPO's adaptive KL doubles or
+            halves its beta here.
     """
 
     fn: Callable[..., tuple[Any, dict]]
@@ -75,6 +91,9 @@ class Loss:
     params: tuple[str, ...] = ()
     all_rows: bool = False
     agg: str | None = None
+    options: type | None = None
+    state: Callable[[Any], dict] | None = None
+    after_update: Callable[[dict, dict, Any], dict | None] | None = None
 
 
 CLIP = ("clip_low", "clip_high")  # the clip range, read by the losses that clip

@@ -12,7 +12,13 @@ class Params:
 
 
 def run(batch, params):
-    return {"advantages": batch["scores"]}
+    return {"advantages": batch["scores"][:, None] * batch["response_mask"]}  # (b, t)
 
 
-SPEC = NodeSpec(reads=("scores", "uid"), writes=("advantages",), params=Params, fn=run, groups=True)
+SPEC = NodeSpec(
+    reads=("scores", "uid", "response_mask"),
+    writes=("advantages",),
+    params=Params,
+    fn=run,
+    groups=True,
+)

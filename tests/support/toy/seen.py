@@ -12,9 +12,13 @@ class Params:
 
 def run(batch, params, state):
     state["rows"] = state.get("rows", 0) + len(batch)
-    return {"advantages": batch["scores"]}
+    return {"advantages": batch["scores"][:, None] * batch["response_mask"]}  # (b, t)
 
 
 SPEC = NodeSpec(
-    reads=("scores", "uid"), writes=("advantages",), params=Params, fn=run, stateful=True
+    reads=("scores", "uid", "response_mask"),
+    writes=("advantages",),
+    params=Params,
+    fn=run,
+    stateful=True,
 )

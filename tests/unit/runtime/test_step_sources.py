@@ -82,7 +82,8 @@ def test_the_critic_warmup_walks_the_critic_alone_then_the_whole_plan(tmp_path):
 def test_the_feed_produces_prompts_meta_and_where_their_calls_keep_inputs(tmp_path):
     prompts = feed(tmp_path, keep=("generate",))
     batch, loader, record = prompts.produce(5, 3)  # prompt batch 5 on the weights of update 3
-    assert batch.meta == {"seed": 3, "step": 5} and loader == {"read": 1}
+    assert batch.meta == {"seed": 3, "step": 5}
+    assert loader == {"sampler": {"read": 1}, "applied": 0}  # the one format of every sampler
     assert (record.step, record.state_step, record.keep, record.keep_last) == (
         5,
         3,
