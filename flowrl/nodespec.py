@@ -37,6 +37,8 @@ spec, never by reading a param name itself:
   controller samples more prompts until the filter has kept enough (DAPO's dynamic sampling);
 - rollout nodes' params subclass `RolloutParams`, so validation can ask any of them for greedy
   decoding and the compiler can size the KV cache;
+- `own_tokenizer` (model nodes): the node writes the text again with its own model's
+  tokenizer, so its model need not share the policy's (reward.model);
 - `continues` (rollout nodes): a `Continuation`, so run.partial_rollout can continue the
   node's responses over rounds and rebuild its other columns when they end;
 - `prompt` (rollout nodes): `(params, base_dir, tokenizer) -> row -> prompt text`, how the
@@ -159,6 +161,10 @@ class NodeSpec:
         prompt: (params, base_dir, tokenizer) -> a renderer, `row -> prompt text`, that the
             data loader templates every prompt with (the agent node's shows the row's tools);
             None: the tokenizer's chat template on the row's messages.
+        own_tokenizer: a model node that writes the text it reads again with its own model's
+            tokenizer (a reward model with another vocabulary), so its model need not share
+            the policy's tokenizer; where its params make it read the policy's ids instead, its
+            `check` says whether they fit.
     """
 
     reads: tuple[str, ...]
@@ -183,6 +189,7 @@ class NodeSpec:
     scorer_param: str = ""
     continues: "Continuation | None" = None
     prompt: Callable[[Any, str, Any], Callable[[dict], str]] | None = None
+    own_tokenizer: bool = False
 
     def __attrs_post_init__(self):
         if (self.fn is None) == (self.worker is None):
@@ -211,6 +218,8 @@ class NodeSpec:
             raise ValueError('NodeSpec.multi_turn is for mode="rollout" nodes')
         if self.scorer_param and self.scorer_param not in attrs.fields_dict(self.params):
             raise ValueError(f"NodeSpec.scorer_param names no param: {self.scorer_param!r}")
+        if self.own_tokenizer and self.worker is None:
+            raise ValueError("NodeSpec.own_tokenizer is for model nodes (a worker)")
         for hook in ("continues", "prompt"):
             if getattr(self, hook) is not None and self.mode != "rollout":
                 raise ValueError(f'NodeSpec.{hook} is for mode="rollout" nodes')

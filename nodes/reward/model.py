@@ -137,6 +137,7 @@ SPEC = NodeSpec(
     head="value",
     tiny=tiny,
     check=check,
+    own_tokenizer=True,  # its own template, or the policy's ids where `check` finds they fit
     optional_reads={
         "raw_prompt": lambda p: p.tokenizer != POLICY,
         "response_text": lambda p: p.tokenizer != POLICY,

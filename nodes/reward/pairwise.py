@@ -56,4 +56,5 @@ SPEC = NodeSpec(
     mode="inference",
     head="value",
     tiny=tiny,
+    own_tokenizer=True,  # templates the conversation with the reward model's tokenizer
 )

@@ -114,4 +114,5 @@ SPEC = NodeSpec(
     head="value",
     check=MINI_BATCHES.check,
     updates_per_step=MINI_BATCHES.updates,
+    own_tokenizer=True,  # templates the conversation with the reward model's tokenizer
 )
