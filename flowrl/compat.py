@@ -72,6 +72,7 @@ MOVED_MODULES = {
     "flowrl.engines.sharded_checkpoint": "flowrl.engines.train.sharded_checkpoint",
     "flowrl.engines.train.host_copies": "flowrl.engines.host_copies",
     "flowrl.engines.sequence_scores": "flowrl.engines.train.sequence_scores",
+    "flowrl.smoke": "flowrl.engines.sglang.smoke",  # `python -m flowrl.smoke` too: get_code
 }
 
 # modules whose public names flowrl.api exports: their old spellings point there
@@ -138,6 +139,16 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if new in PUBLIC_MODULES:  # its names are in the public API: point there
             instead = f"from flowrl.api import ... (the public API; the module is now {new})"
         warn(f"import {module.__name__}", instead)
+
+    def get_code(self, fullname):
+        """`python -m <old module>` (runpy asks for code): warn, then run the new one."""
+        new = MOVED_MODULES[fullname]
+        source = (
+            "import runpy\nfrom flowrl import compat\n"
+            f"compat.warn('python -m {fullname}', 'python -m {new}', stacklevel=2)\n"
+            f"runpy.run_module({new!r}, run_name='__main__', alter_sys=True)\n"
+        )
+        return compile(source, f"<{fullname}: moved to {new}>", "exec")
 
 
 def install() -> None:
