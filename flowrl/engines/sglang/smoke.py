@@ -1,5 +1,5 @@
-"""`python -m flowrl.engines.sglang.smoke --gpu` (`make gpu-smoke`): the sglang rollout backend on a GPU
-machine against the real, pinned SGLang, one line per check, a few minutes:
+"""`python -m flowrl.engines.sglang.smoke --gpu` (`make gpu-smoke`): the sglang rollout backend
+on a GPU machine against the real, pinned SGLang, one line per check, a few minutes:
 
     start         the engine with graphs/grpo_sglang.toml's settings (its policy's model and
                   dtype, the run's seed), verify mode on: the first push is read back
@@ -34,7 +34,9 @@ class Skip(Exception):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flowrl.engines.sglang.smoke", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m flowrl.engines.sglang.smoke", description=__doc__
+    )
     parser.add_argument("--gpu", action="store_true", help="the SGLang checks (needs a GPU)")
     parser.add_argument("--graph", default=str(GRAPH), help="whose model settings to use")
     args = parser.parse_args(argv)
