@@ -44,6 +44,6 @@ tar -czf "$out/gpu_results.tar.gz" -C "$results" .
 left=$(( ${LIMIT:-590} - ($(date +%s) - start) ))
 if [ "$left" -gt 60 ]; then
     timeout $(( left - 10 )) python3 -m pytest -q -p no:cacheprovider -m gpu \
-        tests/gpu/test_cuda_runner.py tests/unit/test_train_gpu_path.py tests/unit/test_packed_calls.py \
+        tests/gpu/test_cuda_runner.py tests/unit/engines/train/test_train_gpu_path.py tests/unit/engines/hf/test_packed_calls.py \
         2>&1 | tail -40 | tee "$out/gpu_tests.txt"
 fi

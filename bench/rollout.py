@@ -46,7 +46,7 @@ from flowrl.agent.chat import ChatTokens
 from flowrl.agent.driver import run_requests
 from flowrl.agent.episode import Episode, Limits
 from flowrl.agent.parsers import user_parser
-from flowrl.agent.tools import FunctionTool, Toolbox
+from flowrl.agent.tools.toolbox import FunctionTool, Toolbox
 from flowrl.data.calculator import calculator_rows
 from flowrl.engines import HFRollout
 from flowrl.engines.batch import generate_batch

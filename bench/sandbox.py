@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from flowrl.agent import sandbox
+from flowrl.agent.tools import sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
 

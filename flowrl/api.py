@@ -69,8 +69,8 @@ PUBLIC = {
     "HFOptions": "flowrl.backends:HFOptions",
     "SGLangOptions": "flowrl.backends:SGLangOptions",
     # tools: a function's JSON schema, as the model is shown it (docs/multi-turn.md)
-    "function_schema": "flowrl.agent.schema:function_schema",
-    "type_schema": "flowrl.agent.schema:type_schema",
+    "function_schema": "flowrl.agent.tools.schema:function_schema",
+    "type_schema": "flowrl.agent.tools.schema:type_schema",
     # graphs
     "compile": "flowrl:compile",
     "GraphErrors": "flowrl.errors:GraphErrors",

@@ -1,15 +1,24 @@
 """Old spellings that keep working for one minor version, each with a warning naming the new one.
 
+Only what a user of an earlier release could have written gets an old spelling: a public name
+(docs/api-stability.md), an import or a reference that the docs of an earlier release showed
+(`from flowrl.validators import checked`, `"flowrl.agent.builtin:calc"` in a graph), and a graph
+key. A module that docs/api-stability.md calls internal (`flowrl.front`, `flowrl.runtime`,
+`flowrl.engines.*` below the contract, `flowrl.agent`, ...) and that no such doc showed gets no
+alias when it moves: it is internal so that it can move (its old spelling fails at import).
+
 Modules and names users imported before a rename stay importable: `MOVED_MODULES` maps an old
 module to its new home, and `MOVED_NAMES` a name that left a module for another. Importing an
 old spelling gives a stand-in module that forwards every attribute to the new one (the same
 objects: classes compare equal, `isinstance` holds) and warns once, with a
 `FlowrlDeprecationWarning` that names the import to write instead. Graph keys renamed between
-releases are declared where the key lives (`NodeSpec.renamed` for node params,
-`RENAMED_KEYS` in flowrl/front/schema.py for tables) and warned about by `flowrl check`.
+releases are declared where the key lives (`RENAMED` on a node's params class, `RENAMED_KEYS`
+in flowrl/front/schema.py for tables) and read by flowrl/front/typed_toml.py, which warns, as
+`flowrl check` does; `check --strict` refuses them. A keyword that a public constructor took
+under another name warns through `warn` where it is read (`HFRollout(lockstep=...)`).
 
-Every entry is also in CHANGELOG.md; entries go when the version named in `REMOVED_IN` ships.
-No torch or ray here: `import flowrl` installs the finder.
+Every entry is also in CHANGELOG.md (a test fails when one is missing); entries go when the
+version named in `REMOVED_IN` ships. No torch or ray here: `import flowrl` installs the finder.
 """
 
 from __future__ import annotations
@@ -24,68 +33,32 @@ import warnings
 REMOVED_IN = "0.3.0"
 
 
-FRONT_MODULES = (
-    "batching",
-    "compiler",
-    "dsl",
-    "graph",
-    "memory",
-    "overrides",
-    "plan",
-    "reference",
-    "registry",
-    "render",
-    "schema",
-    "tiny_run",
-    "typed_toml",
-)
-
-
 class FlowrlDeprecationWarning(DeprecationWarning):
     """An old spelling of a module, a name or a graph key: it works until `REMOVED_IN`.
     Shown by default (flowrl/__init__.py adds the filter), unlike DeprecationWarning, since
     the code that triggers it is the user's node or test file, not `__main__`."""
 
 
-# old module -> new module: 0.2.0 (one room per engine; param validators at the top) and the
-# flat modules of the first layout, moved to flowrl/front/, math/ and models/
+# old module -> new module, each shown by the docs of an earlier release (the validators in
+# 0.1's "A node" and d74feff's; `estimators` in 0.1's; the backend table's hf_rollout and the
+# engine's sequence_scores in docs/extending.md; the tool schema helper in docs/testing.md; the
+# built-in tools as graph references; the SGLang smoke command in docs/scaling.md)
 MOVED_MODULES = {
     "flowrl.validators": "flowrl.params",
     "flowrl.front.validators": "flowrl.params",
-    **{f"flowrl.{m}": f"flowrl.front.{m}" for m in FRONT_MODULES},
-    "flowrl.ops": "flowrl.math.ops",
     "flowrl.estimators": "flowrl.math.estimators",
-    "flowrl.hub": "flowrl.models.hub",
-    "flowrl.lora": "flowrl.models.lora",
     "flowrl.engines.hf_rollout": "flowrl.engines.hf.engine",
-    "flowrl.engines.scheduler": "flowrl.engines.hf.scheduler",
-    "flowrl.engines.slots": "flowrl.engines.hf.slots",
-    "flowrl.engines.kv_cache": "flowrl.engines.hf.kv_cache",
-    "flowrl.engines.packed": "flowrl.engines.hf.packed",
-    "flowrl.engines.sampling": "flowrl.engines.hf.sampling",
-    "flowrl.engines.sglang_backend": "flowrl.engines.sglang.backend",
-    "flowrl.engines.sglang_io": "flowrl.engines.sglang.io",
-    "flowrl.engines.sglang_process": "flowrl.engines.sglang.process",
-    "flowrl.engines.forward": "flowrl.engines.train.forward",
-    "flowrl.engines.update_loop": "flowrl.engines.train.update_loop",
-    "flowrl.engines.sharding": "flowrl.engines.train.sharding",
-    "flowrl.engines.sharded_checkpoint": "flowrl.engines.train.sharded_checkpoint",
-    "flowrl.engines.train.host_copies": "flowrl.engines.host_copies",
     "flowrl.engines.sequence_scores": "flowrl.engines.train.sequence_scores",
+    "flowrl.agent.schema": "flowrl.agent.tools.schema",
+    "flowrl.agent.builtin": "flowrl.agent.tools.builtin",
     "flowrl.smoke": "flowrl.engines.sglang.smoke",  # `python -m flowrl.smoke` too: get_code
 }
 
 # modules whose public names flowrl.api exports: their old spellings point there
 PUBLIC_MODULES = ("flowrl.params",)
 
-# (old module, name) -> "new.module:name", for names that left a module (moved or kept)
-MOVED_NAMES = {
-    ("flowrl.engines.forward", "cache_argument"): "flowrl.models.calls:cache_argument",
-    ("flowrl.engines.sglang_io", "rollout_weights"): "flowrl.engines.weights:rollout_weights",
-    ("flowrl.engines.sglang_io", "weight_buckets"): "flowrl.engines.weights:weight_buckets",
-    ("flowrl.engines.rollout", "run_sync"): "flowrl.engines.threads:run_sync",
-    ("flowrl.engines.rollout", "start_thread"): "flowrl.engines.threads:start_thread",
-}
+# (old module, name) -> "new.module:name", for names that left a module that stays
+MOVED_NAMES: dict[tuple[str, str], str] = {}
 
 
 def warn(old: str, new: str, stacklevel: int = 3) -> None:

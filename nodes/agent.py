@@ -92,9 +92,9 @@ def prompt(p: Params, base_dir: str, tokenizer):
 
 
 def scripted_turn(setup, p: Params) -> list[int]:
-    """The ids of a first turn that calls each tool once (flowrl/agent/script.py), ending
+    """The ids of a first turn that calls each tool once (flowrl/agent/first_turn.py), ending
     the turn; [] for a parser of the user's own."""
-    from flowrl.agent.script import first_turn_text
+    from flowrl.agent.first_turn import first_turn_text
 
     text = first_turn_text(setup.toolbox.schemas, p.parser)
     if not text:
@@ -106,8 +106,8 @@ def tiny(p: Params, base_dir: str) -> TinyNode:
     """A tiny run's first turn calls each tool once, and its turns and budget leave room for
     two interaction replies (interact_on_cut: the random policy's turns are cut), so the
     tools and the interactions run, which a random policy's never would
-    (flowrl/agent/tiny.py)."""
-    from flowrl.agent.tiny import tiny_node
+    (flowrl/agent/tiny_setup.py)."""
+    from flowrl.agent.tiny_setup import tiny_node
 
     return tiny_node(p, base_dir)
 

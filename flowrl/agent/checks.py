@@ -18,7 +18,7 @@ def agent_findings(p, context: CheckContext) -> list[Finding]:
     out = _limit_findings(p)
     toolbox, interactions = None, {}
     try:
-        from flowrl.agent.tools import Toolbox
+        from flowrl.agent.tools.toolbox import Toolbox
 
         toolbox = Toolbox(p.tools, context.base_dir, p.tool_config)
     except Exception as e:
@@ -108,7 +108,7 @@ def _sandbox_findings(p) -> list[Finding]:
     else a warning saying what the code can reach (given once: the run does not repeat it)."""
     if "python" not in p.tools:
         return []
-    from flowrl.agent import sandbox
+    from flowrl.agent.tools import sandbox
 
     state = sandbox.confinement()
     if state.available:
@@ -125,7 +125,7 @@ def _parser_findings(p, context, toolbox) -> list[Finding]:
         return [Finding(f'parser = "{p.parser}"', 'parser = "hermes", "tag" or "file.py:parse"')]
     if p.parser not in PARSERS:
         try:
-            from flowrl.agent.objects import load_object
+            from flowrl.agent.tools import load_object
 
             load_object(p.parser, context.base_dir, "parser")
         except Exception as e:

@@ -33,7 +33,7 @@ import uuid
 import attrs
 
 from flowrl.agent.chat import truncate_chars
-from flowrl.agent.runner import run_call
+from flowrl.agent.tools.timeouts import run_call
 from flowrl.errors import described
 
 GENERATING, TOOLS, INTERACTING, DONE = "generating", "tools", "interacting", "done"

@@ -7,7 +7,7 @@ a second and, where torch is installed, imports torch too.
 renders and encodes as transformers' fast tokenizers do: the template in a sandboxed jinja2
 environment with `trim_blocks`, `lstrip_blocks`, the loop controls, transformers' `tojson`,
 `raise_exception`, `strftime_now` and `namespace`, and the named special tokens as variables
-(tests/unit/test_file_tokenizer.py compares it with transformers token for token). A model
+(tests/unit/agent/test_file_tokenizer.py compares it with transformers token for token). A model
 directory without a tokenizer.json (a slow tokenizer only) gets None: the caller falls back
 to transformers.
 """

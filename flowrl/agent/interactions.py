@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import inspect
 
-from flowrl.agent.objects import ToolError, load_object
-from flowrl.agent.session import maybe_await
+from flowrl.agent.tools import ToolError, load_object
+from flowrl.agent.tools.session import maybe_await
 from flowrl.agent.verl import (
     VerlInteraction,
     binding_problem,

@@ -16,21 +16,9 @@ import json
 import re
 from collections.abc import Callable
 
-import attrs
+from flowrl.agent.tools.session import ToolCall  # the parsed call, the session's input
 
 HERMES = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
-
-
-@attrs.frozen
-class ToolCall:
-    """One call as parsed: a tool name and its arguments, or the reason it is malformed.
-
-    `arguments` is a dict of named arguments, or a string: the single argument of a tag call,
-    given to the tool's one parameter."""
-
-    name: str | None
-    arguments: dict | str | None = None
-    error: str | None = None  # set when the call could not be parsed
 
 
 def parse_hermes(text: str) -> list[ToolCall]:
@@ -105,6 +93,6 @@ def make_parser(ref: str, tool_names: list[str], base_dir=".") -> Callable[[str]
         return parse_hermes
     if ref == "tag":
         return tag_parser(tool_names)
-    from flowrl.agent.objects import load_object
+    from flowrl.agent.tools import load_object
 
     return user_parser(load_object(ref, base_dir, what="parser"))

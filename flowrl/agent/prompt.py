@@ -105,7 +105,7 @@ def agent_prompt(params, base_dir, tokenizer) -> AgentPrompt:
     """The agent node's `NodeSpec.prompt` hook: its prompts' renderer, from its `tools`,
     `tool_config`, `chat_template` and `system_prompt` params (relative paths from
     `base_dir`, the graph's folder)."""
-    from flowrl.agent.tools import Toolbox
+    from flowrl.agent.tools.toolbox import Toolbox
 
     toolbox = Toolbox(params.tools, base_dir, params.tool_config)
     template = read_template(params.chat_template, base_dir)

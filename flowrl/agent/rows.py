@@ -17,8 +17,8 @@ from flowrl.agent.episode import REASONS, Episode, Limits
 from flowrl.agent.interactions import load_interactions, pick_interaction
 from flowrl.agent.parsers import make_parser
 from flowrl.agent.prompt import read_template
-from flowrl.agent.runner import stuck_threads
-from flowrl.agent.tools import Toolbox
+from flowrl.agent.tools.timeouts import stuck_threads
+from flowrl.agent.tools.toolbox import Toolbox
 
 
 @attrs.frozen

@@ -57,7 +57,7 @@ def scripted_request(
     from flowrl.agent.driver import run_requests
     from flowrl.agent.episode import Episode, Limits
     from flowrl.agent.parsers import make_parser
-    from flowrl.agent.tools import Toolbox
+    from flowrl.agent.tools.toolbox import Toolbox
     from flowrl.engines.threads import run_sync
 
     tokenizer = tiny_tokenizer()

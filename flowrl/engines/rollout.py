@@ -39,7 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from flowrl import compat, refs
+from flowrl import refs
 from flowrl.backends import NoOptions, backend
 from flowrl.engines import threads
 from flowrl.lazy import torch
@@ -237,7 +237,3 @@ def make_rollout(
     cls = refs.load(record.ref, base_dir, what=f'rollout backend "{name}"')
     options = record.options() if options is None else options
     return cls(module, tokenizer, device, options=options, seed=seed, where=where)
-
-
-# names that moved to flowrl.engines.threads keep working, with a warning
-__getattr__ = compat.moved_names(__name__)

@@ -1,5 +1,6 @@
 """Advantage estimators as pure functions: every formula of the nodes under nodes/advantage/,
-each tested against a plain reference loop (tests/unit/test_advantages.py, test_estimators.py).
+each tested against a plain reference loop (tests/unit/nodes/test_advantage_nodes.py,
+tests/unit/math/test_estimators.py).
 
 Token-level estimators map per-token rewards (b, t) to advantages and returns (b, t): GAE
 (arXiv 1506.02438), REINFORCE++'s discounted returns and its group baseline (arXiv 2501.03262),

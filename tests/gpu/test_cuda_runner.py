@@ -2,8 +2,8 @@
 (skipped elsewhere): greedy fp32 tokens equal the eager runner's; bf16 log-probs equal the
 train engine's on the same weights; a multi-turn rollout (held slots, cache extension, padding
 rows in held slots) gives the log-probs of the whole conversation; graphs are captured again
-after the weights move. tests/unit/test_static_runner.py checks everything but the capture on
-the CPU.
+after the weights move. tests/unit/engines/hf/test_static_runner.py checks everything but the
+capture on the CPU.
 
 Written without a GPU machine (none was lent to the task): not yet run.
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.agent.runner import MAX_STUCK
+from flowrl.agent.tools.timeouts import MAX_STUCK
 
 pytestmark = pytest.mark.slow  # the integration tier: trains in a child process
 

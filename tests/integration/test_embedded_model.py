@@ -2,9 +2,7 @@
 decode loop reproduces `generate` token for token on the real model."""
 
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -95,9 +93,8 @@ def test_missing_package_error_names_install_command(monkeypatch):
 
 def test_a_conversion_under_a_wrong_eos_guess_caches_smollm2s_tokens(smol, tmp_path, monkeypatch):
     """The whole conversion into a fresh cache while transformers' GGUF conversion names
-    <|im_start|> the eos (what transformers 5.17 did; tests/unit/gguf_guess.py): the cached
+    <|im_start|> the eos (what transformers 5.17 did; tests/support/gguf_guess.py): the cached
     model ends its turns with <|im_end|>, on the tokenizer and in the config, and loads."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
     from gguf_guess import wrong_eos
 
     wrong_eos(monkeypatch)

@@ -10,7 +10,7 @@ from flowrl.runtime.node_call import NodeFailure
 
 pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
 
-FORGETFUL = Path(__file__).with_name("forgetful_advantage.py")
+FORGETFUL = Path(__file__).resolve().parents[1] / "support" / "toy" / "forgetful_advantage.py"
 
 
 @pytest.mark.parametrize("backend", ["local", "ray"])

@@ -16,7 +16,7 @@ from flowrl.testing import parameters
 
 pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
 
-NAN_UPDATE = Path(__file__).with_name("nan_update.py")
+NAN_UPDATE = Path(__file__).resolve().parents[1] / "support" / "toy" / "nan_update.py"
 ROOT = Path(__file__).resolve().parents[2]
 
 

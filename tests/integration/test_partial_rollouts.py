@@ -1,7 +1,7 @@
 """run.partial_rollout on the tiny model: a response continued over rounds is the response one
 call would sample; Ray (rounds in a thread, the pools at once) equals the local executor (in
 turn); a run killed and resumed equals the uninterrupted run. The rounds' logic on a scripted
-stage: tests/unit/test_partial_rounds.py."""
+stage: tests/unit/runtime/test_partial_rounds.py."""
 
 import json
 

@@ -17,7 +17,7 @@ from flowrl.runtime.node_call import NodeFailure
 
 pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
 
-FAILING = Path(__file__).with_name("failing_update.py")
+FAILING = Path(__file__).resolve().parents[1] / "support" / "toy" / "failing_update.py"
 ERROR = "ValueError: update_policy: a deliberate failure at step 2"
 
 

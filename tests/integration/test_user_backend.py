@@ -13,7 +13,7 @@ from flowrl.testing import run_tiny
 pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests/unit"))
+sys.path.insert(0, str(ROOT / "tests/unit/engines"))  # the unit test's backend file
 from test_rollout_backends import user_backend  # noqa: E402
 
 

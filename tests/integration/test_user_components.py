@@ -12,7 +12,7 @@ from flowrl.testing import run_tiny
 pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests/unit"))
+sys.path.insert(0, str(ROOT / "tests/unit"))  # the unit test's page files
 from test_extending import write_estimator_and_loss  # noqa: E402
 
 

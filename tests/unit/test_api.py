@@ -105,14 +105,45 @@ def test_a_moved_module_imports_under_its_old_name_with_a_warning_naming_the_new
         assert public and all(getattr(module, n) is getattr(real, n) for n in public)
 
 
-@pytest.mark.parametrize("old_module, name", sorted(compat.MOVED_NAMES))
-def test_a_name_that_left_its_module_is_found_there_with_a_warning(old_module, name):
-    ref = compat.MOVED_NAMES[(old_module, name)]
-    module = importlib.import_module(old_module)
-    with pytest.warns(FlowrlDeprecationWarning, match=re.escape(ref.replace(":", " import "))):
-        found = getattr(module, name)
-    new_module, _, new_name = ref.partition(":")
-    assert found is getattr(importlib.import_module(new_module), new_name)
+def test_a_name_that_left_its_module_is_found_there_with_a_warning():
+    # no public name has left a module that stays in this release (MOVED_NAMES is empty):
+    # the machinery is tested on a stand-in entry, as the next such move will use it
+    ref = "flowrl.engines.threads:run_sync"
+    getattr_ = compat.moved_names("flowrl.engines.rollout", {"run_sync": ref})
+    with pytest.warns(
+        FlowrlDeprecationWarning, match=re.escape("from flowrl.engines.threads import run_sync")
+    ):
+        found = getattr_("run_sync")
+    assert found is importlib.import_module("flowrl.engines.threads").run_sync
+    with pytest.raises(AttributeError):
+        getattr_("start_thread")
+
+
+@pytest.mark.parametrize(
+    "internal",
+    [
+        "flowrl.engines.slots",
+        "flowrl.compiler",
+        "flowrl.ops",
+        "flowrl.agent.sandbox",
+        "flowrl.agent.runner",
+    ],
+)
+def test_an_internal_module_that_moved_has_no_old_spelling(internal):
+    # docs/api-stability.md: internal modules may move in any release; compat.py keeps only
+    # what an earlier release's docs showed
+    assert internal not in compat.MOVED_MODULES
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(internal)
+
+
+def test_a_built_in_tool_named_by_its_old_reference_in_a_graph_loads_with_a_warning():
+    from flowrl.agent.tools import BUILTIN_TOOLS, load_object
+
+    sys.modules.pop("flowrl.agent.builtin", None)
+    with pytest.warns(FlowrlDeprecationWarning, match="flowrl.agent.tools.builtin"):
+        calc = load_object("flowrl.agent.builtin:calc")
+    assert calc is load_object(BUILTIN_TOOLS["calculator"])
 
 
 def test_an_unknown_name_of_a_moved_module_fails_as_a_missing_attribute():

@@ -149,7 +149,7 @@ def test_the_tool_example_is_called_through_a_session(tmp_path):
     import asyncio
 
     from flowrl.agent.parsers import ToolCall
-    from flowrl.agent.tools import Toolbox
+    from flowrl.agent.tools.toolbox import Toolbox
 
     write_example(tmp_path, "# my_tools.py", "my_tools.py")
     box = Toolbox(["calculator", "my_tools.py:word_count"], tmp_path)

@@ -26,10 +26,10 @@ a separate copy is refreshed by `sync_weights`. A rollout in another dtype than 
 own weights, refreshed in place from the train engine's at each sync (no state dict, no new
 tensors: CUDA graphs captured over them stay valid); it moves with the model's weights part
 (an offload and a reload: the graphs are captured again). Exactness: greedy output equals
-transformers `generate` token for token (tests/unit/test_engines.py, tests/integration/
+transformers `generate` token for token (tests/unit/engines/test_engines.py, tests/integration/
 test_embedded_model.py), and the log-probs of sampled tokens equal the train engine's
-(tests/unit/test_hf_scheduler.py). Step cost against decoding rows on the 2-core CPU machine
-(SmolLM2-135M fp32): 1 row 65 ms, 4 rows 98, 8 rows 106, 16 rows 123, 32 rows 165 - a step
+(tests/unit/engines/hf/test_hf_scheduler.py). Step cost against decoding rows on the 2-core CPU
+machine (SmolLM2-135M fp32): 1 row 65 ms, 4 rows 98, 8 rows 106, 16 rows 123, 32 rows 165 - a step
 is bound by reading the weights, so every request that can decode should be in it.
 """
 
@@ -45,7 +45,7 @@ from flowrl.engines.hf.scheduler import Scheduler
 from flowrl.engines.hf.static import make_runner
 from flowrl.engines.host_copies import HostCopies
 from flowrl.engines.rollout import Request, Result, RolloutBase
-from flowrl.engines.weights import refresh_in_place
+from flowrl.engines.served_weights import refresh_in_place
 
 
 class HFRollout(RolloutBase):

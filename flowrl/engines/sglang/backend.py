@@ -23,7 +23,8 @@ hidden warning). The model's dtype must be 16-bit (SGLang's attention kernels ar
 check` refuses float32 first). SGLang's signal handlers and its shutdown (which kill the whole
 process tree) are replaced: process.py; the tensors crossing over: io.py.
 
-When what happens (the order tests/unit/test_sglang_backend.py checks around a plan's steps):
+When what happens (the order tests/unit/engines/sglang/test_sglang_backend.py checks around a
+plan's steps):
 - build: engine up, weights pushed, cache flushed;
 - offload(parts): release_memory_occupation(tags) of the parts still held;
 - reload(parts) with the kv_cache part (before a generate): resume "weights" if released, push
@@ -85,6 +86,7 @@ import torch
 from flowrl import compat
 from flowrl.backends import ROLLOUT_BACKENDS, SGLangOptions
 from flowrl.engines.rollout import Request, Result, RolloutBase
+from flowrl.engines.served_weights import rollout_weights, weight_buckets
 from flowrl.engines.sglang.io import (
     free_port,
     request_result,
@@ -93,7 +95,6 @@ from flowrl.engines.sglang.io import (
     write_model_dir,
 )
 from flowrl.engines.sglang.process import EngineGuard
-from flowrl.engines.weights import rollout_weights, weight_buckets
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}  # SGLang's kernels
 VERIFY_ROWS = 4  # rows of each checked parameter read back in verify mode

@@ -8,7 +8,7 @@ The forward pass (forward.py) does only the work the outputs need: padding colum
 the LM head runs only at the positions that predict response tokens, and a prompt repeated over
 its n samples runs once. Measured on the 2-core CPU machine, SmolLM2-135M, 4 prompts x 8
 samples (prompt width 46, up to 20 response tokens), median of 3: forward + backward 10.7 s ->
-5.2 s with the shared prompts; log-probs and gradients agree (tests/unit/test_engines.py).
+5.2 s with the shared prompts; log-probs and gradients agree (tests/unit/engines/test_engines.py).
 """
 
 import math
