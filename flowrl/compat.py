@@ -58,7 +58,11 @@ MOVED_MODULES = {
 PUBLIC_MODULES = ("flowrl.params",)
 
 # (old module, name) -> "new.module:name", for names that left a module that stays
-MOVED_NAMES: dict[tuple[str, str], str] = {}
+MOVED_NAMES: dict[tuple[str, str], str] = {
+    # docs/extending.md's update nodes before this release: from flowrl.nodespec import
+    # MINI_BATCHES, NodeSpec (the hooks' records moved to flowrl/hooks.py)
+    ("flowrl.nodespec", "MINI_BATCHES"): "flowrl.api:MINI_BATCHES",
+}
 
 
 def warn(old: str, new: str, stacklevel: int = 3) -> None:

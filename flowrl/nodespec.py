@@ -58,36 +58,11 @@ from typing import Any
 
 import attrs
 
+from flowrl import compat, hooks
 from flowrl.errors import located
-from flowrl.hooks import (  # the hooks' records, public here too
-    CONTINUED,
-    MINI_BATCHES,
-    CheckContext,
-    Continuation,
-    Finding,
-    MiniBatches,
-    Refill,
-    TinyNode,
-    TruncatedIS,
-)
 from flowrl.params import MAX_SAMPLES, MAX_TOKENS, checked, count, interval, positive
 
-__all__ = [
-    "CONTINUED",
-    "GREEDY",
-    "KEEP",
-    "MINI_BATCHES",
-    "CheckContext",
-    "Continuation",
-    "Finding",
-    "MiniBatches",
-    "NodeSpec",
-    "Refill",
-    "RolloutParams",
-    "TinyNode",
-    "TruncatedIS",
-    "split_output",
-]
+__all__ = ["GREEDY", "KEEP", "NodeSpec", "RolloutParams", "split_output"]
 
 MODES = ("rollout", "inference", "train")
 DISPATCHES = ("split", "broadcast", "rank0")
@@ -180,14 +155,14 @@ class NodeSpec:
     stateful: bool = False
     optional_reads: dict[str, Callable[[Any], bool]] = attrs.field(factory=dict)
     optional_writes: dict[str, Callable[[Any], bool]] = attrs.field(factory=dict)
-    refill: "Refill | None" = None
-    check: Callable[[Any, CheckContext], list[Finding]] | None = None
+    refill: "hooks.Refill | None" = None
+    check: Callable[[Any, hooks.CheckContext], list[hooks.Finding]] | None = None
     updates_per_step: Callable[[Any, int], int] | None = None
     correction: Callable[[Any, tuple[str, ...], str], str] | None = None
-    tiny: "Callable[[Any, str], TinyNode] | None" = None
+    tiny: "Callable[[Any, str], hooks.TinyNode] | None" = None
     multi_turn: bool = False
     scorer_param: str = ""
-    continues: "Continuation | None" = None
+    continues: "hooks.Continuation | None" = None
     prompt: Callable[[Any, str, Any], Callable[[dict], str]] | None = None
     own_tokenizer: bool = False
 
@@ -209,7 +184,7 @@ class NodeSpec:
             raise ValueError('NodeSpec.updates_per_step is for mode="train" nodes')
         if self.correction is not None and self.mode != "train":
             raise ValueError('NodeSpec.correction is for mode="train" nodes')
-        tis = self.correction if isinstance(self.correction, TruncatedIS) else None
+        tis = self.correction if isinstance(self.correction, hooks.TruncatedIS) else None
         if tis and tis.cap not in attrs.fields_dict(self.params):
             raise ValueError(f"NodeSpec.correction: TruncatedIS(cap={tis.cap!r}) names no param")
         if self.refill is not None and self.rows != "filter":
@@ -244,7 +219,7 @@ class NodeSpec:
         extra = [key for key, wanted in self.optional_writes.items() if wanted(params)]
         return tuple(dict.fromkeys((*self.writes, *extra)))
 
-    def findings(self, params: Any, context: CheckContext) -> list[Finding]:
+    def findings(self, params: Any, context: hooks.CheckContext) -> list[hooks.Finding]:
         """The `check` hook's findings; a hook that raises is one finding naming it."""
         if self.check is None:
             return []
@@ -252,7 +227,7 @@ class NodeSpec:
             return list(self.check(params, context))
         except Exception as e:  # a node author's hook: its failure is a finding, not a traceback
             return [
-                Finding(
+                hooks.Finding(
                     f"its check hook {located(self.check)} raised {type(e).__name__}: {e}",
                     "fix that function (it must return a list of Finding)",
                 )
@@ -263,11 +238,11 @@ class NodeSpec:
         return self.updates_per_step(params, rows) if self.updates_per_step else 1
 
     @property
-    def mini_batches(self) -> "MiniBatches | None":
+    def mini_batches(self) -> "hooks.MiniBatches | None":
         """The `MiniBatches` declaration whose `updates` is this node's `updates_per_step`
         (it names the epochs and mini-batch size params), or None."""
         owner = getattr(self.updates_per_step, "__self__", None)
-        return owner if isinstance(owner, MiniBatches) else None
+        return owner if isinstance(owner, hooks.MiniBatches) else None
 
 
 def _check_fn_arguments(fn, stateful: bool) -> None:
@@ -306,3 +281,8 @@ def split_output(out: Any) -> tuple[dict, dict, list]:
         )
     writes, metrics, *phases = out
     return dict(writes), dict(metrics), [tuple(p) for p in (phases[0] if phases else ())]
+
+
+# MINI_BATCHES, which earlier docs imported from here, keeps that spelling with a warning; the
+# other hooks' records are flowrl.api's (flowrl/hooks.py)
+__getattr__ = compat.moved_names(__name__)

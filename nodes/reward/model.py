@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl.nodespec import CheckContext, Finding, NodeSpec, TinyNode
+from flowrl.hooks import CheckContext, Finding, TinyNode
+from flowrl.nodespec import NodeSpec
 
 POLICY = "policy"  # `tokenizer = "policy"`: read the policy's ids as they are
 
