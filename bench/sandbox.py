@@ -1,6 +1,7 @@
 """What confining the python tool's code costs per call: the wall time of `print(1)` through
-`run_python`, confined to its view and not (the same namespaces, limits and seccomp filter,
-no mount namespace), alternating which runs first, in one process; and the CPU time the
+`run_python`, confined to its view and not (the same network and PID namespaces, limits and
+per-call cgroups, the unconfined variant of the seccomp filter, no mount namespace),
+alternating which runs first, in one process; and the CPU time the
 call's processes used (user + system, from getrusage of reaped children), which a busy
 machine disturbs less than the wall time.
 
