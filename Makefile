@@ -45,7 +45,7 @@ algorithms: setup  # every algorithm graph on the embedded model -> docs/algorit
 gpu-smoke: setup  # SGLang on a GPU machine, one line per check (a few minutes; not in CI)
 	@$(PYTHON) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" \
 		&& $(PIP) install -q -e ".[sglang]" || true  # $(SGLANG) with $(TORCH); GPU only
-	$(PYTHON) -m flowrl.smoke --gpu
+	$(PYTHON) -m flowrl.engines.sglang.smoke --gpu
 
 lint:
 	ruff check flowrl nodes tests bench

@@ -1,13 +1,12 @@
-"""Rollout engines side by side, in one process on SmolLM2-135M: the lockstep path before the
-request contract (bench/legacy_rollout.py: waves, a batch decode loop) against the
-continuous-batching engine (flowrl/engines/hf/scheduler.py), repetitions alternated (and which
-path runs first alternates by repetition).
+"""The request engine (flowrl/engines/hf/scheduler.py) on SmolLM2-135M, in one process:
+multi-turn rollouts with uneven tools, single-turn sampling, and each request's KV kept
+between turns against re-prefilling the conversation.
 
     python bench/rollout.py multi_turn [--rows 16] [--repeats 3]
     python bench/rollout.py single_turn [--prompts 16] [--n 2] [--repeats 3]
     python bench/rollout.py cache [--rows 16] [--repeats 3]
-    (any mode: --threads N torch threads, 1 by default; --own-thread: the new engine's loop
-    on a thread of its own instead of the caller's; --no-pack: a request back from its tools
+    (any mode: --threads N torch threads, 1 by default; --own-thread: the engine's loop on a
+    thread of its own instead of the caller's; --no-pack: a request back from its tools
     prefilled in a call of its own, not packed into the decode call, flowrl/engines/hf/packed.py)
 
 multi_turn: the calculator prompts; request i's tool answers after a latency fixed per row,
@@ -15,20 +14,21 @@ uniform in 0 to 1 s, and request i makes 1 to 4 calls (uniform), both drawn inde
 from a seeded generator (`--assign ordered`: latency i / (rows - 1) and 1 + i % 4 calls, so
 the slowest tool is also among the most called); the parser calls the tool on each of the
 request's first turns, whatever the text (the number of calls is the workload's, not the
-model's choice); greedy (`--sample`: temperature 1), at most 24 tokens a turn. Both paths run
-the same episodes (the state machine of flowrl/agent/episode.py); wall time per rollout.
-Each rollout's model calls are timed (forward hooks): `bound_same_calls` is the waves' wall
-time over their time in model calls, the most any engine making the same calls can gain by
-overlapping tool waits with decoding.
-single_turn: sampled responses (temperature 1, up to --new tokens; `--greedy`: greedy, the
-same tokens on both paths) of uneven lengths; tokens per second of the old batch decode loop
-and of `generate_batch` on the new engine (which runs first alternates by repetition), and
-each path's model calls and the seconds in them.
-cache: the multi_turn workload without tool latency on the new engine, each request's KV kept
-between turns (its slot, by request id) against re-prefilling the whole conversation each
-turn (keep = False); prompt tokens prefilled and wall time.
+model's choice); greedy (`--sample`: temperature 1), at most 24 tokens a turn; the episodes
+are flowrl/agent/episode.py's state machine; wall time per rollout, and its model calls
+(forward hooks) with the seconds in them.
+single_turn: sampled responses (temperature 1, up to --new tokens; `--greedy`: greedy) of
+uneven lengths through `generate_batch`; tokens per second, model calls and their seconds.
+cache: the multi_turn workload without tool latency, each request's KV kept between turns
+(its slot, by request id) against re-prefilling the whole conversation each turn (keep =
+False); prompt tokens prefilled and wall time.
 
-Prints and writes bench/results/rollout_<mode>.json (every repetition and the medians).
+The lockstep path before the request contract (waves, a batch decode loop, rebuilt from
+commit 617399a) ran beside the engine in multi_turn and single_turn up to commit 78fcd10
+(`git show 78fcd10:bench/legacy_rollout.py`); its numbers stay in bench/results/rollout_*.json
+and docs/performance.md, "The rollout engine"; this script's own runs are rollout_engine_*.
+
+Prints and writes bench/results/rollout_engine_<mode>.json (every repetition and the medians).
 """
 
 import argparse
@@ -36,27 +36,23 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import attrs
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from legacy_rollout import LegacyRollout, WaveRollout, run_waves  # noqa: E402
-
-from flowrl.agent.chat import ChatTokens  # noqa: E402
-from flowrl.agent.driver import run_requests  # noqa: E402
-from flowrl.agent.episode import Episode, Limits  # noqa: E402
-from flowrl.agent.parsers import user_parser  # noqa: E402
-from flowrl.agent.tools.toolbox import FunctionTool, Toolbox  # noqa: E402
-from flowrl.data.calculator import calculator_rows  # noqa: E402
-from flowrl.engines import HFRollout  # noqa: E402
-from flowrl.engines.batch import generate_batch  # noqa: E402
-from flowrl.engines.rollout import Sampling  # noqa: E402
-from flowrl.engines.threads import run_sync  # noqa: E402
-from flowrl.models import load_model  # noqa: E402
+from flowrl.agent.chat import ChatTokens
+from flowrl.agent.driver import run_requests
+from flowrl.agent.episode import Episode, Limits
+from flowrl.agent.parsers import user_parser
+from flowrl.agent.tools.toolbox import FunctionTool, Toolbox
+from flowrl.data.calculator import calculator_rows
+from flowrl.engines import HFRollout
+from flowrl.engines.batch import generate_batch
+from flowrl.engines.rollout import Sampling
+from flowrl.engines.threads import run_sync
+from flowrl.models import load_model
 
 LIMITS = Limits(
     max_new_tokens=256,
@@ -125,24 +121,8 @@ def left_padded(ids: list[list[int]], pad: int):
     return out, mask
 
 
-def waves(model, tokenizer, ids, latency=True, seed=0) -> tuple[float, list]:
-    episodes = episodes_of(tokenizer, ids, latency)
-    start = time.perf_counter()
-    engine = LegacyRollout(model, tokenizer)
-    s = SAMPLING["value"]
-    generator = torch.Generator().manual_seed(seed)
-    wave = WaveRollout(
-        engine, do_sample=s.do_sample, temperature=s.temperature, generator=generator
-    )
-    prompts, mask = left_padded(ids, engine.pad)
-    wave.start(prompts, mask, 1, LIMITS.max_new_tokens)
-    asyncio.run(run_waves(episodes, wave))
-    wave.close()
-    return time.perf_counter() - start, episodes
-
-
 class OwnThread:
-    """The new engine with its batching loop on a thread of its own, as before the caller's
+    """The engine with its batching loop on a thread of its own, as before the caller's
     thread ran it (`--own-thread`): its `run` is a fresh event loop, as `RolloutBase.run`."""
 
     def __init__(self, engine):
@@ -162,7 +142,7 @@ ENGINE = {"wrap": lambda engine: engine, "packs": True}
 
 
 class Forgetful:
-    """The new engine with every turn re-prefilled: no request keeps its KV."""
+    """The engine with every turn re-prefilled: no request keeps its KV."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -225,99 +205,46 @@ class CallClock:
             hook.remove()
 
 
-def alternately(repeats: int, old_path, new_path) -> None:
-    """Run both paths `repeats` times, the first of each repetition alternating, so the
-    machine's drift within a repetition falls on both."""
-    for rep in range(repeats):
-        for run in (old_path, new_path) if rep % 2 == 0 else (new_path, old_path):
-            run(rep)
-
-
 def multi_turn(model, tokenizer, args) -> dict:
     ids = prompts_of(tokenizer, args.rows)
-    old, new, last, tokens = [], [], {}, {"waves": [], "requests": []}
-    clock, calls = CallClock(model), {"waves": [], "requests": []}
-    counts = {}
-
-    def old_path(rep):
-        seconds, episodes = waves(model, tokenizer, ids, seed=rep)
-        old.append(seconds)
-        calls["waves"].append(clock.take())
-        last["waves"] = episodes
-        tokens["waves"].append(sum(sum(e.mask) for e in episodes))
-
-    def new_path(rep):
-        seconds, episodes, counts["last"] = requests(model, tokenizer, ids, seed=rep)
-        new.append(seconds)
-        calls["requests"].append(clock.take())
-        last["requests"] = episodes
-        tokens["requests"].append(sum(sum(e.mask) for e in episodes))
-
-    alternately(args.repeats, old_path, new_path)
+    seconds, calls, tokens, clock = [], [], [], CallClock(model)
+    for rep in range(args.repeats):
+        took, episodes, counts = requests(model, tokenizer, ids, seed=rep)
+        seconds.append(took)
+        calls.append(clock.take())
+        tokens.append(sum(sum(e.mask) for e in episodes))
     clock.close()
-    same = sum(a.ids == b.ids for a, b in zip(last["waves"], last["requests"], strict=True))
-    compute = {k: statistics.median(s for _, s in v) for k, v in calls.items()}
     return {
-        "waves_s": old,
-        "requests_s": new,
-        "waves_median_s": statistics.median(old),
-        "requests_median_s": statistics.median(new),
-        "speedup": round(statistics.median(old) / statistics.median(new), 2),
-        # (model calls, seconds in them) per repetition; the rest of a wave rollout is its
-        # waiting for tools (and bookkeeping), which is all an engine that makes the same
-        # model calls can save: its bound over waves is waves_s / waves' model seconds
-        "model_calls_s": calls,
-        "median_model_s": compute,
-        "bound_same_calls": round(statistics.median(old) / compute["waves"], 2),
-        "identical_rows": f"{same}/{len(ids)}",
+        "requests_s": seconds,
+        "requests_median_s": statistics.median(seconds),
+        "model_calls_s": calls,  # (model calls, seconds in them) per repetition
+        "median_model_s": statistics.median(s for _, s in calls),
         "policy_tokens_per_repeat": tokens,
         "workload_calls_latency": workload(len(ids), ASSIGN["value"]),
-        "waves": describe(last["waves"]),
-        "requests": describe(last["requests"]),
-        "requests_model_calls": counts["last"],
+        "requests": describe(episodes),
+        "requests_model_calls": counts,
     }
 
 
 def single_turn(model, tokenizer, args) -> dict:
     ids = prompts_of(tokenizer, args.prompts)
     prompts, mask = left_padded(ids, tokenizer.pad_token_id or tokenizer.eos_token_id)
-    # --greedy: the same tokens on both paths (identical work); else temperature 1, where the
-    # two paths draw from different random streams, so their lengths differ per repetition
     kwargs = dict(n=args.n, max_new_tokens=args.new, temperature=1.0, do_sample=not args.greedy)
-    old, new, lengths = [], [], {}
-    clock, calls = CallClock(model), {"loop": [], "requests": []}
-
-    def old_path(rep):
-        engine = LegacyRollout(model, tokenizer)
+    runs, calls, clock = [], [], CallClock(model)
+    for rep in range(args.repeats):
         start = time.perf_counter()
-        out = engine.generate(prompts, mask, generator=torch.Generator().manual_seed(rep), **kwargs)
-        old.append((time.perf_counter() - start, int(out["response_mask"].sum())))
-        calls["loop"].append(clock.take())
-        lengths["loop"] = out["response_mask"].sum(-1).tolist()
-
-    def new_path(rep):
-        start = time.perf_counter()
-        out = generate_batch(
-            ENGINE["wrap"](HFRollout(model, tokenizer)), prompts, mask, seed=rep, **kwargs
-        )
-        new.append((time.perf_counter() - start, int(out["response_mask"].sum())))
-        calls["requests"].append(clock.take())
-        lengths["requests"] = out["response_mask"].sum(-1).tolist()
-
-    alternately(args.repeats, old_path, new_path)
+        engine = ENGINE["wrap"](HFRollout(model, tokenizer))
+        out = generate_batch(engine, prompts, mask, seed=rep, **kwargs)
+        runs.append((time.perf_counter() - start, int(out["response_mask"].sum())))
+        calls.append(clock.take())
+        lengths = out["response_mask"].sum(-1).tolist()
     clock.close()
-    if args.greedy:  # the last repetition's
-        lengths["same_lengths"] = lengths["loop"] == lengths["requests"]
-    rate = [[round(t / s, 1) for s, t in runs] for runs in (old, new)]
+    rate = [round(t / s, 1) for s, t in runs]
     return {
         "model_calls_s": calls,
-        "loop_s_tokens": old,
-        "requests_s_tokens": new,
-        "loop_tokens_per_s": rate[0],
-        "requests_tokens_per_s": rate[1],
-        "loop_median_tokens_per_s": statistics.median(rate[0]),
-        "requests_median_tokens_per_s": statistics.median(rate[1]),
-        "ratio": round(statistics.median(rate[1]) / statistics.median(rate[0]), 2),
+        "requests_s_tokens": runs,
+        "requests_tokens_per_s": rate,
+        "requests_median_tokens_per_s": statistics.median(rate),
         "last_lengths": lengths,
     }
 
@@ -355,7 +282,7 @@ def main() -> None:
     parser.add_argument("--sample", action="store_true", help="multi_turn: temperature 1")
     parser.add_argument("--greedy", action="store_true", help="single_turn: greedy")
     parser.add_argument(
-        "--own-thread", action="store_true", help="the new engine's loop on a thread of its own"
+        "--own-thread", action="store_true", help="the engine's loop on a thread of its own"
     )
     parser.add_argument("--no-pack", action="store_true", help="no packed model calls")
     parser.add_argument("--model", default="smollm2-135m-instruct", help='"tiny": a smoke test')
@@ -383,7 +310,8 @@ def main() -> None:
         suffix += f"_{args.threads}threads" if args.threads != 1 else ""
         suffix += "_own_thread" if args.own_thread else ""
         suffix += "_no_pack" if args.no_pack else ""
-        Path(args.out, f"rollout_{args.mode}{suffix}.json").write_text(text + "\n")
+        # rollout_<mode>*.json are the runs beside the old path: kept as they are
+        Path(args.out, f"rollout_engine_{args.mode}{suffix}.json").write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ class FlowrlDeprecationWarning(DeprecationWarning):
 # old module -> new module, each shown by the docs of an earlier release (the validators in
 # 0.1's "A node" and d74feff's; `estimators` in 0.1's; the backend table's hf_rollout and the
 # engine's sequence_scores in docs/extending.md; the tool schema helper in docs/testing.md; the
-# built-in tools as graph references)
+# built-in tools as graph references; the SGLang smoke command in docs/scaling.md)
 MOVED_MODULES = {
     "flowrl.validators": "flowrl.params",
     "flowrl.front.validators": "flowrl.params",
@@ -51,13 +51,18 @@ MOVED_MODULES = {
     "flowrl.engines.sequence_scores": "flowrl.engines.train.sequence_scores",
     "flowrl.agent.schema": "flowrl.agent.tools.schema",
     "flowrl.agent.builtin": "flowrl.agent.tools.builtin",
+    "flowrl.smoke": "flowrl.engines.sglang.smoke",  # `python -m flowrl.smoke` too: get_code
 }
 
 # modules whose public names flowrl.api exports: their old spellings point there
 PUBLIC_MODULES = ("flowrl.params",)
 
 # (old module, name) -> "new.module:name", for names that left a module that stays
-MOVED_NAMES: dict[tuple[str, str], str] = {}
+MOVED_NAMES: dict[tuple[str, str], str] = {
+    # docs/extending.md's update nodes before this release: from flowrl.nodespec import
+    # MINI_BATCHES, NodeSpec (the hooks' records moved to flowrl/hooks.py)
+    ("flowrl.nodespec", "MINI_BATCHES"): "flowrl.api:MINI_BATCHES",
+}
 
 
 def warn(old: str, new: str, stacklevel: int = 3) -> None:
@@ -111,6 +116,16 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if new in PUBLIC_MODULES:  # its names are in the public API: point there
             instead = f"from flowrl.api import ... (the public API; the module is now {new})"
         warn(f"import {module.__name__}", instead)
+
+    def get_code(self, fullname):
+        """`python -m <old module>` (runpy asks for code): warn, then run the new one."""
+        new = MOVED_MODULES[fullname]
+        source = (
+            "import runpy\nfrom flowrl import compat\n"
+            f"compat.warn('python -m {fullname}', 'python -m {new}', stacklevel=2)\n"
+            f"runpy.run_module({new!r}, run_name='__main__', alter_sys=True)\n"
+        )
+        return compile(source, f"<{fullname}: moved to {new}>", "exec")
 
 
 def install() -> None:

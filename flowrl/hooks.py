@@ -1,7 +1,7 @@
 """The records a node's SPEC hands the framework through its hooks (flowrl/nodespec.py lists
 them): what a `check` hook receives and returns (`CheckContext`, `Finding`), and the ready-made
 hooks a node names its params in (`MiniBatches`, `Refill`, `TruncatedIS`, `TinyNode`,
-`Continuation`). They are public (flowrl.api); flowrl.nodespec imports them too.
+`Continuation`). They are public: import them from flowrl.api.
 
 This module imports neither torch nor ray.
 """

@@ -37,6 +37,8 @@ spec, never by reading a param name itself:
   controller samples more prompts until the filter has kept enough (DAPO's dynamic sampling);
 - rollout nodes' params subclass `RolloutParams`, so validation can ask any of them for greedy
   decoding and the compiler can size the KV cache;
+- `own_tokenizer` (model nodes): the node writes the text again with its own model's
+  tokenizer, so its model need not share the policy's (reward.model);
 - `continues` (rollout nodes): a `Continuation`, so run.partial_rollout can continue the
   node's responses over rounds and rebuild its other columns when they end;
 - `prompt` (rollout nodes): `(params, base_dir, tokenizer) -> row -> prompt text`, how the
@@ -56,36 +58,11 @@ from typing import Any
 
 import attrs
 
+from flowrl import compat, hooks
 from flowrl.errors import located
-from flowrl.hooks import (  # the hooks' records, public here too
-    CONTINUED,
-    MINI_BATCHES,
-    CheckContext,
-    Continuation,
-    Finding,
-    MiniBatches,
-    Refill,
-    TinyNode,
-    TruncatedIS,
-)
 from flowrl.params import MAX_SAMPLES, MAX_TOKENS, checked, count, interval, positive
 
-__all__ = [
-    "CONTINUED",
-    "GREEDY",
-    "KEEP",
-    "MINI_BATCHES",
-    "CheckContext",
-    "Continuation",
-    "Finding",
-    "MiniBatches",
-    "NodeSpec",
-    "Refill",
-    "RolloutParams",
-    "TinyNode",
-    "TruncatedIS",
-    "split_output",
-]
+__all__ = ["GREEDY", "KEEP", "NodeSpec", "RolloutParams", "split_output"]
 
 MODES = ("rollout", "inference", "train")
 DISPATCHES = ("split", "broadcast", "rank0")
@@ -159,6 +136,10 @@ class NodeSpec:
         prompt: (params, base_dir, tokenizer) -> a renderer, `row -> prompt text`, that the
             data loader templates every prompt with (the agent node's shows the row's tools);
             None: the tokenizer's chat template on the row's messages.
+        own_tokenizer: a model node that writes the text it reads again with its own model's
+            tokenizer (a reward model with another vocabulary), so its model need not share
+            the policy's tokenizer; where its params make it read the policy's ids instead, its
+            `check` says whether they fit.
     """
 
     reads: tuple[str, ...]
@@ -174,15 +155,16 @@ class NodeSpec:
     stateful: bool = False
     optional_reads: dict[str, Callable[[Any], bool]] = attrs.field(factory=dict)
     optional_writes: dict[str, Callable[[Any], bool]] = attrs.field(factory=dict)
-    refill: "Refill | None" = None
-    check: Callable[[Any, CheckContext], list[Finding]] | None = None
+    refill: "hooks.Refill | None" = None
+    check: Callable[[Any, hooks.CheckContext], list[hooks.Finding]] | None = None
     updates_per_step: Callable[[Any, int], int] | None = None
     correction: Callable[[Any, tuple[str, ...], str], str] | None = None
-    tiny: "Callable[[Any, str], TinyNode] | None" = None
+    tiny: "Callable[[Any, str], hooks.TinyNode] | None" = None
     multi_turn: bool = False
     scorer_param: str = ""
-    continues: "Continuation | None" = None
+    continues: "hooks.Continuation | None" = None
     prompt: Callable[[Any, str, Any], Callable[[dict], str]] | None = None
+    own_tokenizer: bool = False
 
     def __attrs_post_init__(self):
         if (self.fn is None) == (self.worker is None):
@@ -202,7 +184,7 @@ class NodeSpec:
             raise ValueError('NodeSpec.updates_per_step is for mode="train" nodes')
         if self.correction is not None and self.mode != "train":
             raise ValueError('NodeSpec.correction is for mode="train" nodes')
-        tis = self.correction if isinstance(self.correction, TruncatedIS) else None
+        tis = self.correction if isinstance(self.correction, hooks.TruncatedIS) else None
         if tis and tis.cap not in attrs.fields_dict(self.params):
             raise ValueError(f"NodeSpec.correction: TruncatedIS(cap={tis.cap!r}) names no param")
         if self.refill is not None and self.rows != "filter":
@@ -211,6 +193,8 @@ class NodeSpec:
             raise ValueError('NodeSpec.multi_turn is for mode="rollout" nodes')
         if self.scorer_param and self.scorer_param not in attrs.fields_dict(self.params):
             raise ValueError(f"NodeSpec.scorer_param names no param: {self.scorer_param!r}")
+        if self.own_tokenizer and self.worker is None:
+            raise ValueError("NodeSpec.own_tokenizer is for model nodes (a worker)")
         for hook in ("continues", "prompt"):
             if getattr(self, hook) is not None and self.mode != "rollout":
                 raise ValueError(f'NodeSpec.{hook} is for mode="rollout" nodes')
@@ -235,7 +219,7 @@ class NodeSpec:
         extra = [key for key, wanted in self.optional_writes.items() if wanted(params)]
         return tuple(dict.fromkeys((*self.writes, *extra)))
 
-    def findings(self, params: Any, context: CheckContext) -> list[Finding]:
+    def findings(self, params: Any, context: hooks.CheckContext) -> list[hooks.Finding]:
         """The `check` hook's findings; a hook that raises is one finding naming it."""
         if self.check is None:
             return []
@@ -243,7 +227,7 @@ class NodeSpec:
             return list(self.check(params, context))
         except Exception as e:  # a node author's hook: its failure is a finding, not a traceback
             return [
-                Finding(
+                hooks.Finding(
                     f"its check hook {located(self.check)} raised {type(e).__name__}: {e}",
                     "fix that function (it must return a list of Finding)",
                 )
@@ -254,11 +238,11 @@ class NodeSpec:
         return self.updates_per_step(params, rows) if self.updates_per_step else 1
 
     @property
-    def mini_batches(self) -> "MiniBatches | None":
+    def mini_batches(self) -> "hooks.MiniBatches | None":
         """The `MiniBatches` declaration whose `updates` is this node's `updates_per_step`
         (it names the epochs and mini-batch size params), or None."""
         owner = getattr(self.updates_per_step, "__self__", None)
-        return owner if isinstance(owner, MiniBatches) else None
+        return owner if isinstance(owner, hooks.MiniBatches) else None
 
 
 def _check_fn_arguments(fn, stateful: bool) -> None:
@@ -297,3 +281,8 @@ def split_output(out: Any) -> tuple[dict, dict, list]:
         )
     writes, metrics, *phases = out
     return dict(writes), dict(metrics), [tuple(p) for p in (phases[0] if phases else ())]
+
+
+# MINI_BATCHES, which earlier docs imported from here, keeps that spelling with a warning; the
+# other hooks' records are flowrl.api's (flowrl/hooks.py)
+__getattr__ = compat.moved_names(__name__)

@@ -23,7 +23,8 @@ import time
 
 import attrs
 
-from flowrl.nodespec import CheckContext, Finding, NodeSpec, RolloutParams, TinyNode
+from flowrl.hooks import CheckContext, Finding, TinyNode
+from flowrl.nodespec import NodeSpec, RolloutParams
 from flowrl.params import MAX_TOKENS, Rule, checked, count, one_of, positive
 
 

@@ -17,8 +17,9 @@ import time
 
 import attrs
 
+from flowrl.hooks import Continuation
 from flowrl.lazy import np
-from flowrl.nodespec import Continuation, NodeSpec, RolloutParams
+from flowrl.nodespec import NodeSpec, RolloutParams
 
 
 @attrs.frozen

@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from flowrl.nodespec import CheckContext, Finding
+from flowrl.hooks import CheckContext, Finding
 
 PARSERS = ("hermes", "tag")
 _TEMPLATE: dict = {}  # (model path, obs_role, template and tools) -> problems

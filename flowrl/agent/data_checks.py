@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flowrl.nodespec import CheckContext, Finding
+from flowrl.hooks import CheckContext, Finding
 
 MAX_ROWS = 5000  # rows looked at per file: a check stays well under a second
 

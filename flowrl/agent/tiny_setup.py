@@ -16,7 +16,7 @@ No torch.
 
 from __future__ import annotations
 
-from flowrl.nodespec import TinyNode
+from flowrl.hooks import TinyNode
 
 REPLIES = 2  # interaction replies a tiny run makes room for
 TURN_TOKENS = 8  # a sampled turn, where no scripted turn sets the size

@@ -10,7 +10,7 @@ import networkx as nx
 from flowrl.errors import Collector, did_you_mean, one_of
 from flowrl.front.graph import Graph
 from flowrl.front.plan import BatchPlan, RefillPlan
-from flowrl.nodespec import CheckContext
+from flowrl.hooks import CheckContext
 
 
 def refill_plan(graph: Graph, errors: Collector) -> RefillPlan | None:

@@ -18,7 +18,7 @@ The checks refuse what the pipeline cannot honour, naming the key and the fix. N
 import attrs
 
 from flowrl.errors import Collector
-from flowrl.nodespec import TruncatedIS
+from flowrl.hooks import TruncatedIS
 
 FIX_POOLS = (
     'generate on a pool of its own: models.{model}.rollout_pool = "gen" with a [pools.gen] '

@@ -13,7 +13,7 @@ get lr 0.01, so a test can see their parameters move; GPU pools and GPU-only rol
 fall back to CPU and flowrl's own decode loop. Node params are found through the node's hooks,
 whatever they are called: rollout nodes' `RolloutParams`, the `MiniBatches` declaration of an
 update, a reward node's `scorer_param`, and a node's own `tiny` hook (the agent's scripted
-turn, a reward model's stub, as `nodespec.TinyNode`). No torch or ray here.
+turn, a reward model's stub, as `hooks.TinyNode`). No torch or ray here.
 """
 
 from pathlib import Path
@@ -21,7 +21,8 @@ from pathlib import Path
 from flowrl.backends import ROLLOUT_BACKENDS
 from flowrl.front import dsl
 from flowrl.front.typed_toml import toml_value
-from flowrl.nodespec import RolloutParams, TinyNode
+from flowrl.hooks import TinyNode
+from flowrl.nodespec import RolloutParams
 
 VARIED_SCORER = f"{Path(__file__).parents[1] / 'rewards' / 'varied.py'}:compute_score"
 TINY_RUN = {

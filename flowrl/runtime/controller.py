@@ -4,7 +4,8 @@
     for step in steps:
         result = source.next(step)                # prompts -> every plan item, independent
                                                   #   ones overlapped (flowrl/runtime/steps.py)
-        log(result.metrics); validate / checkpoint when due
+        validate when due; log(result.metrics)
+        the guards (failed requests, dead updates: flowrl/runtime/guards.py); save when due
 
 A run directory holds graph.toml (the resolved graph), run.json (where the graph file was:
 its relative paths resolve from there), metrics.jsonl, samples.jsonl, trace.json (Chrome /
@@ -86,9 +87,9 @@ def run(
 
 
 class Trainer:
-    """One run's loop over its steps, with its guards (non-finite losses, failed requests,
-    stuck updates), validation, logs and checkpoints; how each step's batch is made is its
-    `StepSource` (flowrl/runtime/steps.py)."""
+    """One run's loop over its steps, with its guards (failed requests, updates that do
+    nothing, zero gradients: flowrl/runtime/guards.py), validation, logs and checkpoints; how
+    each step's batch is made is its `StepSource` (flowrl/runtime/steps.py)."""
 
     def __init__(self, plan, run_dir: Path, backend: str, command: str | None = None):
         guards.check_devices(plan)
@@ -98,8 +99,7 @@ class Trainer:
         self.stale_weights = StaleWeights(spec)
         self.command = command or f"flowrl run {spec.file}"
         self.started, self.steps_done = False, 0  # for the message of a stopped run
-        self.zero_steps: dict[str, int] = {}  # node -> steps in a row of gradient norm 0
-        self.updates = guards.DeadUpdates(plan.spec)  # steps in a row whose updates did nothing
+        self.guards = guards.step_guards(spec, run_dir, self.command)  # what can stop a step
         rng.seed_everything(spec.run.seed)
         policy = _rollout_model(spec)
         self.tokenizer = load_tokenizer(spec.models[policy].path)  # also fills the model cache
@@ -178,10 +178,10 @@ class Trainer:
         except Exception as e:
             if step is None and not isinstance(e, OSError):
                 raise
-            raise guards.RunDirError(outcome.failed_write(self, what, e)) from e
+            raise run_dirs.RunDirError(outcome.failed_write(self, what, e)) from e
 
     def _loop(self, start_step: int, loggers: Loggers, samples_file) -> None:
-        run, failed_steps = self.spec.run, 0
+        run = self.spec.run
         bar = tqdm(
             range(start_step + 1, run.steps + 1),
             initial=start_step,
@@ -191,50 +191,31 @@ class Trainer:
         )
         for step in bar:
             result = self.step(step)
-            metrics, batch = result.metrics, result.batch
-            last = step == run.steps
-            if self.val_batch is not None and (
-                last or (run.val_every and step % run.val_every == 0)
-            ):
-                metrics.update(self.validate(step))
+            if self.val_batch is not None and self._due(step, run.val_every):
+                result.metrics.update(self.validate(step))
             with self._writing("metrics.jsonl and samples.jsonl"):
-                loggers.log(metrics)  # metrics.jsonl, and TensorBoard / W&B when chosen
-                step_log.log_samples(samples_file, step, batch, run.log_samples)
+                loggers.log(result.metrics)  # metrics.jsonl, and TensorBoard / W&B when chosen
+                step_log.log_samples(samples_file, step, result.batch, run.log_samples)
             self.steps_done = step
-            failed_steps = self._failures(step, batch, loggers, failed_steps)
             faults.point("logged", step)
-            for event in self.updates.observe(step, metrics):  # updates that did nothing
-                tqdm.write(event.pop("said"))
-                loggers.log(event)
-            dead = self.updates.streak
-            if dead >= run.max_nonfinite_steps or self.updates.fatal or (last and dead):
-                raise self.updates.stop(step, self.run_dir, self.command)
-            if message := step_log.stuck(self.zero_steps, step, metrics):
-                tqdm.write(f"warning: {message}")
-                with self._writing("metrics.jsonl"):
-                    loggers.log({"event": "warning", "step": step, "message": message})
-            if (last or (run.save_every and step % run.save_every == 0)) and not dead:
-                self.save(step)  # none while updates do nothing: the last good one is kept
-            bar.set_postfix(step_log.postfix(metrics))
+            self._guard(step, result, loggers)
+            if self._due(step, run.save_every) and all(g.may_save for g in self.guards):
+                self.save(step)  # none while a guard says no: the last good one is kept
+            bar.set_postfix(step_log.postfix(result.metrics))
 
-    def _failures(self, step: int, batch, loggers: Loggers, failed_steps: int) -> int:
-        """Show this step's failed requests (the first few with their rows); stop after
-        run.max_failed_steps steps in a row that trained on nothing. Returns that count."""
-        failed = step_log.failed_requests(batch)
-        lines = step_log.failure_lines(batch, failed)
-        if failed:
-            loggers.log({"event": "failed_requests", "step": step, "count": len(failed)})
-            tqdm.write(step_log.failure_report(step, batch, failed, lines))
-        failed_steps = failed_steps + 1 if step_log.trained_nothing(batch) else 0
-        if failed_steps >= self.spec.run.max_failed_steps:
-            raise guards.FailedStepsStop(
-                f"{failed_steps} steps in a row (up to step {step}) trained on nothing: "
-                + step_log.nothing_trained(batch, lines)
-                + f"\nFix the tools or rows (flowrl check {self.spec.file}), then replay with "
-                f"flowrl run {self.spec.file} --resume {self.run_dir} "
-                "(run.max_failed_steps sets how many are tolerated)"
-            )
-        return failed_steps
+    def _due(self, step: int, every: int) -> bool:
+        """Whether something done every `every` steps (0: only at the end) is due."""
+        return step == self.spec.run.steps or bool(every and step % every == 0)
+
+    def _guard(self, step: int, result: StepResult, loggers: Loggers) -> None:
+        """Each guard's events of this step to the console and the log; a guard's stop ends
+        the run here (flowrl/runtime/guards.py)."""
+        for guard in self.guards:
+            for event in guard.observe(step, result):
+                tqdm.write(event.pop("said"))
+                with self._writing("metrics.jsonl"):
+                    loggers.log(event)
+            guard.check(step)
 
     def step(self, step: int) -> StepResult:
         """One training step: the walk's StepResult, its metrics completed with the step's

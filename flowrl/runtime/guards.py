@@ -1,10 +1,12 @@
 """What stops a run by name: checks before any model loads (devices, packages, a writable run
-directory) and the errors that end a run cleanly (updates that do nothing: `DeadUpdates`;
-signals: runtime/stop.py; run directories: runtime/run_dir.py)."""
+directory, models that can work together) and the step guards, which watch each logged step and
+end a run cleanly with its cause (`StepGuard`: failed requests, updates that do nothing, zero
+gradients; signals: runtime/stop.py; run directories: runtime/run_dir.py)."""
 
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import torch
@@ -12,17 +14,17 @@ import torch
 from flowrl.backends import ROLLOUT_BACKENDS, missing_package
 from flowrl.errors import FlowrlError
 from flowrl.nodespec import RolloutParams
-from flowrl.runtime.run_dir import RunDirError  # noqa: F401 (its home was here)
-from flowrl.runtime.stop import Stopped  # noqa: F401
+from flowrl.runtime import step_log
+from flowrl.runtime.run_dir import RunDirError
+
+if TYPE_CHECKING:
+    from flowrl.runtime.executor import StepResult
 
 
 class UpdatesStop(FlowrlError, RuntimeError):
     """A run whose updates did nothing for run.max_nonfinite_steps steps in a row (a non-finite
     loss or gradient norm, or a gradient of 0 over rows with a learning signal), or whose
     weights became non-finite."""
-
-
-NonFiniteStop = UpdatesStop  # its name while it stopped non-finite steps only
 
 
 class FailedStepsStop(FlowrlError, RuntimeError):
@@ -118,7 +120,7 @@ def check_models(spec, policy: str, tokenizer) -> None:
         users = [d for d in spec.nodes.values() if d.model == name]
         if name == policy or other.path == config.path:
             continue
-        if users and all(hasattr(d.params, "tokenizer") for d in users):
+        if users and all(d.spec.own_tokenizer for d in users):
             continue  # its nodes write the text again with its own tokenizer (reward.model)
         differences = tokenizer_differences(tokenizer, load_tokenizer(other.path))
         if differences:
@@ -128,6 +130,76 @@ def check_models(spec, policy: str, tokenizer) -> None:
                 f"{'; '.join(differences)}. It reads the policy's token ids, so it must share "
                 f"its tokenizer: use a model of the same family (e.g. the policy's own path)"
             )
+
+
+# -- step guards ---------------------------------------------------------------------------
+
+
+class StepGuard(Protocol):
+    """One condition the trainer's loop watches after each logged step. The loop asks each
+    guard in turn, `observe` then `check`, and writes a checkpoint when it is due and every
+    guard's `may_save` holds; a further watch (a lost worker, ...) is one more class in
+    `step_guards`, not a branch of the loop."""
+
+    def observe(self, step: int, result: "StepResult") -> list[dict]:
+        """Count this step; returns the events to log (each with a "said" line for the
+        console, which the loop takes out before it logs the event)."""
+        ...
+
+    def check(self, step: int) -> None:
+        """Raise this guard's stop (a FlowrlError naming the cause, the step and what to do)
+        when the run must end at `step`."""
+        ...
+
+    @property
+    def may_save(self) -> bool:
+        """Whether a checkpoint written now would be a good one (False: keep the last)."""
+        ...
+
+
+def step_guards(spec, run_dir: Path, command: str) -> list[StepGuard]:
+    """The guards of a run, in the order the loop asks them."""
+    return [FailedRequests(spec, run_dir), DeadUpdates(spec, run_dir, command), ZeroGradients()]
+
+
+@attrs.define
+class FailedRequests:
+    """Shows each step's failed requests (the first few with their rows) and stops the run
+    after run.max_failed_steps steps in a row that trained on nothing (most requests failed,
+    so the walk passed the update over, or no response kept a token)."""
+
+    spec: object
+    run_dir: Path
+    streak: int = 0  # steps in a row that trained on nothing
+    lines: list = attrs.Factory(list)  # the last step's first failures, with their rows
+    why: str = ""  # why the last step trained on nothing
+
+    def observe(self, step: int, result: "StepResult") -> list[dict]:
+        batch = result.batch
+        failed = step_log.failed_requests(batch)
+        self.lines = step_log.failure_lines(batch, failed)
+        nothing = step_log.trained_nothing(batch)
+        self.streak = self.streak + 1 if nothing else 0
+        self.why = step_log.nothing_trained(batch, self.lines) if nothing else ""
+        if not failed:
+            return []
+        said = step_log.failure_report(step, batch, failed, self.lines)
+        return [{"event": "failed_requests", "step": step, "count": len(failed), "said": said}]
+
+    def check(self, step: int) -> None:
+        if self.streak >= self.spec.run.max_failed_steps:
+            file = self.spec.file
+            raise FailedStepsStop(
+                f"{self.streak} steps in a row (up to step {step}) trained on nothing: "
+                + self.why
+                + f"\nFix the tools or rows (flowrl check {file}), then replay with "
+                f"flowrl run {file} --resume {self.run_dir} "
+                "(run.max_failed_steps sets how many are tolerated)"
+            )
+
+    @property
+    def may_save(self) -> bool:
+        return True  # a step passed over changed no weights: its checkpoint is as good
 
 
 @attrs.define
@@ -140,22 +212,24 @@ class DeadUpdates:
       (`<node>/signal_rows` > 0: update.policy's share of rows with a non-zero advantage): the
       weights no longer respond to the loss, as after a far too large learning rate. A zero
       gradient over rows without signal (GRPO when every group's scores are equal) is a
-      legitimately empty update and does not count;
+      legitimately empty update and does not count (`ZeroGradients` warns of a run of them);
     - weights that became non-finite (`<node>/nonfinite_weights`): nothing recovers, so the
       run stops at once.
 
-    A run of such steps is a `streak`; the controller stops the run when it reaches
-    run.max_nonfinite_steps (or at the last step, or at non-finite weights) with `stop`, and
-    writes no checkpoint during a streak, so the last good one is kept."""
+    A run of such steps is a `streak`; the run stops when it reaches run.max_nonfinite_steps
+    (or at the last step, or at non-finite weights), and no checkpoint is written during a
+    streak, so the last good one is kept and the stop names it."""
 
     spec: object
+    run_dir: Path
+    command: str  # the command line that started the run, for the way to resume
     streak: int = 0
     began: int = 0
     fatal: bool = False
     causes: dict = attrs.Factory(dict)  # node -> why its updates did nothing (latest step)
 
-    def observe(self, step: int, metrics: dict) -> list[dict]:
-        """Count this step; returns the events to log (each with a "said" line for the log)."""
+    def observe(self, step: int, result: "StepResult") -> list[dict]:
+        metrics = result.metrics
         causes, events = {}, []
         for node in sorted({k.rpartition("/")[0] for k in metrics if k.endswith("/grad_norm")}):
             cause = _dead_update(metrics, node)
@@ -179,7 +253,18 @@ class DeadUpdates:
             )
         return events
 
-    def stop(self, step: int, run_dir: Path, command: str) -> UpdatesStop:
+    def check(self, step: int) -> None:
+        run = self.spec.run
+        if self.streak >= run.max_nonfinite_steps or self.fatal:
+            raise self._stop(step)
+        if step == run.steps and self.streak:  # a run does not end "done" on dead updates
+            raise self._stop(step)
+
+    @property
+    def may_save(self) -> bool:
+        return not self.streak  # none while updates do nothing: the last good one is kept
+
+    def _stop(self, step: int) -> UpdatesStop:
         """The error that ends the run: the cause, the step it began, and what to resume."""
         from flowrl.runtime import checkpoint
 
@@ -198,6 +283,7 @@ class DeadUpdates:
         lower = " with a lower " + ", ".join(f"models.{m}.lr" for m in models) if models else ""
         # the weights that gave the first such step came from the update before it
         last_good = self.began - (1 if self.fatal else 2)
+        run_dir, command = self.run_dir, self.command
         good = [c for c in checkpoint.checkpoints(run_dir) if checkpoint.step_of(c) <= last_good]
         good = [c for c in good if not checkpoint.problems(c)]
         if good:
@@ -233,3 +319,42 @@ def _dead_update(metrics: dict, node: str) -> str:
             "its weights no longer respond to the loss"
         )
     return ""
+
+
+STUCK_STEPS = 3  # steps of gradient norm 0 before a warning
+
+
+@attrs.define
+class ZeroGradients:
+    """Warns of a node whose gradient norm stayed exactly 0 for STUCK_STEPS steps in a row,
+    once per node: with a learning signal `DeadUpdates` stops the run, without one (every
+    reward within a group the same) the run goes on learning nothing. Never stops a run."""
+
+    zero_steps: dict = attrs.Factory(dict)  # node -> steps in a row so far (-1 once said)
+
+    def observe(self, step: int, result: "StepResult") -> list[dict]:
+        events = []
+        for key, value in result.metrics.items():
+            node = key.rpartition("/")[0]
+            count = self.zero_steps.get(node, 0)
+            if not key.endswith("/grad_norm") or count < 0:
+                continue
+            self.zero_steps[node] = count + 1 if value == 0.0 else 0
+            if self.zero_steps[node] == STUCK_STEPS:
+                self.zero_steps[node] = -1
+                message = (
+                    f"step {step}: the gradient norm of {node} has been 0 for {STUCK_STEPS} "
+                    "steps in a row: nothing is learned. Either the learning rate is far too "
+                    "large (check [models] lr) or every reward within a group is the same (the "
+                    "advantages are 0: check the scorer, score/mean and its spread)"
+                )
+                said = f"warning: {message}"
+                events.append({"event": "warning", "step": step, "message": message, "said": said})
+        return events
+
+    def check(self, step: int) -> None:
+        pass  # a warning only
+
+    @property
+    def may_save(self) -> bool:
+        return True

@@ -92,6 +92,10 @@ class PoolWorker:
             device=device,
         )
         if name in setup.rollout_models:
+            # the options are built here from the graph's [models.<name>.rollout_options],
+            # checked against the backend's record so an error names that key; make_rollout
+            # resolves the same record again for the class (a table line, or a file loaded
+            # once: refs keeps it in sys.modules) and takes the options as they are
             self.rollout[name] = make_rollout(
                 config.rollout,
                 rollout_module,

@@ -68,30 +68,6 @@ def postfix(metrics: dict) -> dict:
     return {short: f"{metrics[k]:.3g}" for k, short in keys.items() if k in metrics}
 
 
-STUCK_STEPS = 3  # steps of gradient norm 0 before a warning
-
-
-def stuck(zero_steps: dict, step: int, metrics: dict) -> str:
-    """The warning for a model whose gradient norm stayed exactly 0 for STUCK_STEPS steps in a
-    row ('' otherwise; said once per node). `zero_steps`: node -> steps in a row so far (-1
-    once said), kept by the caller across steps."""
-    for key, value in metrics.items():
-        node = key.rpartition("/")[0]
-        count = zero_steps.get(node, 0)
-        if not key.endswith("/grad_norm") or count < 0:
-            continue
-        zero_steps[node] = count + 1 if value == 0.0 else 0
-        if zero_steps[node] == STUCK_STEPS:
-            zero_steps[node] = -1
-            return (
-                f"step {step}: the gradient norm of {node} has been 0 for {STUCK_STEPS} steps "
-                "in a row: nothing is learned. Either the learning rate is far too large (check "
-                "[models] lr) or every reward within a group is the same (the advantages are 0: "
-                "check the scorer, score/mean and its spread)"
-            )
-    return ""
-
-
 def truncate_log(path: Path, step: int) -> None:
     """Keep the rows of `path` (JSON lines) up to `step`, and events; a torn last line (the
     writer was killed mid-write) goes too. Replaced atomically, so a kill here loses nothing."""

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import attrs
 
+from flowrl.hooks import Finding
 from flowrl.math import estimators
-from flowrl.nodespec import Finding, NodeSpec
+from flowrl.nodespec import NodeSpec
 from flowrl.params import MAX_SAMPLES, checked, count
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import attrs
 
+from flowrl.hooks import Finding
 from flowrl.math import estimators, ops
-from flowrl.nodespec import Finding, NodeSpec
+from flowrl.nodespec import NodeSpec
 from flowrl.params import checked, interval, one_of
 
 BASELINES = ("none", "group")

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import attrs
 
+from flowrl.hooks import Finding, Refill
 from flowrl.lazy import torch
 from flowrl.math import ops
-from flowrl.nodespec import Finding, NodeSpec, Refill
+from flowrl.nodespec import NodeSpec
 from flowrl.params import MAX_ROWS, checked, count
 
 

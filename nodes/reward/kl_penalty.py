@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import attrs
 
+from flowrl.hooks import Finding
 from flowrl.lazy import torch
 from flowrl.math import components, ops
-from flowrl.nodespec import Finding, NodeSpec
+from flowrl.nodespec import NodeSpec
 from flowrl.params import at_least, checked, count, one_of, positive
 
 # what the adaptive controller compares with target_kl: each row's mean KL per trained token,

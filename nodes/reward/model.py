@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl.nodespec import CheckContext, Finding, NodeSpec, TinyNode
+from flowrl.hooks import CheckContext, Finding, TinyNode
+from flowrl.nodespec import NodeSpec
 
 POLICY = "policy"  # `tokenizer = "policy"`: read the policy's ids as they are
 
@@ -137,6 +138,7 @@ SPEC = NodeSpec(
     head="value",
     tiny=tiny,
     check=check,
+    own_tokenizer=True,  # its own template, or the policy's ids where `check` finds they fit
     optional_reads={
         "raw_prompt": lambda p: p.tokenizer != POLICY,
         "response_text": lambda p: p.tokenizer != POLICY,

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import attrs
 
-from flowrl.nodespec import Finding, NodeSpec
+from flowrl.hooks import Finding
+from flowrl.nodespec import NodeSpec
 from flowrl.params import MAX_TOKENS, at_least, checked, count
 
 

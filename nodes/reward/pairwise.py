@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import attrs
 
+from flowrl.hooks import TinyNode
 from flowrl.lazy import torch
-from flowrl.nodespec import NodeSpec, TinyNode
+from flowrl.nodespec import NodeSpec
 
 
 @attrs.frozen
@@ -56,4 +57,5 @@ SPEC = NodeSpec(
     mode="inference",
     head="value",
     tiny=tiny,
+    own_tokenizer=True,  # templates the conversation with the reward model's tokenizer
 )

@@ -19,8 +19,9 @@ import sys
 
 import attrs
 
+from flowrl.hooks import Finding
 from flowrl.lazy import torch
-from flowrl.nodespec import Finding, NodeSpec
+from flowrl.nodespec import NodeSpec
 from flowrl.params import checked, count, positive
 from flowrl.rewards import BadValue, ScorerError, resolve_scorer, score_value
 

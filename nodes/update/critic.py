@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import attrs
 
+from flowrl.hooks import MINI_BATCHES
 from flowrl.math import ops
 from flowrl.math.losses.value import clipped_value_loss
-from flowrl.nodespec import MINI_BATCHES, NodeSpec
+from flowrl.nodespec import NodeSpec
 from flowrl.params import MAX_EPOCHS, MAX_ROWS, at_least, checked, count, one_of
 
 

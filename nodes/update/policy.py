@@ -17,10 +17,11 @@ import types
 import attrs
 
 from flowrl import refs
+from flowrl.hooks import MINI_BATCHES, Finding, TruncatedIS
 from flowrl.lazy import torch
 from flowrl.math import components, ops
 from flowrl.math.losses import LOSSES, Chunk, Loss, loss_params, tis_weights
-from flowrl.nodespec import MINI_BATCHES, Finding, NodeSpec, TruncatedIS
+from flowrl.nodespec import NodeSpec
 from flowrl.params import (
     MAX_EPOCHS,
     MAX_ROWS,

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import attrs
 
+from flowrl.hooks import MINI_BATCHES
 from flowrl.lazy import torch
-from flowrl.nodespec import MINI_BATCHES, NodeSpec
+from flowrl.nodespec import NodeSpec
 from flowrl.params import MAX_EPOCHS, MAX_ROWS, at_least, checked, count
 
 
@@ -114,4 +115,5 @@ SPEC = NodeSpec(
     head="value",
     check=MINI_BATCHES.check,
     updates_per_step=MINI_BATCHES.updates,
+    own_tokenizer=True,  # templates the conversation with the reward model's tokenizer
 )

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flowrl.engines.batch import generate_batch
-from flowrl.smoke import chosen_logprobs, forced, prompts  # the smoke command's own helpers
+from flowrl.engines.sglang.smoke import chosen_logprobs, forced, prompts  # the smoke's own
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flowrl.runtime.controller import Trainer
-from flowrl.runtime.guards import NonFiniteStop
+from flowrl.runtime.guards import UpdatesStop
 from flowrl.testing import parameters
 
 pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
@@ -36,7 +36,7 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops(tiny_plan, tmp_path):
             r"the updates of update_policy did nothing from step 1 to step 2 \(2 steps in a "
             r"row\): update_policy: a non-finite loss or gradient norm .*start again"
         )
-        with pytest.raises(NonFiniteStop, match=said):
+        with pytest.raises(UpdatesStop, match=said):
             trainer.fit()
         after = trainer.executor.apply("main", parameters, "policy")[0]
     finally:
@@ -53,7 +53,6 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops(tiny_plan, tmp_path):
 
 
 def test_a_learning_rate_far_too_large_stops_the_run_where_its_updates_died(tmp_path):
-    from flowrl.runtime.guards import UpdatesStop
     from flowrl.testing import run_tiny
 
     extra = {"models.policy.lr": 1e6, "run.steps": 6, "run.save_every": 1}

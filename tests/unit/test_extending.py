@@ -14,7 +14,7 @@ from flowrl import refs
 from flowrl.engines import TrainEngine
 from flowrl.errors import GraphErrors
 from flowrl.front import compiler, dsl, registry
-from flowrl.nodespec import CheckContext
+from flowrl.hooks import CheckContext
 from flowrl.protocol import DataProto
 from flowrl.testing import assert_same, tiny_model, tiny_tokenizer, update_rows
 

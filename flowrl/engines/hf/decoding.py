@@ -7,11 +7,12 @@ up to BLOCK_STEPS steps at once while nobody joins, read back once.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import attrs
 import torch
 
-from flowrl.engines.hf.runner import Block
+from flowrl.engines.hf.runner import Block, ModelRunner
 from flowrl.engines.hf.sampling import sample_rows
 from flowrl.engines.rollout import Request, Result
 
@@ -38,9 +39,35 @@ class Row:
     stopped: str = ""  # "abort" once released or cancelled while running
 
 
+class BatchParts(Protocol):
+    """What `Decoding` needs of the class it is mixed into (slots.py `Batch`): the batch's
+    state, and how it seats rows and lays out calls (tests/unit/engines/hf/
+    test_decoding_parts.py checks both sides against this list)."""
+
+    runner: ModelRunner  # makes the model calls, owns the slot cache
+    eos: int
+    slots: list[Row | None]  # slot -> its row: decoding ones first, then held ones
+    decoding: int  # slots 0..decoding-1 decode
+    logits: torch.Tensor | None  # (decoding, v) next-token logits of those slots
+    counts: dict[str, int]  # model calls and tokens, by kind
+    held: dict[str, Row]  # request id -> its row, kept for a next turn
+    hold: Callable[[str], None]  # told of each request kept for a next turn
+
+    def admit(self, arrivals: list[Row]) -> None: ...
+
+    def _seat(self, rows: list[Row]) -> tuple[list[Row], list[Row], list[tuple[Row, Row]]]: ...
+
+    def _cached_prefix(self, leaders: list[Row]) -> list[Row]: ...
+
+    def _call(self, chunks: list[list[int]], offsets: list[int], lo: int, packed=False): ...
+
+    def _copy_rows(self, copies: list[tuple[Row, Row]]) -> None: ...
+
+    def _swap(self, a: int, b: int) -> None: ...
+
+
 class Decoding:
-    """`step` and what it needs, for a class with the batch's slots, rows, runner and
-    seating (slots.py `Batch`)."""
+    """`step` and what it needs, for a class that is a `BatchParts` (slots.py `Batch`)."""
 
     def step(self, joining: list[Row]) -> None:
         """Sample a token for every decoding row; then one call feeds them, with the new tokens

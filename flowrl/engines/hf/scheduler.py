@@ -1,4 +1,4 @@
-"""Continuous batching for flowrl's own engine (hf_rollout.py): requests join and leave the
+"""Continuous batching for flowrl's own engine (engine.py): requests join and leave the
 batch at every decode step.
 
     while there is work:                                  (a thread of its own)

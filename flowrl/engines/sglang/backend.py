@@ -64,7 +64,7 @@ SGLang: this task had no GPU machine (`make gpu-smoke` is the check).
   `truncate_size` rows as nested float lists, or None (a model class without it: Qwen2).
 - `release_memory_occupation(tags)`, `resume_memory_occupation(tags)` (tags "weights",
   "kv_cache"; return None) and the tokenizer manager's `auto_create_handle_loop()`,
-  `event_loop`, `_subprocess_watchdog` (sglang_process.py).
+  `event_loop`, `_subprocess_watchdog` (process.py).
 - `mem_fraction_static = f`: SGLang keeps (1 - f) of the GPU memory that is free when the
   engine starts as headroom (model_runner_components/kv_pool_runtime.py:65-67) and fills the
   rest with its weights and KV cache: a fraction of the free memory at start, after the
@@ -265,7 +265,7 @@ class SGLangRollout(RolloutBase):
     @contextmanager
     def _calling(self):
         """Around every engine call: a dead engine raises at once, and a child dying during
-        the call raises inside it (sglang_process.on_sigquit)."""
+        the call raises inside it (process.on_sigquit)."""
         if self.guard.find_dead():
             raise self.guard.error()
         self.guard.busy = True

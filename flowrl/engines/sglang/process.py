@@ -14,7 +14,7 @@
 `EngineGuard` undoes that, as verl does for its in-process engine (it replaces
 `_set_envs_and_config` with a copy without the SIGQUIT handler): the engine starts with
 flowrl's SIGQUIT handler, SGLang's asyncio handlers are removed at once and the previous SIGTERM
-handler (flowrl's own, `guards.stopped_by_signals`) put back, and a child's death becomes an
+handler (flowrl's own, `stop.stopped_by_signals`) put back, and a child's death becomes an
 `EngineDied` error in the trainer, raised inside the engine call that waits on the dead child
 or at the next call, naming host, pool, rank and model; the node call wrapping it adds the node
 and where its inputs went, and the run stops as any failed run does (its last checkpoint

@@ -3,7 +3,8 @@ it declares them to MiniBatches and gets the built-in checks and schedule arithm
 
 import attrs
 
-from flowrl.nodespec import MiniBatches, NodeSpec
+from flowrl.hooks import MiniBatches
+from flowrl.nodespec import NodeSpec
 
 
 @attrs.frozen

@@ -9,7 +9,8 @@ reads: prompts, prompt_mask -> writes: responses, response_mask, answer (+ rollo
 import attrs
 import numpy as np
 
-from flowrl.nodespec import Continuation, NodeSpec, RolloutParams
+from flowrl.hooks import Continuation
+from flowrl.nodespec import NodeSpec, RolloutParams
 
 
 @attrs.frozen

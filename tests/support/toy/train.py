@@ -3,7 +3,8 @@
 
 import attrs
 
-from flowrl.nodespec import MINI_BATCHES, NodeSpec
+from flowrl.hooks import MINI_BATCHES
+from flowrl.nodespec import NodeSpec
 
 
 @attrs.frozen

@@ -10,7 +10,8 @@ import pytest
 
 from flowrl.front.compiler import compile_file
 from flowrl.front.tiny_run import summary, tiny_overrides
-from flowrl.nodespec import NodeSpec, TruncatedIS
+from flowrl.hooks import TruncatedIS
+from flowrl.nodespec import NodeSpec
 from flowrl.testing import tiny_plan
 
 GRAPHS = Path(__file__).resolve().parents[3] / "graphs"
@@ -21,7 +22,8 @@ BUILTIN_UPDATE = 'uses = "update.policy"\nmodel = "policy"\nkl_loss_coef = 0.001
 USER_UPDATE = """
 import attrs
 
-from flowrl.nodespec import NodeSpec, TruncatedIS
+from flowrl.hooks import TruncatedIS
+from flowrl.nodespec import NodeSpec
 
 
 @attrs.frozen
@@ -152,7 +154,8 @@ def test_the_correction_hook_is_checked_where_it_is_declared():
 USER_AGENT = """
 import attrs
 
-from flowrl.nodespec import NodeSpec, RolloutParams, TinyNode
+from flowrl.hooks import TinyNode
+from flowrl.nodespec import NodeSpec, RolloutParams
 
 
 @attrs.frozen
@@ -192,7 +195,8 @@ SPEC = NodeSpec(
 USER_RM = """
 import attrs
 
-from flowrl.nodespec import NodeSpec, TinyNode
+from flowrl.hooks import TinyNode
+from flowrl.nodespec import NodeSpec
 
 
 @attrs.frozen

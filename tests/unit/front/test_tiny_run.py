@@ -80,7 +80,7 @@ def test_tiny_mini_batches_shrink_with_the_prompt_batch(graph):
     """ppo: 48 rows in mini-batches of 16 are 3 optimizer steps, and the tiny run's 8 rows keep
     3; dapo: after its refilling filter the rows are the target groups x samples, which the
     tiny run does not shrink, so the mini-batch stays."""
-    from flowrl.nodespec import MINI_BATCHES
+    from flowrl.hooks import MINI_BATCHES
 
     def steps(plan):
         return {

@@ -13,9 +13,9 @@ import torch
 import flowrl
 from flowrl.engines import HFRollout
 from flowrl.errors import GraphErrors
+from flowrl.hooks import CheckContext
 from flowrl.nodes import agent
 from flowrl.nodes.reward.rule import run as rule_run
-from flowrl.nodespec import CheckContext
 from flowrl.protocol import DataProto
 from flowrl.testing import tiny_model, tiny_tokenizer
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from flowrl.engines import TrainEngine
+from flowrl.hooks import CheckContext
 from flowrl.math import estimators, ops
 from flowrl.math.losses import LOSSES, Chunk
 from flowrl.nodes.advantage import gpg, opo, passk, reinforce_pp
 from flowrl.nodes.reward import kl_penalty, overlong, token_rewards
 from flowrl.nodes.update import policy
-from flowrl.nodespec import CheckContext
 from flowrl.protocol import DataProto
 from flowrl.testing import assert_same, first_step, tiny_model, tiny_tokenizer, update_rows
 

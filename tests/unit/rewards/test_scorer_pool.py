@@ -6,8 +6,8 @@ import time
 import numpy as np
 import pytest
 
+from flowrl.hooks import CheckContext
 from flowrl.nodes.reward.rule import Params, check, run
-from flowrl.nodespec import CheckContext
 from flowrl.protocol import DataProto
 from flowrl.rewards.pool import ScorerPool, close_all
 

@@ -125,7 +125,7 @@ def test_user_rollout_node_with_other_param_names_gets_partial_rollouts(tmp_path
 
 
 def test_a_continuation_must_rebuild_every_write():
-    from flowrl.nodespec import Continuation
+    from flowrl.hooks import Continuation
 
     keep = Continuation(("answer",), lambda rows, tokenizer: {})
     base = {"params": RolloutParams, "worker": object, "mode": "rollout", "rows": "repeat"}
@@ -206,7 +206,7 @@ def test_a_stateful_node_whose_run_takes_two_arguments_is_refused_with_the_fix()
 
 
 def test_a_refill_that_names_no_param_is_refused_with_a_did_you_mean():
-    from flowrl.nodespec import Refill
+    from flowrl.hooks import Refill
 
     @attrs.frozen
     class Counts:
@@ -221,7 +221,7 @@ def test_a_refill_that_names_no_param_is_refused_with_a_did_you_mean():
 
 
 def test_a_check_hook_that_raises_is_a_finding_naming_it():
-    from flowrl.nodespec import CheckContext
+    from flowrl.hooks import CheckContext
 
     def check(params, context):
         return [context.rows_per_prompt]  # no such field

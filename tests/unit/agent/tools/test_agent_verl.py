@@ -16,8 +16,8 @@ from flowrl.agent.interactions import load_interactions
 from flowrl.agent.parsers import ToolCall
 from flowrl.agent.tools import timeouts
 from flowrl.agent.tools.toolbox import Toolbox
+from flowrl.hooks import CheckContext
 from flowrl.nodes import agent
-from flowrl.nodespec import CheckContext
 
 TOOLS = '''
 import asyncio, time, threading

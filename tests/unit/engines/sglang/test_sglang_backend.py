@@ -717,7 +717,7 @@ def test_shutting_sglang_down_leaves_flowrls_scorer_processes_running():
 
 
 def test_the_gpu_smoke_command_skips_with_a_clear_message_without_a_gpu(monkeypatch, capsys):
-    from flowrl import smoke
+    from flowrl.engines.sglang import smoke
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert smoke.main(["--gpu"]) == 0

@@ -1,5 +1,5 @@
-"""`python -m flowrl.smoke --gpu` (`make gpu-smoke`): the sglang rollout backend on a GPU
-machine against the real, pinned SGLang, one line per check, a few minutes:
+"""`python -m flowrl.engines.sglang.smoke --gpu` (`make gpu-smoke`): the sglang rollout backend
+on a GPU machine against the real, pinned SGLang, one line per check, a few minutes:
 
     start         the engine with graphs/grpo_sglang.toml's settings (its policy's model and
                   dtype, the run's seed), verify mode on: the first push is read back
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 GRAPH = ROOT / "graphs" / "grpo_sglang.toml"
 TIE = 0.05  # bf16 kernels of two engines may order logits this close differently
 PACKAGES = ("sglang", "torch", "transformers", "flashinfer-python", "torch-memory-saver")
@@ -34,7 +34,9 @@ class Skip(Exception):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flowrl.smoke", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m flowrl.engines.sglang.smoke", description=__doc__
+    )
     parser.add_argument("--gpu", action="store_true", help="the SGLang checks (needs a GPU)")
     parser.add_argument("--graph", default=str(GRAPH), help="whose model settings to use")
     args = parser.parse_args(argv)
