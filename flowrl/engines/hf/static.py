@@ -31,6 +31,9 @@ eagerly. Graphs are dropped when the cache is reallocated or the module's parame
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import time
 import warnings
 
 import attrs
@@ -116,14 +119,38 @@ class StaticSlotCache(SlotCache):
             raise CacheFull(f"{slots} x {columns} past the static cache's {have}")
 
 
+# attention settings the folded decode attention (DecodeCall) cannot honour: config keys
+UNSUPPORTED_ATTENTION = ("attn_logit_softcapping",)
+
+
+def unsupported_attention(module) -> str:
+    """What of `module`'s attention the CUDA runner's decode step cannot compute, or "": logit
+    softcapping (Gemma 2) or attention sinks (gpt-oss: a `sinks` parameter per layer)."""
+    config = module.config
+    for key in UNSUPPORTED_ATTENTION:
+        if getattr(config, key, None):
+            return f"{key} = {getattr(config, key)}"
+    if any(name.endswith(".sinks") or name == "sinks" for name, _ in module.named_parameters()):
+        return "attention sinks (a `sinks` parameter)"
+    return ""
+
+
 @attrs.define
 class DecodeCall:
     """The attention of a decode step (one query per row) over the slot cache as it is."""
 
+    @torch.compiler.disable  # a compiled step runs it as it is (the mask's width varies)
     def attend(self, module, query, key, value, scaling, mask=None, **kwargs):
         """query (b, h, 1, d), key and value (b, kv, w, d), mask (b, 1, 1, w) -> (b, 1, h, d).
         Query head j * g + i reads KV head j (transformers' repeat_kv), so the g query heads
-        of a KV head become g queries of one head: (b, kv, g, d) against (b, kv, w, d)."""
+        of a KV head become g queries of one head: (b, kv, g, d) against (b, kv, w, d).
+        Softcapping and sinks are refused: this attention would silently leave them out."""
+        if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+            raise FlowrlError(
+                f"{type(module).__name__} asks the attention for softcapping or sinks, which "
+                'the static runner\'s decode step does not compute: set rollout_options.runner '
+                '= "eager"'
+            )
         b, h, _, d = query.shape
         kv = key.shape[1]
         q = query.reshape(b, kv, h // kv, d)  # (b, kv, g, d): one query position per row
@@ -133,11 +160,21 @@ class DecodeCall:
 
 class StaticRunner(ModelRunner):
     """The runner.py calls over a `StaticSlotCache` of at most `budget` bytes on `device`
-    (`max_slots` slots at most); `graphs`: replay decode steps as CUDA graphs (CUDA only)."""
+    (`max_slots` slots at most); `graphs`: replay decode steps as CUDA graphs (CUDA only);
+    `compile`: the decode step compiled by inductor (`compiled_step`), captured as compiled.
+
+    Attributes:
+        captured: {(rows, columns): graph} of the shapes captured so far.
+        regrows: times the cache was regrown for a longer turn.
+        warnings: why graphs or the compiled step were turned off, if they were.
+        capture_s: seconds spent in captures (with their warm-ups and compiles).
+    """
 
     device_sampling = True
 
-    def __init__(self, module, device, pad: int = 0, *, budget: int, graphs: bool, max_slots=512):
+    def __init__(
+        self, module, device, pad=0, *, budget: int, graphs: bool, max_slots=512, compile=False
+    ):
         super().__init__(module, device, pad)
         if not self.packs:
             raise FlowrlError(
@@ -150,7 +187,16 @@ class StaticRunner(ModelRunner):
                 f'rollout_options.runner = "cuda_graph" needs a CUDA device, not '
                 f'{self.device}: use "static" (the same calls, eager) or "eager"'
             )
+        unsupported = unsupported_attention(module)
+        if unsupported:
+            raise FlowrlError(
+                f"the static runner's decode attention cannot compute {type(module).__name__}'s "
+                f'{unsupported}: set rollout_options.runner = "eager"'
+            )
         self.budget, self.graphs, self.max_slots = budget, graphs, max_slots
+        self.compiled = compiled_step(self._forward) if compile else None
+        self.warnings: list[str] = []  # why graphs or the compiled step were turned off
+        self.capture_s = 0.0  # seconds spent capturing graphs (and compiling), in all
         self.dtype = next(module.parameters()).dtype
         self.per_column = column_bytes(module, self.dtype)
         self.vocab = module.get_output_embeddings().weight.shape[0]
@@ -202,10 +248,30 @@ class StaticRunner(ModelRunner):
         """Forget every row; the buffers stay allocated (and the graphs valid) for the next."""
 
     def free(self) -> None:
-        """Free the cache, the static inputs and outputs and the graphs (an offload of the
-        kv_cache part); the next call allocates them again."""
+        """An offload of the kv_cache part: free the cache, the static inputs and outputs and
+        the graphs (the next call allocates them again, and captures a width's ladder again
+        in one pass), unless the device has room to keep them. Room: what stays free once
+        they are kept is at least what they hold, as much again for the train engine's
+        step (`keeps_cache`). Kept, the graphs replay at once after the reload, unless the
+        weights came back at other addresses (`_check_weights`)."""
+        if self.cache is not None and self.keeps_cache():
+            return
         self.cache = self.ids = self.positions = self.out = self.columns = None
         self._forget_graphs()
+
+    def held_bytes(self) -> int:
+        """Bytes of the cache and the logits buffer (the graphs' pool not counted)."""
+        if self.cache is None:
+            return 0
+        return self.cache.slots * (self.cache.columns * self.per_column + self.vocab * 4)
+
+    def keeps_cache(self) -> bool:
+        """Whether an offload keeps the cache and the graphs: a CUDA device whose free
+        memory is at least what they hold."""
+        if self.device.type != "cuda":
+            return False
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free >= self.held_bytes()
 
     def _forget_graphs(self) -> None:
         self.captured, self.pool, self.weights_at = {}, None, None
@@ -281,71 +347,147 @@ class StaticRunner(ModelRunner):
 
     def _run(self, b: int, width: int) -> None:
         """The decode step over rows 0..b-1 from the static inputs into `out[:b]`: a graph
-        replay, captured the first time this shape comes up."""
+        replay, the width's ladder captured the first time this shape comes up; under the
+        model's device (a capture on a thread whose current device is another one would
+        record nothing, and a replay would launch on the wrong device's stream)."""
         if not self.graphs:
             self._step(b, width)
             return
-        graph = self.captured.get((b, width))
-        if graph is None:
-            graph = self._capture(b, width)
+        with torch.cuda.device(self.device):
+            graph = self.captured.get((b, width))
             if graph is None:
-                self._step(b, width)
-                return
-        graph.replay()
+                graph = self._capture_ladder(b, width)
+                if graph is None:
+                    self._step(b, width)
+                    return
+            graph.replay()
 
     def _check_weights(self) -> None:
-        """Graphs read the parameters where they were: after a move (an offload and a
-        reload), capture again."""
+        """Graphs read the parameters and buffers (RoPE's frequencies) where they were:
+        after a move (an offload and a reload), capture again."""
         if self.graphs:
-            weights = tuple(p.data_ptr() for p in self.module.parameters())
+            tensors = [*self.module.parameters(), *self.module.buffers()]
+            weights = tuple(t.data_ptr() for t in tensors)
             if weights != self.weights_at:
                 self._forget_graphs()
                 self.weights_at = weights
 
     def _step(self, b: int, width: int) -> None:
         """Rows 0..b-1 feed ids[:b] at positions[:b], attending to `width` columns ->
-        out[:b], the float32 logits after each."""
+        out[:b], the float32 logits after each: the compiled step when there is one."""
         ids, positions = self.ids[:b], self.positions[:b]  # (b, 1) each
         self.cache.select(0, b, positions, width)
         mask = (self.columns[:width] <= positions)[:, None, None, :]  # (b, 1, 1, width)
         with packing(self.module, DecodeCall()):
-            out = self.module(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                **cache_argument(self.module, self.cache),
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        self.out[:b].copy_(out.logits[:, -1])
+            if self.compiled is not None:
+                try:
+                    self.out[:b].copy_(self.compiled(ids, mask, positions))
+                    return
+                except Exception as error:  # noqa: BLE001 - inductor's errors are of any kind
+                    self._turn_off("compile", error)
+            self.out[:b].copy_(self._forward(ids, mask, positions))
 
-    def _capture(self, b: int, width: int):
-        """A CUDA graph of `_step(b, width)`, or None (warned, graphs off) if it cannot be."""
-        real_ids, real_positions = self.ids[:b].clone(), self.positions[:b].clone()
-        self.positions[:b] = self.scratch  # the warm-up writes nothing a row owns
-        try:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # kernels chosen, workspaces allocated, outside the graph
-                    self._step(b, width)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            self.pool = self.pool or torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self._step(b, width)
-        except RuntimeError as error:
+    def _forward(self, ids, mask, positions):
+        """The model's decode call: ids and positions (b, 1), mask (b, 1, 1, w) -> the
+        logits of each row's token (b, v), in the model's dtype. The cache's slot
+        bookkeeping and the attention run uncompiled (`torch.compiler.disable` on
+        SlotLayer.update and DecodeCall.attend), so a compiled step holds no Python int
+        of the call's shape: one compile serves every row count and width."""
+        out = self.module(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            **cache_argument(self.module, self.cache),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1]
+
+    def _turn_off(self, what: str, error: BaseException) -> None:
+        """Graphs or the compiled step off for the rest of the process, warned and kept in
+        `warnings` (a benchmark records them)."""
+        if what == "compile":
+            self.compiled = None
+        else:
             self.graphs = False
-            warnings.warn(
-                f"capturing the rollout's decode step as a CUDA graph failed ({error}); it "
-                "runs eagerly from now on",
-                stacklevel=2,
-            )
-            graph = None
-        self.ids[:b], self.positions[:b] = real_ids, real_positions
-        if graph is not None:
-            self.captured[(b, width)] = graph
+        message = (
+            f"the rollout's decode step: {'compiling' if what == 'compile' else 'capturing'} "
+            f"it failed ({type(error).__name__}: {str(error)[:500]}); it runs "
+            f"{'uncompiled' if what == 'compile' else 'eagerly'} from now on"
+        )
+        self.warnings.append(message)
+        warnings.warn(message, stacklevel=3)
+
+    def _capture_ladder(self, b: int, width: int):
+        """Graphs of `_step` at `width` for b and every smaller size of the ladder not yet
+        captured, largest first (the smaller reuse the pool's memory), with garbage
+        collection and cache emptying held off (`capturing`) -> b's graph, or None (warned,
+        graphs off) if it cannot be. Rows finishing at different times walk down the
+        ladder: their shapes are then already captured, outside the timed decode."""
+        start = time.perf_counter()
+        sizes = sorted({s for s in LADDER if s < b} | {b}, reverse=True)
+        real_ids, real_positions = self.ids[:b].clone(), self.positions[:b].clone()
+        self.positions[:b] = self.scratch  # the warm-ups write nothing a row owns
+        try:
+            with capturing():
+                for size in sizes:
+                    if (size, width) not in self.captured:
+                        self.captured[(size, width)] = self._capture(size, width)
+        except RuntimeError as error:
+            self._turn_off("graphs", error)
+        finally:
+            self.ids[:b], self.positions[:b] = real_ids, real_positions
+            self.capture_s += time.perf_counter() - start
+        return self.captured.get((b, width)) if self.graphs else None
+
+    def _capture(self, b: int, width: int) -> torch.cuda.CUDAGraph:
+        """A CUDA graph of `_step(b, width)` (raises RuntimeError if it cannot be)."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # kernels chosen, workspaces allocated, outside the graph
+                self._step(b, width)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self._step(b, width)
         return graph
+
+
+@contextlib.contextmanager
+def capturing():
+    """`gc.collect` and `torch.cuda.empty_cache` as no-ops while a ladder of graphs is
+    captured (vLLM does the same): torch.cuda.graph runs both before every capture, ~0.1-0.4 s
+    each in a process holding transformers and datasets, and emptying the cache hands a
+    colocated train engine's cached blocks back to the driver. One collection first."""
+    gc.collect()
+    saved = gc.collect, torch.cuda.empty_cache, getattr(torch._C, "_host_emptyCache", None)
+    gc.collect, torch.cuda.empty_cache = (lambda generation=2: 0), (lambda: None)
+    if saved[2] is not None:
+        torch._C._host_emptyCache = lambda: None
+    try:
+        yield
+    finally:
+        gc.collect, torch.cuda.empty_cache = saved[:2]
+        if saved[2] is not None:
+            torch._C._host_emptyCache = saved[2]
+
+
+def compiled_step(forward):
+    """`forward` (StaticRunner._forward) compiled by inductor, shapes dynamic: RMSNorm with
+    its residual, rotary and SiLU-mul fused into a few kernels per layer (the eager step
+    launches ~41 a layer); the CUDA graph then captures the compiled kernels. Compiled once
+    at its first call (a graph's warm-up), again only for a new shape kind (1 row)."""
+    compiled = torch.compile(forward, dynamic=True)
+
+    def step(*args):
+        # every layer runs the same code: its index (an int on the module) stays symbolic,
+        # so the 24 layers of a Qwen2-0.5B are one compile, not 24 (dynamo's limit is 8)
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            return compiled(*args)
+
+    return step
 
 
 def make_runner(module, device, pad: int, options) -> ModelRunner:
@@ -359,6 +501,13 @@ def make_runner(module, device, pad: int, options) -> ModelRunner:
         return ModelRunner(module, device, pad)
     budget = device_budget(device, options.memory_fraction)
     graphs = kind == "cuda_graph"
+    compile = options.compile == "on" or (options.compile == "auto" and graphs)
     return StaticRunner(
-        module, device, pad, budget=budget, graphs=graphs, max_slots=options.max_slots
+        module,
+        device,
+        pad,
+        budget=budget,
+        graphs=graphs,
+        max_slots=options.max_slots,
+        compile=compile,
     )

@@ -173,6 +173,16 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def checkpoint_layers(layers: nn.ModuleList) -> None:
     """Activation checkpointing per layer: each layer keeps only its inputs in the forward and
     recomputes the rest in the backward (torch's non-reentrant checkpoint). Done by replacing
-    each layer's `forward`, so parameter names (and checkpoints) do not change."""
+    each layer's `forward`, so parameter names (and checkpoints) do not change. Only with
+    gradients on: a rollout of the same module under no_grad calls the layer as it is
+    (torch's checkpoint reads the RNG states even then, which a CUDA graph capture refuses)."""
     for layer in layers:
-        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+        layer.forward = functools.partial(checkpointed, layer.forward)
+
+
+def checkpointed(forward, *args, **kwargs):
+    """`forward(*args, **kwargs)`, under torch's non-reentrant checkpoint when gradients are
+    on."""
+    if torch.is_grad_enabled():
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return forward(*args, **kwargs)
