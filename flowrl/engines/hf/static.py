@@ -148,7 +148,7 @@ class DecodeCall:
         if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
             raise FlowrlError(
                 f"{type(module).__name__} asks the attention for softcapping or sinks, which "
-                'the static runner\'s decode step does not compute: set rollout_options.runner '
+                "the static runner's decode step does not compute: set rollout_options.runner "
                 '= "eager"'
             )
         b, h, _, d = query.shape
