@@ -332,6 +332,7 @@ def train(shapes) -> dict:
 
     def step():  # a policy-gradient step's shape: token-mean of log-probs, advantage 1
         for micro in engine.micro_batches(data):
+            micro = micro.to(device)  # the loss next to the log-probs, as the update loop does
             out = engine.forward(micro, grad=True)
             engine.backward(-(out["logprobs"] * micro["response_mask"]).sum() / data_tokens)
         engine.step()

@@ -118,6 +118,18 @@ class StaticSlotCache(SlotCache):
             have = f"{self.slots} x {self.columns}"
             raise CacheFull(f"{slots} x {columns} past the static cache's {have}")
 
+    def move(self, src: list[int], dst: list[int], columns: int) -> None:
+        """`SlotCache.move` in one gather and one scatter per buffer for all the rows (the
+        sources read out before any is written), where the slot cache's slice copies make
+        two per row and layer: 48 per leaving row for Qwen2-0.5B."""
+        if not src or columns <= 0:
+            return
+        layer = self.layers[0]
+        s, d = (torch.tensor(x, device=layer.key_buffer.device) for x in (src, dst))
+        for layer in self.layers:
+            for buffer in (layer.key_buffer, layer.value_buffer):
+                buffer[d, :, :columns] = buffer[s, :, :columns]
+
 
 # attention settings the folded decode attention (DecodeCall) cannot honour: config keys
 UNSUPPORTED_ATTENTION = ("attn_logit_softcapping",)
