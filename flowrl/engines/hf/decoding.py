@@ -38,6 +38,17 @@ class Row:
     stopped: str = ""  # "abort" once released or cancelled while running
 
 
+@attrs.frozen
+class Read:
+    """A block read back already: `read()` gives its tokens and log-probs."""
+
+    tokens: list
+    logprobs: list
+
+    def read(self) -> tuple[list, list]:
+        return self.tokens, self.logprobs
+
+
 class Decoding:
     """`step` and what it needs, for a class with the batch's slots, rows, runner and
     seating (slots.py `Batch`)."""
@@ -114,14 +125,16 @@ class Decoding:
         n = min(len(tokens), limit)
         try:
             n = tokens.index(self.eos, 0, n) + 1
-            row.stopped = "stop"
+            stopped = "stop"
         except ValueError:
-            row.stopped = "length" if n == limit else ""
+            stopped = "length" if n == limit else ""
         taken = list(tokens[:n])
         row.out += taken
         row.logprobs += list(logprobs[:n]) if row.request.logprobs else [0.0] * n
-        row.tokens += taken[:-1] if row.stopped else taken  # fed in the block
-        return bool(row.stopped)
+        row.tokens += taken[:-1] if stopped else taken  # fed in the block
+        if stopped:
+            row.stopped = stopped
+        return bool(stopped)
 
     def _blocks(self) -> bool:
         """Whether the next steps can run as a device block (runner.py `Block`): the runner
@@ -138,7 +151,10 @@ class Decoding:
 
     def _decode_block(self) -> None:
         """Up to BLOCK_STEPS decode steps on the device, read back once: each row takes its
-        tokens up to its stop; the rows that finished leave their slots."""
+        tokens up to its stop; the rows that finished leave their slots. Where a row can go
+        on past the block, the next block is queued behind it before it is read (its
+        finished rows tracked on the device, fed nowhere), so the device decodes while the
+        host takes the first block's tokens; then both are taken and the rows leave."""
         rows = self.slots[: self.decoding]
         left = [r.request.max_new_tokens - len(r.out) for r in rows]
         block = Block(
@@ -151,14 +167,35 @@ class Decoding:
             steps=min(BLOCK_STEPS, max(left)),
             eos=self.eos,
         )
-        tokens, logprobs, logits = self.runner.decode_block(self.logits, block)
-        self.counts["decode_calls"] += block.calls
-        leaving = []
-        # per row (d lists of steps): a row's tokens taken as slices, not one by one
-        columns, chances = list(zip(*tokens, strict=True)), list(zip(*logprobs, strict=True))
-        for k, row in enumerate(rows):
-            if row.stopped or self._take_block(row, columns[k], chances[k]):
-                leaving.append(row)  # a row released while the block ran takes nothing
+        launch = getattr(self.runner, "launch_block", None)
+        if launch is None:  # a runner that reads each block back at once
+            tokens, logprobs, logits = self.runner.decode_block(self.logits, block)
+            launched = [(block, Read(tokens, logprobs))]
+        else:
+            first = launch(self.logits, block)
+            launched = [(block, first)]
+            if max(left) > block.steps:  # a row goes on: the next block, queued behind
+                after = attrs.evolve(
+                    block,
+                    counters=[c + block.steps for c in block.counters],
+                    offsets=[o + block.steps for o in block.offsets],
+                    left=[n - block.steps for n in left],
+                    steps=min(BLOCK_STEPS, max(left) - block.steps),
+                )
+                launched.append((after, launch(first.logits, after, done=first.done)))
+            logits = launched[-1][1].logits
+        leaving, gone = [], set()
+        for b, handle in launched:  # the first block is taken while the device runs the next
+            tokens, logprobs = handle.read()
+            self.counts["decode_calls"] += b.calls
+            # per row (d lists of steps): a row's tokens taken as slices, not one by one
+            columns, chances = list(zip(*tokens, strict=True)), list(zip(*logprobs, strict=True))
+            for k, row in enumerate(rows):
+                if id(row) in gone:
+                    continue
+                if row.stopped or self._take_block(row, columns[k], chances[k]):
+                    leaving.append(row)  # a row released while the block ran takes nothing
+                    gone.add(id(row))
         index = {id(row): k for k, row in enumerate(rows)}
         self.logits = None  # the rows' order changes as they leave
         self._leave(leaving)

@@ -170,6 +170,29 @@ class DecodeCall:
         return out.reshape(b, h, 1, d).transpose(1, 2), None  # (b, 1, h, d)
 
 
+class Launched:
+    """A block queued on the device (`StaticRunner.launch_block`): its (2, steps, d) tokens
+    and log-probs on their way to the host (page-locked memory on CUDA, an event behind the
+    copy), the rows finished after it (d,) and its last logits (d, v), on the device."""
+
+    def __init__(self, result: torch.Tensor, done: torch.Tensor, logits: torch.Tensor):
+        self.done, self.logits, self.event = done, logits, None
+        if result.device.type == "cuda":
+            self.host = torch.empty(result.shape, pin_memory=True)
+            self.host.copy_(result, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = result
+
+    def read(self) -> tuple[list, list]:
+        """Wait for the block -> (tokens, logprobs), lists (steps, d): the block's one read
+        back."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host[0].long().tolist(), self.host[1].tolist()
+
+
 class StaticRunner(ModelRunner):
     """The runner.py calls over a `StaticSlotCache` of at most `budget` bytes on `device`
     (`max_slots` slots at most); `graphs`: replay decode steps as CUDA graphs (CUDA only);
@@ -314,6 +337,14 @@ class StaticRunner(ModelRunner):
         sampling every row's next token on the device and feeding it, nothing read back until
         the end. -> (tokens, logprobs): lists (steps, d) on the host, and the logits (d, v)
         after the last fed tokens (a view: read before the next call)."""
+        launched = self.launch_block(logits, block)
+        return (*launched.read(), launched.logits)
+
+    def launch_block(self, logits: torch.Tensor, block: Block, done=None) -> Launched:
+        """`decode_block`'s steps queued on the device, their tokens and log-probs copied to
+        the host behind them, nothing waited for: `Launched.read` waits. `done` (d,) bool on
+        the device: rows already finished (a block launched before the previous one is
+        read, `Decoding._decode_block`), fed nowhere but the scratch column."""
         d, steps, s = len(block.keys), block.steps, block.sampling
         b = bucket(d, self.cache.slots)
         device = self.device
@@ -325,7 +356,7 @@ class StaticRunner(ModelRunner):
         uniforms = None if s.greedy else stream_uniforms(keys, counters + step)  # (steps, d)
         tokens = torch.zeros(steps, d, dtype=torch.long, device=device)
         chosen = torch.zeros(steps, d, device=device)
-        done = torch.zeros(d, dtype=torch.bool, device=device)
+        done = torch.zeros(d, dtype=torch.bool, device=device) if done is None else done
         width = self._width(max(block.offsets) + steps)
         self._check_weights()
         self._pad_rows(d, b)
@@ -344,8 +375,7 @@ class StaticRunner(ModelRunner):
             self.positions[:d, 0] = torch.where(done, self.scratch, at + j)
             self._run(b, width)
             logits = self.out[:d]
-        host = torch.stack([tokens.float(), chosen]).cpu()  # the block's one read back
-        return host[0].long().tolist(), host[1].tolist(), logits
+        return Launched(torch.stack([tokens.float(), chosen]), done, logits)
 
     def _pad_rows(self, d: int, b: int) -> None:
         """Rows d..b-1 of a call padded to b feed id 0 at the scratch column."""

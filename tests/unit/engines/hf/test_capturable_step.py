@@ -299,3 +299,27 @@ def test_activation_checkpointing_runs_only_with_gradients(monkeypatch):
     torch.testing.assert_close(logits, expected)
     logits.sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+# -- overlap ---------------------------------------------------------------------------------------
+def test_the_next_block_is_queued_before_the_first_is_read(monkeypatch):
+    events = []
+    launch, read = StaticRunner.launch_block, static.Launched.read
+
+    def launching(self, *args, **kwargs):
+        events.append("launch")
+        return launch(self, *args, **kwargs)
+
+    def reading(self):
+        events.append("read")
+        return read(self)
+
+    monkeypatch.setattr(StaticRunner, "launch_block", launching)
+    monkeypatch.setattr(static.Launched, "read", reading)
+    model = tiny_model(seed=3).eval()
+    _, eager = decode(model, HFOptions(runner="eager"), do_sample=False)
+    _, overlapped = decode(model, do_sample=False)
+    # 20 new tokens: one from the prefill, then 16 and 3 steps, the 3 queued behind the 16
+    assert events == ["launch", "launch", "read", "read"]
+    assert torch.equal(eager["responses"], overlapped["responses"])
+    torch.testing.assert_close(eager["logprobs"], overlapped["logprobs"], atol=1e-5, rtol=0)
