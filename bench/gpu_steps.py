@@ -138,7 +138,7 @@ def decode(shapes, engine: str) -> dict:
         record["warnings"] = record.get("warnings", []) + [str(w.message)[:300] for w in caught]
         out[f"{rows}x{new}"] = record
         report(out)
-        if engine == "runner" and (rows, new) == shapes.decode_pairs[-1]:
+        if engine == "runner" and (rows, new) == shapes.decode_pairs[0]:
             seconds, tokens = timed(lambda run=run, new=new: run(new, sample=True), device)
             out[f"{rows}x{new} sampled"] = {"s": seconds, "tokens_per_s": tokens / seconds}
             report(out)

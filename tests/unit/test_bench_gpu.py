@@ -60,7 +60,7 @@ def test_the_plan_checks_first_and_runs_the_anchor_after_the_small_grpo_pair():
     assert names.index("decode_static") > max(
         names.index(f"grpo_small_{side}") for side in ("flowrl", "flowrl_noskip", "trl")
     )
-    assert gpu.GPU.static_shapes == ((256, 512),) and gpu.GPU.decode_pairs[-1] == (256, 512)
+    assert gpu.GPU.static_shapes == ((256, 512),) and gpu.GPU.decode_pairs[0] == (256, 512)
     # every key of the summary comes before the steps a short budget may drop
     assert names[-2:] == ["decode_eager", "colocation"]
     assert gpu.GPU.large.micro_rows == 32  # TRL: 8 accumulation steps of 32 rows
