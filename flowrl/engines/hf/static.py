@@ -181,7 +181,7 @@ class Launched:
             self.host = torch.empty(result.shape, pin_memory=True)
             self.host.copy_(result, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(result.device))  # behind the copy
         else:
             self.host = result
 
