@@ -140,7 +140,7 @@ SMOKE = Shapes(
 # the pre-flight read (docs/performance.md): about 330 s spent in all.
 STEPS = (
     ("prepare", 45),
-    ("smoke", 60),
+    ("smoke", 90),  # two tiny compiles on a GPU
     ("decode_runner", 90),  # the step's compile (~30-60 s?) happens here
     ("decode_generate", 45),
     ("grpo_small_flowrl", 35),
