@@ -144,10 +144,9 @@ def train_throughput(model, tokenizer, batch, responses, args) -> None:
     engine = TrainEngine(model, tokenizer, lr=1e-6, device=args.device)
 
     def step():
-        out = engine.forward(rows, grad=True)
-        engine.backward(
-            (out["logprobs"] * rows["response_mask"]).sum() / rows["response_mask"].sum()
-        )
+        out = engine.forward(rows, grad=True)  # on the engine's device
+        mask = rows["response_mask"].to(out["logprobs"].device)
+        engine.backward((out["logprobs"] * mask).sum() / mask.sum())
         engine.step()
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()

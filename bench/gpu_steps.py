@@ -7,6 +7,9 @@ weights in every process (seeded). Each engine's tokens/s counts the tokens it p
 and including an eos, which random weights rarely sample). The CUDA runner is timed on its
 second run of a shape (its first captures the graphs), the eager engines after a short warm-up,
 and transformers' static cache after a first, compiling run of the same shape.
+
+A step prints a `RESULT` line with what it has measured so far after every shape (decode) or
+timed step (flowrl's GRPO): bench/gpu.py keeps the last one of a step that runs out of time.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,6 +33,11 @@ from grpo_vs_trl import flowrl_overrides, run_trl  # noqa: E402
 
 # bf16 dense matmul peak (TFLOP/s) by the card's name, for MFU (the vendors' data sheets)
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0}
+
+
+def report(out: dict) -> None:
+    """What the step has measured so far, for bench/gpu.py (the last line counts)."""
+    print("RESULT " + json.dumps(out), flush=True)
 
 
 def sync(device: str) -> None:
@@ -120,12 +129,77 @@ def decode(shapes, engine: str) -> dict:
         ids = torch.randint(3, 49152, (rows, shapes.prompt_len), generator=g).to(device)
         run = _decoder(engine, model, ids, device, shapes)
         warm = new if engine in ("runner", "static") else 8  # graphs, compile: the same shape
-        run(warm)
-        seconds, tokens = timed(lambda run=run, new=new: run(new), device)
-        out[f"{rows}x{new}"] = {"s": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
-        if engine == "runner" and (rows, new) == shapes.decode_pairs[-1]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warm_s = timed(lambda run=run, warm=warm: run(warm), device)[0]
+            seconds, tokens = timed(lambda run=run, new=new: run(new), device)
+        record = {"s": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+        record |= {"warm_s": warm_s, **getattr(run, "facts", dict)()}
+        record["warnings"] = record.get("warnings", []) + [str(w.message)[:300] for w in caught]
+        out[f"{rows}x{new}"] = record
+        report(out)
+        if engine == "runner" and (rows, new) == shapes.decode_pairs[0]:
             seconds, tokens = timed(lambda run=run, new=new: run(new, sample=True), device)
             out[f"{rows}x{new} sampled"] = {"s": seconds, "tokens_per_s": tokens / seconds}
+            report(out)
+    return out
+
+
+def runner_facts(rollout) -> dict:
+    """Whether flowrl's runner replayed graphs, compiled its step, which shapes it captured,
+    its warnings, and its decode calls: a fallback to eager is seen, not guessed."""
+    runner = rollout.runner
+    return {
+        "runner": type(runner).__name__,
+        "graphs": bool(getattr(runner, "graphs", False)),
+        "compiled": getattr(runner, "compiled", None) is not None,
+        "captured": sorted(f"{b}x{w}" for b, w in getattr(runner, "captured", {})),
+        "capture_s": getattr(runner, "capture_s", 0.0),
+        "regrows": getattr(runner, "regrows", 0),
+        "warnings": list(getattr(runner, "warnings", [])),
+        "decode_calls": rollout.scheduler.batch.counts["decode_calls"],
+    }
+
+
+def smoke(shapes) -> dict:
+    """The correctness check before anything is timed (~1 min): tiny Llama and Qwen2 in fp32,
+    greedy, flowrl's runner under test (graphs and the compiled step on a GPU) against the
+    eager runner: the same tokens, graphs captured, no warning."""
+    from flowrl.backends import HFOptions
+    from flowrl.engines import HFRollout
+    from flowrl.engines.batch import generate_batch
+    from flowrl.testing import tiny_model, tiny_qwen2, tiny_tokenizer
+
+    device, out = shapes.device, {}
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 100, (11, 9), generator=g)
+    mask = torch.ones_like(prompts)
+    for family, model in (("llama", tiny_model(seed=3)), ("qwen2", tiny_qwen2(layers=3))):
+        model = model.to(device).eval()
+        start = time.time()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results = {}
+            for runner in ("eager", shapes.runner):
+                options = HFOptions(runner=runner, memory_fraction=0.05, dtype="float32")
+                rollout = HFRollout(model, tiny_tokenizer(), device, options=options)
+                results[runner] = generate_batch(
+                    rollout, prompts, mask, max_new_tokens=40, do_sample=False, logprobs=True
+                )
+        a, b = results["eager"], results[shapes.runner]
+        out[family] = {
+            "same_tokens": bool(torch.equal(a["responses"], b["responses"])),
+            "max_logprob_diff": float((a["logprobs"] - b["logprobs"]).abs().max()),
+            "s": time.time() - start,
+            **runner_facts(rollout),
+        }
+        out[family]["warnings"] += [str(w.message)[:300] for w in caught]
+        report(out)
+    out["passed"] = all(
+        r["same_tokens"] and r["max_logprob_diff"] < 1e-3 and not r["warnings"]
+        and (r["graphs"] and r["captured"] if shapes.runner == "cuda_graph" else True)
+        for r in out.values()
+    )  # fmt: skip
     return out
 
 
@@ -147,6 +221,7 @@ def _decoder(engine: str, model, ids, device: str, shapes):
             out = generate_batch(rollout, ids, mask, max_new_tokens=new, do_sample=sample)
             return int(out["response_mask"].sum())
 
+        run.facts = lambda: runner_facts(rollout)
         return run
 
     def run(new, sample=False):
@@ -191,8 +266,9 @@ def flowrl_grpo(shapes, work, offload: str = "never", noskip: bool = False) -> d
             out["new_tokens"].append(metrics["response_length/mean"] * work.prompts * work.samples)
             if work.device == "cuda":
                 out["peak_gb"] = max(out["peak_gb"], torch.cuda.max_memory_allocated() / 2**30)
+            out["median_step_s"] = statistics.median(out["step_s"])
+            report(out)
         trainer.close()
-    out["median_step_s"] = statistics.median(out["step_s"])
     return out
 
 
@@ -225,8 +301,9 @@ def learning(shapes) -> dict:
 # -- training throughput ------------------------------------------------------------------------
 def train(shapes) -> dict:
     """Forward + backward + AdamW over the large shape's rows (prompts x samples, every
-    response `new_tokens` long, as random weights sample): tokens/s and MFU (6 x parameters x
-    tokens / seconds / the card's bf16 dense peak)."""
+    response `new_tokens` long, as random weights sample): tokens/s and MFU against the
+    card's bf16 dense peak, two ways (`train_flops`): "mfu" from the FLOPs the step does,
+    "mfu_naive" as 6 x parameters x every prompt and response token."""
     from flowrl.data.arithmetic import arithmetic_rows
     from flowrl.engines import TrainEngine
     from flowrl.models import load_model
@@ -255,6 +332,7 @@ def train(shapes) -> dict:
 
     def step():  # a policy-gradient step's shape: token-mean of log-probs, advantage 1
         for micro in engine.micro_batches(data):
+            micro = micro.to(device)  # the loss next to the log-probs, as the update loop does
             out = engine.forward(micro, grad=True)
             engine.backward(-(out["logprobs"] * micro["response_mask"]).sum() / data_tokens)
         engine.step()
@@ -264,17 +342,48 @@ def train(shapes) -> dict:
     step()  # warm-up
     seconds = statistics.median(timed(step, device)[0] for _ in range(shapes.train_repeats))
     tokens = int(data["prompt_mask"].sum() + data["response_mask"].sum())
-    params = sum(p.numel() for p in model.parameters())
     name = torch.cuda.get_device_name() if device == "cuda" else ""
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-    flops = 6 * params * tokens / seconds
+    flops = train_flops(engine, model, data)
+    out = {"s": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "peak_tflops": peak}
+    for key, done in (("", flops["done"]), ("_naive", flops["naive"])):
+        out[f"tflops{key}"] = done / seconds / 1e12
+        out[f"mfu{key}"] = done / seconds / (peak * 1e12) if peak else None
+    out |= {k: v for k, v in flops.items() if k not in ("done", "naive")}
+    out["micro_tokens"] = shapes.micro_tokens
+    out["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    return out
+
+
+def train_flops(engine, model, data) -> dict:
+    """A training step's FLOPs (forward + backward = 6 per parameter and token), two ways:
+
+    - done: the decoder's matmuls (parameters but the input embedding, a lookup) at every
+      token the step computes, each distinct prompt of a micro-batch once where the engine
+      shares it among its samples (`_share_prompts`), plus the LM head (vocab x hidden) at
+      response positions only, where log-probs are taken;
+    - naive: 6 x all parameters x every prompt and response token (the usual shortcut,
+      which counts the shared prompts n times and the head at prompt positions).
+    Neither counts attention's own FLOPs (score and value products, ~2-5% at 300 tokens)."""
+    params = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    tied = head.data_ptr() == embedding.data_ptr()
+    body = params - embedding.numel() - (0 if tied else head.numel())
+    prompt_done = 0
+    for micro in engine.micro_batches(data):
+        prompts, mask = micro["prompts"], micro["prompt_mask"]
+        if engine._share_prompts(prompts, mask, grad=True):
+            distinct = torch.unique(torch.cat([prompts, mask], dim=1), dim=0)
+            prompt_done += int(distinct[:, prompts.shape[1] :].sum())
+        else:
+            prompt_done += int(mask.sum())
+    response = int(data["response_mask"].sum())
+    tokens = int(data["prompt_mask"].sum()) + response
     return {
-        "s": seconds,
-        "tokens": tokens,
-        "tokens_per_s": tokens / seconds,
-        "tflops": flops / 1e12,
-        "peak_tflops": peak,
-        "mfu": flops / (peak * 1e12) if peak else None,
-        "micro_tokens": shapes.micro_tokens,
-        "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "done": 6 * (body * (prompt_done + response) + head.numel() * response),
+        "naive": 6 * params * tokens,
+        "prompt_tokens_done": prompt_done,
+        "params_body": body,
+        "params_head": head.numel(),
     }

@@ -44,6 +44,10 @@ class Work:
     lr: float = 2e-5
     device: str = "cpu"
     threads: int = 2  # torch threads on CPU
+    # TRL's rows per forward/backward (per_device_train_batch_size; 0: all of a step's rows at
+    # once), the rest gradient accumulation: one generation of every row and one optimizer step
+    # either way, as flowrl micro-batches (256 rows of 300 tokens at once run out of memory)
+    micro_rows: int = 0
 
 
 # this script's work; bench/gpu.py runs GPU shapes through the same two sides
@@ -167,12 +171,17 @@ def run_trl(steps: int, out_dir: str, work: Work = CPU) -> dict:
                 self.lengths.append(logs["completions/mean_length"])
                 self.zero_std.append(logs["frac_reward_zero_std"])
 
+    rows_per_step = work.prompts * work.samples
+    micro = work.micro_rows or rows_per_step
+    if rows_per_step % micro:
+        raise ValueError(f"Work.micro_rows = {micro} does not divide {rows_per_step} rows")
+    accumulation = rows_per_step // micro
     config = GRPOConfig(
         output_dir=out_dir,
-        per_device_train_batch_size=work.prompts * work.samples,
+        per_device_train_batch_size=micro,
         num_generations=work.samples,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation,
         num_iterations=1,
         max_completion_length=work.new_tokens,
         temperature=1.0,

@@ -36,6 +36,7 @@ class NoOptions:
 
 RUNNERS = ("auto", "eager", "static", "cuda_graph")
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+COMPILE = ("auto", "on", "off")
 
 
 @attrs.frozen
@@ -57,6 +58,9 @@ class HFOptions:
     # what a static runner computes and caches in: "auto" = bfloat16 on CUDA, else the model's;
     # another dtype than the model's is a copy of its weights, refreshed in place at each sync
     dtype: str = checked("auto", one_of(ROLLOUT_DTYPES))  # auto: bfloat16 on CUDA, else the model's
+    # the static runner's decode step compiled by torch.compile (inductor) before it is
+    # captured: RMSNorm, rotary and SiLU-mul fused; "auto" = on for cuda_graph, off elsewhere
+    compile: str = checked("auto", one_of(COMPILE))  # auto: on for cuda_graph, else off
 
 
 @attrs.frozen

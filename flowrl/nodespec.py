@@ -116,6 +116,9 @@ class NodeSpec:
             holds (e.g. {"ref_logprobs": lambda p: p.kl_loss_coef > 0}).
         optional_writes: key -> params -> bool: further keys, written only when the
             predicate holds (e.g. generate's rollout_logprobs).
+        reads_if_written: further keys read when a node before it in the graph writes them,
+            for what the node reports only then (the policy update's rollout_logprobs: how
+            far the rollout's log-probs are from the trainer's); never required.
         refill: for a filter node, the `Refill` naming its params: the controller re-runs the
             nodes before it on fresh prompt batches until it has kept enough groups.
         check: (params, CheckContext) -> list of Finding: the node's own checks of its params
@@ -155,6 +158,7 @@ class NodeSpec:
     stateful: bool = False
     optional_reads: dict[str, Callable[[Any], bool]] = attrs.field(factory=dict)
     optional_writes: dict[str, Callable[[Any], bool]] = attrs.field(factory=dict)
+    reads_if_written: tuple[str, ...] = ()
     refill: "hooks.Refill | None" = None
     check: Callable[[Any, hooks.CheckContext], list[hooks.Finding]] | None = None
     updates_per_step: Callable[[Any, int], int] | None = None

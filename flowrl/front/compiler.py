@@ -274,6 +274,15 @@ class _Builder:
                 self._call(node, decl, preds)
         return self.items
 
+    def _written_before(self, node: str, decl) -> tuple[str, ...]:
+        """The node's `reads_if_written` keys that a node before it writes."""
+        wanted = [decl.rename.get(k, k) for k in decl.spec.reads_if_written]
+        if not wanted:
+            return ()
+        before = nx.ancestors(self.graph.dag, node)
+        written = {k for n in before if n in self.spec.nodes for k in self.spec.nodes[n].writes}
+        return tuple(k for k in wanted if k in written and k not in decl.reads)
+
     def _call(self, node: str, decl, preds: list[int]) -> None:
         pool, model, mode = self._pool(node), decl.model, decl.mode
         self._move(pool, "reload", {(model, p) for p in self._needs(node)} - self.resident[pool])
@@ -285,7 +294,7 @@ class _Builder:
             preds,
             pool=pool,
             node=node,
-            keys=decl.reads,
+            keys=decl.reads + self._written_before(node, decl),
             how=how,
             ranks=workers,
         )

@@ -203,6 +203,7 @@ def _check_cycles(dag: nx.DiGraph, errors: Collector) -> None:
 
 def _warnings(spec: GraphSpec, writers: dict[str, str]) -> list[str]:
     read = {k for d in spec.nodes.values() for k in d.reads} | set(CONTROLLER_READS)
+    read |= {d.rename.get(k, k) for d in spec.nodes.values() for k in d.spec.reads_if_written}
     out = [*spec.renamed]
     out += [
         _unread(spec.nodes[node], key)

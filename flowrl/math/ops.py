@@ -22,6 +22,14 @@ def ratio_from_log(log_ratio):
     return torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
 
 
+def metric_value(x):
+    """A metric of a micro-batch: a float from a CPU tensor; from a device tensor, a detached
+    float64 tensor, so that summing the micro-batches' metrics waits for nothing (the update
+    loop reads them once per mini-batch)."""
+    x = x.detach()
+    return float(x) if x.device.type == "cpu" else x.double()
+
+
 def masked_sum(x, mask, dim=None):
     mask = mask.to(x.dtype)
     return (x * mask).sum() if dim is None else (x * mask).sum(dim)

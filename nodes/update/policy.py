@@ -8,6 +8,10 @@ reads: prompts, prompt_mask, responses, response_mask, response_attention, advan
        old_logprobs (+ ref_logprobs when kl_loss_coef > 0, rollout_logprobs when tis_cap > 0;
        old_logprobs not read when on_policy) -> writes: -
 The forward attends to response_attention; the loss counts only response_mask (sampled tokens).
+When the rollout's log-probs reach it (generate's return_logprobs), it reports how far they
+are from the trainer's before the update (old_logprobs, or this forward's when on_policy), over
+response tokens: rollout_logprob_diff_mean and _max (verl's rollout_probs_diff_* compares
+probabilities; a bf16 rollout of an fp32 policy shows here in every step).
 """
 
 from __future__ import annotations
@@ -112,15 +116,19 @@ class PolicyUpdateWorker:
         p = self.params
         if self.loss is None:
             self._resolve(batch.meta.get("base_dir", "."))
+        compared = ("rollout_logprob_diff_mean",) if "rollout_logprobs" in batch else ()
+        self.diff_max = None  # a device scalar while the update runs: nothing read back
         metrics = self.engine.update(
             batch,
             self.micro_loss,
             epochs=p.epochs,
             mini_batch_size=p.mini_batch_size,
-            metrics=("pg_loss", "kl_loss", "entropy") + tuple(self.loss.rates),
+            metrics=("pg_loss", "kl_loss", "entropy") + tuple(self.loss.rates) + compared,
             select=lambda mini: contributing_rows(mini["advantages"], p, self.loss),
-            rates=("entropy",) + tuple(self.loss.rates),
+            rates=("entropy",) + tuple(self.loss.rates) + compared,
         )
+        if compared:  # this rank's largest, over the rows that ran
+            metrics["rollout_logprob_diff_max"] = float(self.diff_max or 0.0)
         if self.loss.after_update is not None:
             rates = {key: metrics[key] for key in self.loss.rates}
             self.state = components.next_state(self.loss, p.loss, self.state, rates, self.options)
@@ -155,7 +163,9 @@ class PolicyUpdateWorker:
     def micro_loss(self, micro, counts) -> tuple:
         """The loss of one micro-batch and its metrics (see `TrainEngine.update`)."""
         p = self.params
-        out = self.engine.forward(micro, grad=True, entropy=True, temperature=p.temperature)
+        # entropy: a loss term only with entropy_coef, else a metric computed without gradients
+        entropy = True if p.entropy_coef > 0 else "metric"
+        out = self.engine.forward(micro, grad=True, entropy=entropy, temperature=p.temperature)
         logprobs, mask = out["logprobs"], micro["response_mask"]
         old = logprobs.detach() if p.on_policy else micro["old_logprobs"]
         weights = None
@@ -175,9 +185,18 @@ class PolicyUpdateWorker:
         inputs = (logprobs.detach(), old, micro["advantages"])
         components.check_finite(self.loss, p.loss, loss.detach(), rates, inputs, mask)
         share = counts.share(mask)
-        metrics = {"pg_loss": float(loss.detach())}
+        metrics = {"pg_loss": ops.metric_value(loss)}
         metrics |= {key: rates[key] * share for key in self.loss.rates}
-        metrics["entropy"] = float(ops.masked_mean(out["entropy"].detach(), mask)) * share
+        metrics["entropy"] = (
+            ops.metric_value(ops.masked_mean(out["entropy"].detach(), mask)) * share
+        )
+        if "rollout_logprobs" in micro:
+            diff = (old.detach() - micro["rollout_logprobs"]).abs() * mask  # (b, t)
+            metrics["rollout_logprob_diff_mean"] = (
+                ops.metric_value(ops.masked_mean(diff, mask)) * share
+            )
+            most = diff.amax()
+            self.diff_max = most if self.diff_max is None else torch.maximum(self.diff_max, most)
         if p.entropy_coef > 0:
             loss = loss - p.entropy_coef * chunk.aggregate(out["entropy"], mask, p.agg)
         if p.kl_loss_coef > 0:
@@ -276,6 +295,7 @@ SPEC = NodeSpec(
         "ref_logprobs": lambda p: p.kl_loss_coef > 0,
         "rollout_logprobs": lambda p: p.tis_cap > 0,
     },
+    reads_if_written=("rollout_logprobs",),  # rollout_logprob_diff_* then
     check=check,
     updates_per_step=MINI_BATCHES.updates,
     correction=TruncatedIS(cap="tis_cap"),

@@ -66,6 +66,17 @@ class BatchParts(Protocol):
     def _swap(self, a: int, b: int) -> None: ...
 
 
+@attrs.frozen
+class Read:
+    """A block read back already: `read()` gives its tokens and log-probs."""
+
+    tokens: list
+    logprobs: list
+
+    def read(self) -> tuple[list, list]:
+        return self.tokens, self.logprobs
+
+
 class Decoding:
     """`step` and what it needs, for a class that is a `BatchParts` (slots.py `Batch`)."""
 
@@ -119,7 +130,12 @@ class Decoding:
         return bool(row.stopped)
 
     def _leave(self, leaving: list[Row]) -> None:
-        """The finished rows leave the decoding slots (last first) and get their results."""
+        """The finished rows leave the decoding slots (last first) and get their results.
+        When none is kept, the rows that move into the freed slots move in one copy
+        (`_vacate_all`)."""
+        if leaving and not any(self._keeps(r) for r in leaving):
+            self._vacate_all(leaving)
+            return
         for row in sorted(leaving, key=lambda r: -r.slot):
             last = self.decoding - 1
             if self._keeps(row):  # its cache goes on living past the decoding slots
@@ -128,6 +144,24 @@ class Decoding:
                 self._vacate(row.slot, last)
             self.decoding -= 1
             self._finish(row)
+
+    def _take_block(self, row: Row, tokens, logprobs) -> bool:
+        """`_take` of a block's tokens for `row` up to its stop (its eos, or its last token):
+        the taken ones are appended, all but a stopping one fed -> whether it stopped."""
+        limit = row.request.max_new_tokens - len(row.out)
+        n = min(len(tokens), limit)
+        try:
+            n = tokens.index(self.eos, 0, n) + 1
+            stopped = "stop"
+        except ValueError:
+            stopped = "length" if n == limit else ""
+        taken = list(tokens[:n])
+        row.out += taken
+        row.logprobs += list(logprobs[:n]) if row.request.logprobs else [0.0] * n
+        row.tokens += taken[:-1] if stopped else taken  # fed in the block
+        if stopped:
+            row.stopped = stopped
+        return bool(stopped)
 
     def _blocks(self) -> bool:
         """Whether the next steps can run as a device block (runner.py `Block`): the runner
@@ -144,7 +178,10 @@ class Decoding:
 
     def _decode_block(self) -> None:
         """Up to BLOCK_STEPS decode steps on the device, read back once: each row takes its
-        tokens up to its stop; the rows that finished leave their slots."""
+        tokens up to its stop; the rows that finished leave their slots. Where a row can go
+        on past the block, the next block is queued behind it before it is read (its
+        finished rows tracked on the device, fed nowhere), so the device decodes while the
+        host takes the first block's tokens; then both are taken and the rows leave."""
         rows = self.slots[: self.decoding]
         left = [r.request.max_new_tokens - len(r.out) for r in rows]
         block = Block(
@@ -157,18 +194,35 @@ class Decoding:
             steps=min(BLOCK_STEPS, max(left)),
             eos=self.eos,
         )
-        tokens, logprobs, logits = self.runner.decode_block(self.logits, block)
-        self.counts["decode_calls"] += block.calls
-        leaving = []
-        for k, row in enumerate(rows):
-            if row.stopped:  # released while the block ran: nothing of it is taken
-                leaving.append(row)
-                continue
-            for j in range(block.steps):
-                if self._take(row, tokens[j][k], logprobs[j][k]):
-                    leaving.append(row)
-                    break
-                row.tokens.append(tokens[j][k])  # fed in the block
+        launch = getattr(self.runner, "launch_block", None)
+        if launch is None:  # a runner that reads each block back at once
+            tokens, logprobs, logits = self.runner.decode_block(self.logits, block)
+            launched = [(block, Read(tokens, logprobs))]
+        else:
+            first = launch(self.logits, block)
+            launched = [(block, first)]
+            if max(left) > block.steps:  # a row goes on: the next block, queued behind
+                after = attrs.evolve(
+                    block,
+                    counters=[c + block.steps for c in block.counters],
+                    offsets=[o + block.steps for o in block.offsets],
+                    left=[n - block.steps for n in left],
+                    steps=min(BLOCK_STEPS, max(left) - block.steps),
+                )
+                launched.append((after, launch(first.logits, after, done=first.done)))
+            logits = launched[-1][1].logits
+        leaving, gone = [], set()
+        for b, handle in launched:  # the first block is taken while the device runs the next
+            tokens, logprobs = handle.read()
+            self.counts["decode_calls"] += b.calls
+            # per row (d lists of steps): a row's tokens taken as slices, not one by one
+            columns, chances = list(zip(*tokens, strict=True)), list(zip(*logprobs, strict=True))
+            for k, row in enumerate(rows):
+                if id(row) in gone:
+                    continue
+                if row.stopped or self._take_block(row, columns[k], chances[k]):
+                    leaving.append(row)  # a row released while the block ran takes nothing
+                    gone.add(id(row))
         index = {id(row): k for k, row in enumerate(rows)}
         self.logits = None  # the rows' order changes as they leave
         self._leave(leaving)
@@ -178,6 +232,26 @@ class Decoding:
     def _keeps(self, row: Row) -> bool:
         request = row.request
         return bool(request.keep and request.request_id and row.stopped != "abort")
+
+    def _vacate_all(self, leaving: list[Row]) -> None:
+        """`_vacate` for every leaving row (last first), the slots' bookkeeping first and
+        the cached columns after, in one `runner.move` of every moved row from the slot it
+        had to the slot it ends in (a row may move twice: only its ends count). Sources are
+        past the decoding rows left, destinations before: no slot is both."""
+        start: dict[int, tuple[Row, int]] = {}  # id(row) -> (row, its slot before)
+        for row in sorted(leaving, key=lambda r: -r.slot):
+            last = self.decoding - 1
+            moved = self.slots[last]
+            if row.slot != last:
+                start.setdefault(id(moved), (moved, moved.slot))
+                self.slots[row.slot], moved.slot = moved, row.slot
+            self.slots[last] = None
+            self.decoding -= 1
+            self._finish(row)
+        moves = [(slot, row.slot, len(row.tokens)) for row, slot in start.values()]
+        if moves:
+            src, dst, columns = zip(*moves, strict=True)
+            self.runner.move(list(src), list(dst), max(columns))
 
     def _vacate(self, slot: int, last: int) -> None:
         """Free `slot` (its row is done) by moving the row at `last` into it: one row's

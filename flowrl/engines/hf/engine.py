@@ -80,7 +80,7 @@ class HFRollout(RolloutBase):
         dtype = rollout_dtype(self.options.dtype, self.device, module)
         self.view = None
         if dtype != next(module.parameters()).dtype:
-            self.view = copy.deepcopy(module).to(dtype).requires_grad_(False).eval()
+            self.view = rollout_view(module, dtype)
         self.host = HostCopies()  # where an offloaded view waits (CUDA: page-locked)
         called = module if self.view is None else self.view
         self.runner = make_runner(called, self.device, self.eos, self.options)
@@ -141,6 +141,19 @@ class HFRollout(RolloutBase):
         for i, p in enumerate(self.view.parameters()):
             p.data = self.host.move(("view", i), p.data, device)
         self.host.wait()
+
+
+def rollout_view(module, dtype: torch.dtype):
+    """A copy of `module` in `dtype`, for inference, but for RoPE's frequency buffers
+    (`*inv_freq`), kept in float32 as the model computes its rotary angles in float32:
+    rounded to bf16 they would be off by up to 0.4%."""
+    view = copy.deepcopy(module).to(dtype).requires_grad_(False).eval()
+    for name, buffer in module.named_buffers():
+        if name.endswith("inv_freq") and buffer.is_floating_point():
+            owner, _, leaf = name.rpartition(".")
+            target = view.get_submodule(owner) if owner else view
+            target._buffers[leaf] = buffer.detach().to(torch.float32, copy=True)
+    return view
 
 
 def rollout_dtype(name: str, device: torch.device, module) -> torch.dtype:

@@ -99,6 +99,12 @@ class SlotCache(Cache):
         self.packed = None  # (slots, columns) of each token of a packed call (select_packed)
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
 
+    @torch.compiler.disable  # a compiled decode step (static.py) runs it as it is: its
+    # slots, widths and layer index are Python ints a compiled graph would be specialised on
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """The layer's `SlotLayer.update`."""
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
     def select(self, lo: int, hi: int, cols: torch.Tensor, width: int | None = None) -> None:
         """The next call covers slots lo..hi-1, row k writing at columns cols[k] (a, w) and
         attending to the first `width` columns (default: one past the last written, read

@@ -10,8 +10,9 @@ token back to the host. Here:
   and as many slots as fit (at most `max_slots`); requests that do not fit wait (slots.py
   `fits`); a turn longer than the columns regrows it (rare: counted in `regrows`);
 - a decode call pads its rows to the next size of `LADDER` and attends to a multiple of
-  `WIDTH_STEP` columns; its inputs sit in static buffers, so a call is one CUDA graph replay,
-  captured the first time each (rows, columns) shape comes up. Padding rows and finished rows
+  `WIDTH_STEP` columns; its inputs sit in static buffers, so a call is one CUDA graph replay
+  (graphs.py: a width's ladder captured in one pass when the width first comes up, the step
+  compiled by inductor first with `compile`). Padding rows and finished rows
   write their keys and values to the scratch column, never to a row's own columns, and their
   logits are not read;
 - attention in a decode step folds the query heads that share a KV head into the query
@@ -19,24 +20,25 @@ token back to the host. Here:
   the keys per query head (transformers' sdpa path repeats them when a mask is given);
 - `decode_block` samples and feeds `Block.steps` tokens with nothing read back in between:
   uniforms from counter-based streams (sampling.py `stream_uniforms`), finished rows tracked
-  on the device, one copy to the host at the end.
+  on the device, one copy to the host at the end (`launch_block`: queued, read later, so
+  the next block can be queued before this one is read).
 
 Prefill stays an eager call (its shapes vary), packed without padding when the model routes
 its attention (packed.py, rows of one length attending as one group). With `graphs=False`
 every call runs eagerly, on any device: how the CPU tests run everything here but the capture.
 A capture that fails (an operation the graph cannot hold) warns once and the runner goes on
-eagerly. Graphs are dropped when the cache is reallocated or the module's parameters move
-(an offload), and captured again as they come up.
+eagerly. Graphs are dropped when the cache is reallocated or the module's parameters or
+buffers move (an offload), and captured again as they come up; an offload of the kv_cache
+part keeps cache and graphs where the device has room.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import attrs
 import torch
 import torch.nn.functional as F
 
+from flowrl.engines.hf.graphs import LADDER, GraphCapture, Launched, compiled_step
 from flowrl.engines.hf.kv_cache import SlotCache
 from flowrl.engines.hf.packed import can_pack, packing
 from flowrl.engines.hf.runner import Block, ModelRunner
@@ -44,8 +46,6 @@ from flowrl.engines.hf.sampling import sample_tokens, stream_uniforms
 from flowrl.errors import FlowrlError
 from flowrl.models.calls import cache_argument
 
-# decode calls pad their rows to the next of these (vLLM captures 1, 2, 4 and multiples of 8)
-LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 WIDTH_STEP = 128  # a decode call attends to a multiple of this many columns
 COLUMN_STEP = 256  # the cache's columns: what the first turns need, rounded up to this
 LOGIT_BYTES = 12  # per slot and vocabulary entry kept out of the cache's budget: fp32 logits
@@ -115,15 +115,51 @@ class StaticSlotCache(SlotCache):
             have = f"{self.slots} x {self.columns}"
             raise CacheFull(f"{slots} x {columns} past the static cache's {have}")
 
+    def move(self, src: list[int], dst: list[int], columns: int) -> None:
+        """`SlotCache.move` in one gather and one scatter per buffer for all the rows (the
+        sources read out before any is written), where the slot cache's slice copies make
+        two per row and layer: 48 per leaving row for Qwen2-0.5B."""
+        if not src or columns <= 0:
+            return
+        layer = self.layers[0]
+        s, d = (torch.tensor(x, device=layer.key_buffer.device) for x in (src, dst))
+        for layer in self.layers:
+            for buffer in (layer.key_buffer, layer.value_buffer):
+                buffer[d, :, :columns] = buffer[s, :, :columns]
+
+
+# attention settings the folded decode attention (DecodeCall) cannot honour: config keys
+UNSUPPORTED_ATTENTION = ("attn_logit_softcapping",)
+
+
+def unsupported_attention(module) -> str:
+    """What of `module`'s attention the CUDA runner's decode step cannot compute, or "": logit
+    softcapping (Gemma 2) or attention sinks (gpt-oss: a `sinks` parameter per layer)."""
+    config = module.config
+    for key in UNSUPPORTED_ATTENTION:
+        if getattr(config, key, None):
+            return f"{key} = {getattr(config, key)}"
+    if any(name.endswith(".sinks") or name == "sinks" for name, _ in module.named_parameters()):
+        return "attention sinks (a `sinks` parameter)"
+    return ""
+
 
 @attrs.define
 class DecodeCall:
     """The attention of a decode step (one query per row) over the slot cache as it is."""
 
+    @torch.compiler.disable  # a compiled step runs it as it is (the mask's width varies)
     def attend(self, module, query, key, value, scaling, mask=None, **kwargs):
         """query (b, h, 1, d), key and value (b, kv, w, d), mask (b, 1, 1, w) -> (b, 1, h, d).
         Query head j * g + i reads KV head j (transformers' repeat_kv), so the g query heads
-        of a KV head become g queries of one head: (b, kv, g, d) against (b, kv, w, d)."""
+        of a KV head become g queries of one head: (b, kv, g, d) against (b, kv, w, d).
+        Softcapping and sinks are refused: this attention would silently leave them out."""
+        if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+            raise FlowrlError(
+                f"{type(module).__name__} asks the attention for softcapping or sinks, which "
+                "the static runner's decode step does not compute: set rollout_options.runner "
+                '= "eager"'
+            )
         b, h, _, d = query.shape
         kv = key.shape[1]
         q = query.reshape(b, kv, h // kv, d)  # (b, kv, g, d): one query position per row
@@ -131,13 +167,23 @@ class DecodeCall:
         return out.reshape(b, h, 1, d).transpose(1, 2), None  # (b, 1, h, d)
 
 
-class StaticRunner(ModelRunner):
+class StaticRunner(GraphCapture, ModelRunner):
     """The runner.py calls over a `StaticSlotCache` of at most `budget` bytes on `device`
-    (`max_slots` slots at most); `graphs`: replay decode steps as CUDA graphs (CUDA only)."""
+    (`max_slots` slots at most); `graphs`: replay decode steps as CUDA graphs (CUDA only);
+    `compile`: the decode step compiled by inductor (`compiled_step`), captured as compiled.
+
+    Attributes:
+        captured: {(rows, columns): graph} of the shapes captured so far.
+        regrows: times the cache was regrown for a longer turn.
+        warnings: why graphs or the compiled step were turned off, if they were.
+        capture_s: seconds spent in captures (with their warm-ups and compiles).
+    """
 
     device_sampling = True
 
-    def __init__(self, module, device, pad: int = 0, *, budget: int, graphs: bool, max_slots=512):
+    def __init__(
+        self, module, device, pad=0, *, budget: int, graphs: bool, max_slots=512, compile=False
+    ):
         super().__init__(module, device, pad)
         if not self.packs:
             raise FlowrlError(
@@ -150,7 +196,16 @@ class StaticRunner(ModelRunner):
                 f'rollout_options.runner = "cuda_graph" needs a CUDA device, not '
                 f'{self.device}: use "static" (the same calls, eager) or "eager"'
             )
+        unsupported = unsupported_attention(module)
+        if unsupported:
+            raise FlowrlError(
+                f"the static runner's decode attention cannot compute {type(module).__name__}'s "
+                f'{unsupported}: set rollout_options.runner = "eager"'
+            )
         self.budget, self.graphs, self.max_slots = budget, graphs, max_slots
+        self.compiled = compiled_step(self._forward) if compile else None
+        self.warnings: list[str] = []  # why graphs or the compiled step were turned off
+        self.capture_s = 0.0  # seconds spent capturing graphs (and compiling), in all
         self.dtype = next(module.parameters()).dtype
         self.per_column = column_bytes(module, self.dtype)
         self.vocab = module.get_output_embeddings().weight.shape[0]
@@ -202,13 +257,30 @@ class StaticRunner(ModelRunner):
         """Forget every row; the buffers stay allocated (and the graphs valid) for the next."""
 
     def free(self) -> None:
-        """Free the cache, the static inputs and outputs and the graphs (an offload of the
-        kv_cache part); the next call allocates them again."""
+        """An offload of the kv_cache part: free the cache, the static inputs and outputs and
+        the graphs (the next call allocates them again, and captures a width's ladder again
+        in one pass), unless the device has room to keep them. Room: what stays free once
+        they are kept is at least what they hold, as much again for the train engine's
+        step (`keeps_cache`). Kept, the graphs replay at once after the reload, unless the
+        weights came back at other addresses (`_check_weights`)."""
+        if self.cache is not None and self.keeps_cache():
+            return
         self.cache = self.ids = self.positions = self.out = self.columns = None
         self._forget_graphs()
 
-    def _forget_graphs(self) -> None:
-        self.captured, self.pool, self.weights_at = {}, None, None
+    def held_bytes(self) -> int:
+        """Bytes of the cache and the logits buffer (the graphs' pool not counted)."""
+        if self.cache is None:
+            return 0
+        return self.cache.slots * (self.cache.columns * self.per_column + self.vocab * 4)
+
+    def keeps_cache(self) -> bool:
+        """Whether an offload keeps the cache and the graphs: a CUDA device whose free
+        memory is at least what they hold."""
+        if self.device.type != "cuda":
+            return False
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free >= self.held_bytes()
 
     # -- the calls -----------------------------------------------------------------------------
     def prefill(self, chunks: list[list[int]], offsets: list[int], lo: int) -> torch.Tensor:
@@ -236,6 +308,14 @@ class StaticRunner(ModelRunner):
         sampling every row's next token on the device and feeding it, nothing read back until
         the end. -> (tokens, logprobs): lists (steps, d) on the host, and the logits (d, v)
         after the last fed tokens (a view: read before the next call)."""
+        launched = self.launch_block(logits, block)
+        return (*launched.read(), launched.logits)
+
+    def launch_block(self, logits: torch.Tensor, block: Block, done=None) -> Launched:
+        """`decode_block`'s steps queued on the device, their tokens and log-probs copied to
+        the host behind them, nothing waited for: `Launched.read` waits. `done` (d,) bool on
+        the device: rows already finished (a block launched before the previous one is
+        read, `Decoding._decode_block`), fed nowhere but the scratch column."""
         d, steps, s = len(block.keys), block.steps, block.sampling
         b = bucket(d, self.cache.slots)
         device = self.device
@@ -247,7 +327,7 @@ class StaticRunner(ModelRunner):
         uniforms = None if s.greedy else stream_uniforms(keys, counters + step)  # (steps, d)
         tokens = torch.zeros(steps, d, dtype=torch.long, device=device)
         chosen = torch.zeros(steps, d, device=device)
-        done = torch.zeros(d, dtype=torch.bool, device=device)
+        done = torch.zeros(d, dtype=torch.bool, device=device) if done is None else done
         width = self._width(max(block.offsets) + steps)
         self._check_weights()
         self._pad_rows(d, b)
@@ -266,8 +346,7 @@ class StaticRunner(ModelRunner):
             self.positions[:d, 0] = torch.where(done, self.scratch, at + j)
             self._run(b, width)
             logits = self.out[:d]
-        host = torch.stack([tokens.float(), chosen]).cpu()  # the block's one read back
-        return host[0].long().tolist(), host[1].tolist(), logits
+        return Launched(torch.stack([tokens.float(), chosen]), done, logits)
 
     def _pad_rows(self, d: int, b: int) -> None:
         """Rows d..b-1 of a call padded to b feed id 0 at the scratch column."""
@@ -279,73 +358,36 @@ class StaticRunner(ModelRunner):
         """The columns a decode call attends to: `columns` rounded up to WIDTH_STEP."""
         return min(-(-columns // WIDTH_STEP) * WIDTH_STEP, self.cache.columns)
 
-    def _run(self, b: int, width: int) -> None:
-        """The decode step over rows 0..b-1 from the static inputs into `out[:b]`: a graph
-        replay, captured the first time this shape comes up."""
-        if not self.graphs:
-            self._step(b, width)
-            return
-        graph = self.captured.get((b, width))
-        if graph is None:
-            graph = self._capture(b, width)
-            if graph is None:
-                self._step(b, width)
-                return
-        graph.replay()
-
-    def _check_weights(self) -> None:
-        """Graphs read the parameters where they were: after a move (an offload and a
-        reload), capture again."""
-        if self.graphs:
-            weights = tuple(p.data_ptr() for p in self.module.parameters())
-            if weights != self.weights_at:
-                self._forget_graphs()
-                self.weights_at = weights
-
     def _step(self, b: int, width: int) -> None:
         """Rows 0..b-1 feed ids[:b] at positions[:b], attending to `width` columns ->
-        out[:b], the float32 logits after each."""
+        out[:b], the float32 logits after each: the compiled step when there is one."""
         ids, positions = self.ids[:b], self.positions[:b]  # (b, 1) each
         self.cache.select(0, b, positions, width)
         mask = (self.columns[:width] <= positions)[:, None, None, :]  # (b, 1, 1, width)
         with packing(self.module, DecodeCall()):
-            out = self.module(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                **cache_argument(self.module, self.cache),
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        self.out[:b].copy_(out.logits[:, -1])
+            if self.compiled is not None:
+                try:
+                    self.out[:b].copy_(self.compiled(ids, mask, positions))
+                    return
+                except Exception as error:  # noqa: BLE001 - inductor's errors are of any kind
+                    self._turn_off("compile", error)
+            self.out[:b].copy_(self._forward(ids, mask, positions))
 
-    def _capture(self, b: int, width: int):
-        """A CUDA graph of `_step(b, width)`, or None (warned, graphs off) if it cannot be."""
-        real_ids, real_positions = self.ids[:b].clone(), self.positions[:b].clone()
-        self.positions[:b] = self.scratch  # the warm-up writes nothing a row owns
-        try:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # kernels chosen, workspaces allocated, outside the graph
-                    self._step(b, width)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            self.pool = self.pool or torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self._step(b, width)
-        except RuntimeError as error:
-            self.graphs = False
-            warnings.warn(
-                f"capturing the rollout's decode step as a CUDA graph failed ({error}); it "
-                "runs eagerly from now on",
-                stacklevel=2,
-            )
-            graph = None
-        self.ids[:b], self.positions[:b] = real_ids, real_positions
-        if graph is not None:
-            self.captured[(b, width)] = graph
-        return graph
+    def _forward(self, ids, mask, positions):
+        """The model's decode call: ids and positions (b, 1), mask (b, 1, 1, w) -> the
+        logits of each row's token (b, v), in the model's dtype. The cache's slot
+        bookkeeping and the attention run uncompiled (`torch.compiler.disable` on
+        SlotLayer.update and DecodeCall.attend), so a compiled step holds no Python int
+        of the call's shape: one compile serves every row count and width."""
+        out = self.module(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            **cache_argument(self.module, self.cache),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1]
 
 
 def make_runner(module, device, pad: int, options) -> ModelRunner:
@@ -359,6 +401,13 @@ def make_runner(module, device, pad: int, options) -> ModelRunner:
         return ModelRunner(module, device, pad)
     budget = device_budget(device, options.memory_fraction)
     graphs = kind == "cuda_graph"
+    compile = options.compile == "on" or (options.compile == "auto" and graphs)
     return StaticRunner(
-        module, device, pad, budget=budget, graphs=graphs, max_slots=options.max_slots
+        module,
+        device,
+        pad,
+        budget=budget,
+        graphs=graphs,
+        max_slots=options.max_slots,
+        compile=compile,
     )

@@ -207,7 +207,10 @@ class TrainEngine(UpdateLoop):
         responses, response_attention (b, t) right-padded (every real token, tool output too;
         see `ops.response_attention`): {"logprobs" (b, t)[, "entropy" (b, t)]} for an LM,
         {"values" (b, t)} for a value model; zero where response_attention is 0 (callers mask
-        losses with response_mask). Logits are divided by `temperature`."""
+        losses with response_mask). Logits are divided by `temperature`. `entropy`: True, or
+        "metric" (the same values, without gradients). With `grad` the outputs stay on the
+        engine's device, for a loss computed there (the update loop moves each micro-batch
+        there); without, they come back to the host."""
         b, t = rows["responses"].shape
         if b == 0:
             empty = torch.zeros(0, t)
@@ -218,7 +221,7 @@ class TrainEngine(UpdateLoop):
         if not grad:
             self.sharding.after_inference(self.forward_module)
         # outside inference mode, so callers may use the results in a graph
-        return {k: _pad_right(v * keep, t) for k, v in out.items()}
+        return {k: _pad_right(v * keep, t, host=not grad) for k, v in out.items()}
 
     def _forward(self, rows, entropy: bool, temperature: float, grad: bool):
         prompts, prompt_mask = _trim(rows["prompts"], rows["prompt_mask"], left=True)
@@ -387,8 +390,8 @@ def _placed(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _pad_right(x: torch.Tensor, t: int) -> torch.Tensor:
-    x = x.cpu()
+def _pad_right(x: torch.Tensor, t: int, host: bool = True) -> torch.Tensor:
+    x = x.cpu() if host else x
     return torch.nn.functional.pad(x, (0, t - x.shape[1])) if x.shape[1] < t else x
 
 

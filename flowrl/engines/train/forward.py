@@ -19,6 +19,7 @@ exist at a time; below it (every CPU default: SmolLM2's 49,152 entries x 4096 to
 it) the pass is the plain one, unchanged.
 """
 
+import contextlib
 import functools
 
 import torch
@@ -128,16 +129,19 @@ class ResponseForward(nn.Module):
         return torch.cat([prompt_hidden[group, -1:], response_hidden[:, :-1]], dim=1)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, entropy: bool = False) -> dict:
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, entropy: bool | str = False):
     """logits (b, t, v), tokens (b, t) -> {"logprobs" (b, t)[, "entropy" (b, t)]}.
 
     log p(x) = z_x - logsumexp(z): one gather, no (b, t, v) log-softmax kept.
-    Entropy H = logsumexp(z) - sum_x softmax(z)_x z_x.
+    Entropy H = logsumexp(z) - sum_x softmax(z)_x z_x; with entropy = "metric" computed
+    without gradients (no autograd graph over the vocabulary, and a checkpointed chunk's
+    backward stops recomputing before it), the same values.
     """
     normaliser = logits.logsumexp(-1)  # (b, t)
     out = {"logprobs": logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - normaliser}
     if entropy:
-        out["entropy"] = normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        with torch.no_grad() if entropy == "metric" else contextlib.nullcontext():
+            out["entropy"] = normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return out
 
 
@@ -173,6 +177,16 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def checkpoint_layers(layers: nn.ModuleList) -> None:
     """Activation checkpointing per layer: each layer keeps only its inputs in the forward and
     recomputes the rest in the backward (torch's non-reentrant checkpoint). Done by replacing
-    each layer's `forward`, so parameter names (and checkpoints) do not change."""
+    each layer's `forward`, so parameter names (and checkpoints) do not change. Only with
+    gradients on: a rollout of the same module under no_grad calls the layer as it is
+    (torch's checkpoint reads the RNG states even then, which a CUDA graph capture refuses)."""
     for layer in layers:
-        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+        layer.forward = functools.partial(checkpointed, layer.forward)
+
+
+def checkpointed(forward, *args, **kwargs):
+    """`forward(*args, **kwargs)`, under torch's non-reentrant checkpoint when gradients are
+    on."""
+    if torch.is_grad_enabled():
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return forward(*args, **kwargs)

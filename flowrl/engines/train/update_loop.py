@@ -25,10 +25,12 @@ class Counts:
     num_seqs: float
     computed_tokens: float
 
-    def share(self, mask) -> float:
+    def share(self, mask):
         """A micro-batch's share of the computed tokens, by its mask (b, t): weights a
-        per-token mean so that the micro-batches' weighted means add up to the mini-batch's."""
-        return float(mask.sum()) / self.computed_tokens
+        per-token mean so that the micro-batches' weighted means add up to the mini-batch's.
+        A float for a mask on the CPU; on a GPU a float64 tensor, not read back (the update
+        loop reads a mini-batch's metrics once, at its end)."""
+        return ops.metric_value(mask.sum()) / self.computed_tokens
 
 
 class UpdateLoop:
@@ -96,14 +98,18 @@ class UpdateLoop:
             computed = self.all_reduce_sum(float(active["response_mask"].sum()))
         counts = Counts(num_tokens, num_seqs, max(computed, 1))
         totals = dict.fromkeys(metrics, 0.0)
+        device = getattr(self, "device", None)
         for micro in self.micro_batches(active):
             if len(micro) == 0:  # a rank may get no rows; it still steps below
                 continue
+            if device is not None and not str(device).startswith("cpu"):
+                micro = micro.to(device)  # the loss on the device, next to the log-probs
             loss, values = micro_loss(micro, counts)
             for key, value in values.items():
                 totals[key] += value
             self.backward(loss)
-        totals = {k: self.all_reduce_sum(v) for k, v in totals.items()}  # same keys on all ranks
+        # same keys on all ranks; a device metric is read back here, once per mini-batch
+        totals = {k: self.all_reduce_sum(float(v)) for k, v in totals.items()}
         if select is not None:
             ran = self.all_reduce_sum(len(active))
             totals["computed_rows"] = ran / num_seqs

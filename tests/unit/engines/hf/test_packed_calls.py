@@ -13,6 +13,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama import modeling_llama
 
+from flowrl.backends import HFOptions
 from flowrl.engines import HFRollout
 from flowrl.engines.hf.packed import PackedCall, can_pack, packing
 from flowrl.engines.rollout import Request, Sampling
@@ -175,8 +176,11 @@ def rollout(model, packs: bool, device="cpu"):
     """A ends its first turn and goes to its tool; B decodes alone meanwhile. A's tool
     answers during B's model call 4, which waits until A's next request has reached the
     engine: A's new ids then ride in B's next decode call. Returns (A's two results, B's,
-    the input shape of every model call)."""
-    engine = HFRollout(model, tiny_tokenizer(), device)
+    the input shape of every model call). On CUDA too the eager runner in the model's dtype:
+    the module the hook sees is the one the engine calls, one forward per call."""
+    options = HFOptions(runner="eager", dtype="float32")
+    engine = HFRollout(model, tiny_tokenizer(), device, options=options)
+    assert engine.view is None
     engine.runner.packs = packs
     shapes, state, hook = gated(engine, model, call=4)
     greedy = Sampling(do_sample=False)
@@ -281,7 +285,9 @@ def test_new_prompts_arriving_while_another_decodes_ride_in_its_decode_call(mode
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_packed_calls_compute_the_whole_conversations_and_the_cpus_rollout(model):
     gpu = copy.deepcopy(model).cuda()
-    engine = HFRollout(gpu, tiny_tokenizer(), "cuda")
+    # the CUDA runner's packed call, in fp32 as the whole-conversation forwards it is held to
+    engine = HFRollout(gpu, tiny_tokenizer(), "cuda", options=HFOptions(dtype="float32"))
+    assert engine.view is None and type(engine.runner).__name__ == "StaticRunner"
     engine.runner.reserve(3, 32)
     prompts, chunks = [[5, 6], [7, 8, 9, 10], [11, 12, 13]], [[30], [40, 41, 42], [43]]
     with torch.inference_mode():
@@ -292,7 +298,7 @@ def test_cuda_packed_calls_compute_the_whole_conversations_and_the_cpus_rollout(
             for p, c in zip(prompts, chunks, strict=True)
         ]
     assert logits.device.type == "cuda"
-    torch.testing.assert_close(logits, torch.stack(whole))
+    torch.testing.assert_close(logits, torch.stack(whole), atol=1e-4, rtol=1e-4)
     # a request back from its tools joins the decoding call on the GPU too, same tokens
     (first, second, b), shapes, counts = rollout(gpu, packs=True, device="cuda")
     (first_, second_, b_), shapes_, _ = rollout(model, packs=True)
