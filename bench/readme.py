@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,39 +153,36 @@ def machine_line(m: dict) -> str:
     return text
 
 
-class LoadSampler:
-    """The 1-minute load average every `every` seconds while a run goes on (the machine may be
-    shared: step times are only comparable at a like load)."""
+@contextmanager
+def load_sampled(every: float = 30.0):
+    """Yields a list that gets the 1-minute load average every `every` seconds while the block
+    runs (the machine may be shared: step times are only comparable at a like load)."""
+    samples, stop = [], threading.Event()
 
-    def __init__(self, every: float = 30.0):
-        self.every, self.samples = every, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
+    def sample():
+        samples.append(os.getloadavg()[0])
+        while not stop.wait(every):
+            samples.append(os.getloadavg()[0])
 
-    def _sample(self):
-        while True:
-            self.samples.append(os.getloadavg()[0])
-            if self._stop.wait(self.every):
-                return
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        thread.join()
 
-    def __enter__(self):
-        self._thread.start()
-        return self
 
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def summary(self) -> dict:
-        s = self.samples or [os.getloadavg()[0]]
-        return {"min": min(s), "median": statistics.median(s), "max": max(s), "samples": len(s)}
+def load_summary(samples: list[float]) -> dict:
+    s = samples or [os.getloadavg()[0]]
+    return {"min": min(s), "median": statistics.median(s), "max": max(s), "samples": len(s)}
 
 
 def run_one(graph: str, seed: int) -> dict:
     """`flowrl run graphs/<graph>.toml run.seed=<seed>` in a fresh process, into a temporary
     run directory."""
     measured_at = commit()  # the code the run starts with
-    with tempfile.TemporaryDirectory() as out, LoadSampler() as load:
+    with tempfile.TemporaryDirectory() as out, load_sampled() as load:
         command = [sys.executable, "-m", "flowrl.cli", "run", f"graphs/{graph}.toml"]
         start = time.time()
         subprocess.run([*command, f"run.seed={seed}", f'run.out_dir="{out}"'], check=True, cwd=ROOT)
@@ -206,7 +204,7 @@ def run_one(graph: str, seed: int) -> dict:
         "wall_s": wall,
         "commit": measured_at,
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "load_1min": load.summary(),
+        "load_1min": load_summary(load),
     }
 
 
@@ -230,6 +228,11 @@ def seed_range(runs: dict) -> list[tuple[int, float, float]]:
         )
         for s in sorted(steps)
     ]
+
+
+def arrow(val: dict) -> str:
+    """Validation scores in step order: 0.266 -> 0.625 -> 0.578."""
+    return " -> ".join(f"{v:.3f}" for _, v in _steps(val))
 
 
 def _span(low: float, high: float) -> str:
@@ -266,7 +269,7 @@ def table(results: dict) -> str:
             continue
         runs = {int(k): r for k, r in entry["runs"].items()}
         first = runs[min(runs)]
-        seed0 = " -> ".join(f"{v:.3f}" for _, v in _steps(first["val"]))
+        seed0 = arrow(first["val"])
         if min(runs) != 0:
             seed0 = f"(seed {min(runs)}) {seed0}"
         spread = " -> ".join(_span(lo, hi) for _, lo, hi in seed_range(runs))
@@ -311,10 +314,9 @@ def elsewhere_lines(results: dict) -> list[str]:
     """The same command on another CPU model, as measured there (results["elsewhere"])."""
     out = []
     for e in results.get("elsewhere", []):
-        vals = " -> ".join(f"{v:.3f}" for _, v in _steps(e["val"]))
         out.append(
             f"On {e['cpu']}, `{e['command']}` (seed {e['seed']}) at {e['commit']} gave "
-            f"{vals} ({e['note']})."
+            f"{arrow(e['val'])} ({e['note']})."
         )
     return [""] + out if out else []
 
@@ -329,47 +331,74 @@ def compare_text(results: dict, graph: str, mine: dict | None, here: dict) -> st
     runs = {int(k): r for k, r in entry["runs"].items()}
     ref = runs.get(0, runs[min(runs)])
     seed = ref["seed"]
-    fmt = lambda val: " -> ".join(f"{v:.3f}" for _, v in _steps(val))  # noqa: E731
     lines = [
         f"README's graphs/{graph}.toml row: {ref['commit']}, {ref['date'][:10]}, on "
         f"{machine_line(ref['machine'])}",
-        f"  seed {seed}: {fmt(ref['val'])}; seeds {', '.join(map(str, sorted(runs)))} range: "
+        f"  seed {seed}: {arrow(ref['val'])}; seeds {', '.join(map(str, sorted(runs)))} range: "
         + " -> ".join(_span(lo, hi) for _, lo, hi in seed_range(runs)),
     ]
     for e in results.get("elsewhere", []):
         if e["graph"] == graph:
-            lines.append(f"  seed {e['seed']} on {e['cpu']} ({e['commit']}): {fmt(e['val'])}")
-    same_cpu = (here.get("cpu"), here.get("torch_cpu_capability"), here.get("torch")) == (
-        ref["machine"].get("cpu"),
-        ref["machine"].get("torch_cpu_capability"),
-        ref["machine"].get("torch"),
-    )
+            lines.append(f"  seed {e['seed']} on {e['cpu']} ({e['commit']}): {arrow(e['val'])}")
     if mine is None:
         lines.append("this run: no validation scores found to compare")
         return "\n".join(lines)
-    lines.append(f"this run, on {machine_line(here)}: {fmt(mine)}")
-    base = _steps(ref["val"])[0]
-    first = dict(_steps(mine)).get(base[0])
-    if first is not None and abs(first - base[1]) > 1e-9:
-        lines.append(
-            f"  step {base[0]} differs from {base[1]:.3f}: the base model's greedy score is the "
-            "same on every CPU measured so far; this points to a broken install or a changed graph"
-        )
-    elif same_cpu and fmt(mine) == fmt(ref["val"]):
-        lines.append("  the same values as the README's seed 0 on this CPU model: as expected")
-    elif same_cpu:
-        lines.append(
-            "  same CPU model and torch as the README's row, other values: with the graph's "
-            "defaults this should not happen (the graph, an override or the code differs)"
-        )
+    lines.append(f"this run, on {machine_line(here)}: {arrow(mine)}")
+    return "\n".join(lines + verdict(results, graph, ref, runs, mine, here))
+
+
+def _same_machine(a: dict, b: dict) -> bool:
+    """Whether two machines pick the same kernels: CPU model, extensions, torch and its BLAS."""
+    keys = ("cpu", "vector", "torch_cpu_capability", "torch", "mkl", "onednn")
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+def verdict(results, graph, ref, runs, mine, here) -> list[str]:
+    """The lines that tell a different CPU from a broken install."""
+    steps = _steps(ref["val"])
+    base_step, base = steps[0]
+    got = dict(_steps(mine))
+    if base_step in got and abs(got[base_step] - base) > 1e-9:
+        return [
+            f"  step {base_step} is {got[base_step]:.3f}, not {base:.3f}: the base model's greedy "
+            "score, the same on every CPU measured so far; this points to a broken install, "
+            "another model or a changed graph"
+        ]
+    if _same_machine(here, ref["machine"]):
+        if arrow(mine) == arrow(ref["val"]):
+            return [
+                f"  the same values as the README's seed {ref['seed']} on this machine: as expected"
+            ]
+        return [
+            "  the same CPU model, extensions and torch as the README's row, other values: at the "
+            "graph's defaults this should not happen (the graph, an override or the code differs)"
+        ]
+    for e in results.get("elsewhere", []):
+        if e["graph"] == graph and e["seed"] == ref["seed"] and arrow(e["val"]) == arrow(mine):
+            return [
+                f"  the same values as seed {e['seed']} measured on {e['cpu']}: as expected there"
+            ]
+    out = [
+        "  another CPU model (or torch) than the README's row, so other values after the start: "
+        "float results differ between vector units and BLAS paths, sampled tokens differ from the "
+        "first differing float on, and RL amplifies it"
+    ]
+    last_step, last = _steps(mine)[-1]
+    if last_step > base_step and last > base:
+        out.append(f"  learning from the base model's {base:.3f}, as on every CPU measured")
     else:
-        lines.append(
-            "  another CPU model or torch than the README's row: later values differ (float "
-            "results differ between vector units and BLAS paths, sampled tokens diverge from the "
-            "first differing float and RL amplifies it); expect the same start and learning from "
-            "it, with values about as far apart as the seed range"
+        out.append(
+            f"  no higher than the base model's {base:.3f} at step {last_step}: not seen on any "
+            "CPU measured; look at the run's metrics.jsonl"
         )
-    return "\n".join(lines)
+    outside = [
+        f"step {s} ({got[s]:.3f})"
+        for s, lo, hi in seed_range(runs)
+        if s in got and not lo <= got[s] <= hi
+    ]
+    where = ", ".join(outside) if outside else "none"
+    out.append(f"  outside the README's seed range: {where}")
+    return out
 
 
 def newest_run(graph_file: str) -> Path | None:
