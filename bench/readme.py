@@ -7,6 +7,7 @@ the README's MEASURED markers with the machine, the commit and the date it was m
     python bench/readme.py --graphs ppo --seeds 0 --write   # one run again; the rest stays
     python bench/readme.py --resume --write           # only the runs not yet in the results
     python bench/readme.py --compare graphs/ppo.toml  # the newest runs/ppo-* against the table
+    python bench/readme.py --table --write            # the table again from the results
 
 Each run goes to bench/results/readme.json as soon as it ends (with --write), so an interrupted
 measurement keeps what finished and `--resume` goes on from there; each run records the machine
@@ -430,10 +431,14 @@ def main(argv=None) -> None:
     p.add_argument("--write", action="store_true", help=f"write README.md and {RESULTS.name}")
     p.add_argument("--resume", action="store_true", help="skip runs already in the results")
     p.add_argument("--compare", metavar="GRAPH_FILE", help="compare the newest run, run nothing")
+    p.add_argument("--table", action="store_true", help="the table from the results, run nothing")
     args = p.parse_args(argv)
     if args.compare:
         return compare(args.compare)
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    if args.table:
+        print(table(results))
+        return write_readme(table(results)) if args.write else None
     here = machine()
     print(machine_line(here), flush=True)
     graphs, seeds = args.graphs.split(","), [int(s) for s in args.seeds.split(",")]

@@ -286,3 +286,11 @@ def test_each_run_is_saved_as_it_ends_and_resume_goes_on_from_there(measuring):
     calls.clear()
     readme.main(["--graphs", "ppo", "--seeds", "0", "--write"])  # without --resume: again
     assert calls == [("ppo", 0)]
+
+
+def test_table_option_writes_the_saved_results_without_running(measuring):
+    doc, results_file, calls, _ = measuring
+    results_file.write_text(json.dumps(results()))
+    readme.main(["--table", "--write"])
+    assert calls == []
+    assert readme.table(results()) in doc.read_text()
