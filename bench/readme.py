@@ -405,7 +405,8 @@ def verdict(results, graph, ref, runs, mine, here) -> list[str]:
 def newest_run(graph_file: str) -> Path | None:
     """The newest run directory of the graph under runs/ (where `make run` puts it)."""
     stem = Path(graph_file).stem
-    found = [p for p in (ROOT / "runs").glob(f"{stem}-*") if (p / "metrics.jsonl").exists()]
+    runs = (ROOT / "runs").glob(f"{stem}-[0-9]*")  # {stem}-{date}-{time}[-k], not {stem}-x-...
+    found = [p for p in runs if (p / "metrics.jsonl").exists()]
     return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
 

@@ -227,7 +227,9 @@ def test_compare_reads_the_newest_run_of_the_graph(tmp_path, monkeypatch, capsys
         metrics = tmp_path / "runs" / name / "metrics.jsonl"
         metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
         os.utime(tmp_path / "runs" / name, (mtime, mtime))
-    (tmp_path / "runs" / "grpo-20261128-120000").mkdir()  # another graph's, newer: not it
+    for other in ("grpo-20261128-120000", "ppo-lora-20261128-120000"):  # newer, other graphs'
+        (tmp_path / "runs" / other).mkdir()
+        (tmp_path / "runs" / other / "metrics.jsonl").write_text('{"step": 0, "val/score": 0.5}\n')
     results_file = tmp_path / "readme.json"
     results_file.write_text(json.dumps(results()))
     monkeypatch.setattr(readme, "ROOT", tmp_path)
