@@ -326,21 +326,25 @@ def compare_text(results: dict, graph: str, mine: dict | None, here: dict) -> st
     """What `make run` prints at its end: where the README's row came from and how this run
     compares with it. `mine`: this run's validation scores ({step: score}) or None, `here`:
     this machine (machine())."""
+    elsewhere = [
+        f"  seed {e['seed']} on {e['cpu']} ({e['commit']}): {arrow(e['val'])}"
+        for e in results.get("elsewhere", [])
+        if e["graph"] == graph
+    ]
     entry = results.get(graph)
     if not entry or not entry.get("runs"):
-        return f"bench/readme.py: no measured runs of graphs/{graph}.toml to compare with"
+        head = f"bench/readme.py: no measured runs of graphs/{graph}.toml to compare with"
+        mine_line = [f"this run, on {machine_line(here)}: {arrow(mine)}"] if mine else []
+        return "\n".join([head, *elsewhere, *mine_line])
     runs = {int(k): r for k, r in entry["runs"].items()}
     ref = runs.get(0, runs[min(runs)])
-    seed = ref["seed"]
     lines = [
         f"README's graphs/{graph}.toml row: {ref['commit']}, {ref['date'][:10]}, on "
         f"{machine_line(ref['machine'])}",
-        f"  seed {seed}: {arrow(ref['val'])}; seeds {', '.join(map(str, sorted(runs)))} range: "
-        + " -> ".join(_span(lo, hi) for _, lo, hi in seed_range(runs)),
+        f"  seed {ref['seed']}: {arrow(ref['val'])}; seeds {', '.join(map(str, sorted(runs)))} "
+        "range: " + " -> ".join(_span(lo, hi) for _, lo, hi in seed_range(runs)),
+        *elsewhere,
     ]
-    for e in results.get("elsewhere", []):
-        if e["graph"] == graph:
-            lines.append(f"  seed {e['seed']} on {e['cpu']} ({e['commit']}): {arrow(e['val'])}")
     if mine is None:
         lines.append("this run: no validation scores found to compare")
         return "\n".join(lines)

@@ -209,9 +209,15 @@ def test_compare_with_another_start_points_to_the_install_not_the_cpu():
 
 
 def test_compare_without_measurements_or_scores_says_so():
-    assert "no measured runs of graphs/dapo.toml" in readme.compare_text(
-        results(), "dapo", None, AVX2
+    assert readme.compare_text(results(), "dapo", None, AVX2) == (
+        "bench/readme.py: no measured runs of graphs/dapo.toml to compare with"
     )
+    unmeasured = {"ppo": {"graph": "ppo", "val": {"0": 0.3}}, "elsewhere": [ELSEWHERE]}
+    assert readme.compare_text(unmeasured, "ppo", mine(0.5, 0.6), AVX2).splitlines() == [
+        "bench/readme.py: no measured runs of graphs/ppo.toml to compare with",
+        "  seed 0 on AMD EPYC (no AVX-512), 2 cores (78fcd10): 0.266 -> 0.531 -> 0.625",
+        f"this run, on {readme.machine_line(AVX2)}: 0.266 -> 0.500 -> 0.600",
+    ]
     text = readme.compare_text(results(), "ppo", None, AVX2)
     assert text.splitlines()[-1] == "this run: no validation scores found to compare"
 
