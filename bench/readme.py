@@ -11,7 +11,8 @@ the README's MEASURED markers with the machine, the commit and the date it was m
 
 Each run goes to bench/results/readme.json as soon as it ends (with --write), so an interrupted
 measurement keeps what finished and `--resume` goes on from there; each run records the machine
-(CPU model, vector extensions, torch's build) and the load average while it ran.
+(CPU model, vector extensions, torch's build) and the load average while it ran; a row keeps
+one machine's runs (measuring on another drops the row's runs of the first).
 Float results differ between CPU models, so a run of the same commit on another CPU gives other
 values: `--compare` (which `make run` calls) says which values to expect where.
 """
@@ -454,6 +455,9 @@ def main(argv=None) -> None:
                 entry.clear()
             entry.update(describe(graph))
             runs = entry.setdefault("runs", {})
+            for other in [k for k, r in runs.items() if r["machine"] != here]:
+                print(f"{graph} seed {other}: measured on another machine, dropped from the row")
+                del runs[other]  # one row's seed range is one machine's
             if args.resume and str(seed) in runs and runs[str(seed)]["machine"] == here:
                 print(f"{graph} seed {seed}: measured already ({runs[str(seed)]['commit']})")
                 continue

@@ -302,3 +302,16 @@ def test_table_option_writes_the_saved_results_without_running(measuring):
     readme.main(["--table", "--write"])
     assert calls == []
     assert readme.table(results()) in doc.read_text()
+
+
+def test_a_row_keeps_one_machines_runs(measuring, monkeypatch):
+    _, results_file, calls, _ = measuring
+    results_file.write_text(json.dumps(results()))
+    readme.main(["--graphs", "ppo", "--seeds", "1", "--resume", "--write"])
+    assert calls == []  # seed 1 is measured on this machine already
+    monkeypatch.setattr(readme, "machine", lambda: AVX2)
+    readme.main(["--graphs", "ppo", "--seeds", "1", "--resume", "--write"])
+    assert calls == [("ppo", 1)]
+    saved = json.loads(results_file.read_text())
+    assert list(saved["ppo"]["runs"]) == ["1"] and saved["ppo"]["runs"]["1"]["machine"] == AVX2
+    assert list(saved["grpo"]["runs"]) == ["0", "1"]  # another graph's row stays as it was
