@@ -387,3 +387,52 @@ def test_concurrent_episodes_never_mix(model):
         torch.testing.assert_close(
             torch.tensor(call.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0
         )
+
+
+def test_an_agents_conversation_becomes_one_row_the_trainer_agrees_with(served, model):
+    """Three calls of one episode (named by header), each sending the history back: one
+    row whose trained tokens are the sampled ones with their log-probs (the trainer's within
+    1e-4), the user turns between them attended to; a weight sync between calls stamps the
+    next call's version."""
+    from flowrl.serve.record import segments
+
+    client = openai.OpenAI(
+        base_url=served.base_url,
+        api_key=KEY,
+        max_retries=0,
+        default_headers={"X-Episode-Id": "conversation"},
+    )
+    messages = list(HI)
+    # seeds under which the random model samples no special token (its text drops them, so
+    # the template's history would differ from the sampled ids: a break, tested below)
+    served.endpoint.version = 3
+    for turn in range(3):
+        r = ask(client, messages=messages, max_tokens=8, seed=10 + turn, logprobs=True)
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": f"And then {turn}?"},
+        ]
+        served.endpoint.version += 1 + turn  # versions 3, 4, 6
+    calls = served.endpoint.recorder.take("conversation")
+    assert [c.version for c in calls] == [3, 4, 6]
+    (row,) = segments(calls)
+    assert row.versions == [3, 4, 6] and row.calls == 3
+    assert sum(row.mask) == sum(len(c.completion_ids) for c in calls)
+    ids = torch.tensor([row.ids])
+    batch = DataProto.from_dict(
+        {
+            "prompts": torch.tensor([row.prompt_ids]),
+            "prompt_mask": torch.ones(1, len(row.prompt_ids), dtype=torch.long),
+            "responses": ids,
+            "response_mask": torch.tensor([row.mask]),
+            "response_attention": torch.ones_like(ids),
+        }
+    )
+    engine = TrainEngine(model, tiny_tokenizer(), trainable=False)
+    recomputed = engine.forward(batch, grad=False)["logprobs"][0]
+    trained = torch.tensor(row.mask).bool()
+    assert (recomputed[trained] - torch.tensor(row.logprobs)[trained]).abs().max() < 1e-4
+    # an edited history (the first answer rewritten) starts a second row
+    messages[1] = {"role": "assistant", "content": "edited"}
+    ask(client, messages=messages, max_tokens=4, seed=1)
+    assert len(segments(calls + served.endpoint.recorder.take("conversation"))) == 2
