@@ -32,10 +32,11 @@ EPISODE_HEADER = "x-episode-id"
 
 
 class Keys:
-    """Which keys the endpoint takes: `fixed` (None: none fixed) and one per open episode."""
+    """Which keys the endpoint takes: `fixed` (None: none fixed) and one per open episode;
+    `required`: no key is taken but these (else, with neither, any key is)."""
 
-    def __init__(self, fixed: str | None = None):
-        self.fixed = fixed
+    def __init__(self, fixed: str | None = None, required: bool = False):
+        self.fixed, self.required = fixed, required
         self.episodes: dict[str, str] = {}  # key -> episode id
         self.lock = threading.Lock()
 
@@ -58,7 +59,7 @@ class Keys:
         with self.lock:
             if key in self.episodes:
                 return self.episodes[key]
-            open_ = self.fixed is None and not self.episodes
+            open_ = self.fixed is None and not self.episodes and not self.required
         if open_ or (self.fixed is not None and secrets.compare_digest(key, self.fixed)):
             return header or ""
         shown = f"{key[:4]}...{key[-2:]}" if len(key) > 8 else "(none)" if not key else "***"
