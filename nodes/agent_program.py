@@ -8,9 +8,11 @@ The worker serves the rollout engine on 127.0.0.1 (flowrl/serve/) and runs the p
 per (row, sample): a function "file.py:name" (sync or async) given the endpoint's base URL,
 its episode's key and the row ({"prompt": messages, "extra_info": ..., "index", "sample"}), or
 a `command` run as a child process with OPENAI_BASE_URL / OPENAI_API_KEY set (the row on its
-stdin). Every call is recorded (prompt ids, completion ids, log-probs, policy version); the
-episode's row is its calls from the row's prompt on: each completion trained (mask 1), what
-the program added between calls attended to (mask 0). A call that rewrites the history starts
+stdin). A call that sets no temperature / top_p / top_k gets the node's; with `do_sample =
+false` (validation) every call is greedy; `max_new_tokens` caps each call. Every call is
+recorded (prompt ids, completion ids, log-probs, policy version); the episode's row is its
+calls from the row's prompt on: each completion trained (mask 1), what the program added
+between calls attended to (mask 0). A call that rewrites the history starts
 a segment the row cannot hold (the row's prompt is the dataset's): it is counted
 (`segments_dropped`), not trained. A program that fails (raises, hangs past
 `episode_timeout_s`, never calls, returns nothing usable, starts from another prompt) trains
@@ -66,6 +68,7 @@ class ProgramWorker:
         return Server(endpoint, Keys(required=True)).start()
 
     def __call__(self, batch):
+        from flowrl.engines.rollout import Sampling
         from flowrl.nodes.generate import generation_metrics, step_seed
         from flowrl.serve.program_rows import program_metrics, program_rows, rows_for
         from flowrl.serve.programs import load_program, run_episodes
@@ -76,6 +79,8 @@ class ProgramWorker:
             self.server = self._serve()
         endpoint = self.server.endpoint
         endpoint.version, endpoint.seed = int(batch.meta.get("step", 0)), step_seed(batch.meta)
+        # the node's sampling for calls that give none; do_sample = false (validation): greedy
+        endpoint.sampling = Sampling(p.temperature, p.top_p, p.top_k, p.do_sample)
         program = p.command or load_program(p.program, base_dir)
         rows, prompts = rows_for(batch, p.n)
         self.step += 1

@@ -54,8 +54,10 @@ class Endpoint:
         context: the most tokens a prompt and its completion may hold together.
         parser: the tool-call parser ("hermes", "tag", "file.py:function"), as the agent node's.
         max_n: the most choices one request may ask for (`n`).
-        max_tokens: the completion length when a request gives none (None: what the context
-            leaves).
+        max_tokens: the most tokens one call samples; a request asking more gets this many
+            (None: what the context leaves).
+        sampling: the settings of a request that gives none of its own (None: OpenAI's,
+            temperature 1); with `do_sample` False every request is greedy (validation).
         seed: the base of the seeds of requests that give none (each gets mix(seed, counter)).
         recorder: where each call is recorded (record.py), or None.
         chat_template: a template text used instead of the tokenizer's, or None.
@@ -70,6 +72,7 @@ class Endpoint:
     max_tokens: int | None = None
     seed: int = 0
     recorder: object = None
+    sampling: Sampling | None = None
     chat_template: str | None = None
     base_dir: str = "."
     version: int = 0  # the policy version: the trainer raises it at each weight sync
@@ -164,14 +167,8 @@ class Endpoint:
                 "messages" if isinstance(body, ChatBody) else "prompt",
                 "context_length_exceeded",
             )
-        limit = wanted if wanted is not None else min(room, self.max_tokens or room)
-        temperature = 1.0 if body.temperature is None else body.temperature
-        sampling = Sampling(
-            temperature=temperature or 1.0,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
-            do_sample=temperature > 0,
-        )
+        limit = min(room if wanted is None else wanted, self.max_tokens or room)
+        sampling = self._sampling(body)
         self.calls += 1
         base = body.seed if body.seed is not None else mix(self.seed, self.calls)
         version = self.version
@@ -194,6 +191,17 @@ class Endpoint:
                     episode, ids, sample.ids, sample.logprobs, version, sample.finish_reason
                 )
         return samples
+
+    def _sampling(self, body) -> Sampling:
+        default = self.sampling or Sampling()
+        temperature = default.temperature if body.temperature is None else body.temperature
+        greedy = temperature == 0 or not default.do_sample
+        return Sampling(
+            temperature=temperature or 1.0,
+            top_p=default.top_p if body.top_p is None else body.top_p,
+            top_k=default.top_k if body.top_k is None else body.top_k,
+            do_sample=not greedy,
+        )
 
     def _cut(self, ids: list[int], logprobs: list[float], reason: str, stops: list[str]) -> Sample:
         if reason == "abort":
