@@ -22,6 +22,7 @@ on nothing, counted by kind with its first error shown. docs/agents.md.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import attrs
 
@@ -45,6 +46,21 @@ def check(p: Params, context) -> list:
     if bool(p.program) == bool(p.command):
         fix = 'program = "my_agent.py:solve", or command = "python my_agent.py"'
         return [Finding("give exactly one of program and command", fix)]
+    file, _, name = p.program.rpartition(":")
+    if p.program and not (file.endswith(".py") and name):
+        return [
+            Finding(
+                f'program = "{p.program}" is not "file.py:function"', 'e.g. "my_agent.py:solve"'
+            )
+        ]
+    if p.program and not (Path(context.base_dir) / file).is_file():
+        where = Path(context.base_dir) / file
+        return [
+            Finding(
+                f'program = "{p.program}": no file {where}',
+                "give the path relative to the graph's folder",
+            )
+        ]
     return []
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("openai")
+openai = pytest.importorskip("openai")
 
 import flowrl.nodes  # noqa: E402
 from flowrl.testing import run_tiny, write_graph  # noqa: E402
@@ -98,3 +98,29 @@ def test_a_command_agent_returning_rewards_trains(tmp_path):
     run = run_tiny(graph, tmp_path / "runs")
     steps = [m for m in run.metrics if "generate/episodes/ok" in m]
     assert steps and all(m["generate/episodes/ok"] == 1.0 for m in steps)
+
+
+def test_flowrl_serve_loads_a_runs_checkpoint(tmp_path):
+    """`flowrl serve RUN_DIR`: the run's trained weights (exported from its checkpoint), and
+    the endpoint answers with them."""
+    import torch
+
+    from flowrl.engines import HFRollout
+    from flowrl.serve.app import Keys
+    from flowrl.serve.endpoint import Endpoint
+    from flowrl.serve.server import Server, load_served
+    from flowrl.testing import tiny_model
+
+    (tmp_path / "agent.py").write_text(AGENT)
+    graph = write_graph(tmp_path, GRAPH, how='program = "agent.py:solve"', reward=RULE)
+    run = run_tiny(graph, tmp_path / "runs")
+    module, tokenizer, context, name = load_served(str(run.run_dir))
+    start = tiny_model().state_dict()
+    trained = module.state_dict()
+    assert any(not torch.equal(start[k], trained[k]) for k in start)  # the trained weights
+    assert name == run.run_dir.name and context > 0
+    endpoint = Endpoint(HFRollout(module, tokenizer), model_name=name)
+    with Server(endpoint, Keys()) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="k", max_retries=0)
+        r = client.completions.create(model=name, prompt="2 + 2 =", max_tokens=3, seed=0)
+        assert r.usage.completion_tokens <= 3 and r.choices[0].finish_reason in ("stop", "length")
