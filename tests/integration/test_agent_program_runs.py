@@ -124,3 +124,14 @@ def test_flowrl_serve_loads_a_runs_checkpoint(tmp_path):
         client = openai.OpenAI(base_url=server.base_url, api_key="k", max_retries=0)
         r = client.completions.create(model=name, prompt="2 + 2 =", max_tokens=3, seed=0)
         assert r.usage.completion_tokens <= 3 and r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_the_shipped_openai_agent_graph_runs(tmp_path):
+    """graphs/grpo_openai_agent.toml on the tiny model: its agent (the openai SDK, tool calls
+    parsed by the endpoint) completes every episode and the update trains."""
+    graph = Path(__file__).resolve().parents[2] / "graphs/grpo_openai_agent.toml"
+    run = run_tiny(graph, tmp_path, **{"data.batch_size": 2, "nodes.generate.n": 2})
+    steps = [m for m in run.metrics if "generate/episodes/ok" in m]
+    assert steps and all(m["generate/episodes/ok"] == 1.0 for m in steps)
+    assert all(m["generate/calls_per_episode"] >= 1.0 for m in steps)
+    assert any(m.get("update_policy/grad_norm", 0) > 0 for m in run.metrics)
