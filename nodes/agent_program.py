@@ -86,7 +86,7 @@ class ProgramWorker:
     def __call__(self, batch):
         from flowrl.engines.rollout import Sampling
         from flowrl.nodes.generate import generation_metrics, step_seed
-        from flowrl.serve.program_rows import program_metrics, program_rows, rows_for
+        from flowrl.serve.program_rows import program_metrics, program_rows, refused, rows_for
         from flowrl.serve.programs import load_program, run_episodes
 
         p, start = self.params, time.perf_counter()
@@ -99,7 +99,7 @@ class ProgramWorker:
         endpoint.sampling = Sampling(p.temperature, p.top_p, p.top_k, p.do_sample)
         program = p.command or load_program(p.program, base_dir)
         rows, prompts = rows_for(batch, p.n)
-        self.step += 1
+        self.step, refused_before = self.step + 1, refused(endpoint)
         outcomes = self.engine.run(
             run_episodes(
                 rows,
@@ -115,7 +115,8 @@ class ProgramWorker:
         )
         out = program_rows(outcomes, prompts, self.engine.tokenizer, self.engine.pad, p.returns)
         metrics = generation_metrics(out["response_mask"], time.perf_counter() - start)
-        return out, {**metrics, **program_metrics(outcomes, endpoint)}
+        refused_now = refused(endpoint) - refused_before
+        return out, {**metrics, **program_metrics(outcomes, refused_now)}
 
 
 SPEC = NodeSpec(

@@ -113,14 +113,18 @@ def spans(ids: list[int], mask: list[int], tokenizer) -> list[tuple[str, bool]]:
     return out
 
 
-def program_metrics(outcomes, endpoint) -> dict:
-    """Shares of episodes by how they ended, calls per episode, the endpoint's refused calls
-    (the runtime logs failed episodes' first errors and skips a step where most failed)."""
+def program_metrics(outcomes, refused: int) -> dict:
+    """Shares of episodes by how they ended, calls per episode, the calls the endpoint refused
+    during the rollout (`refused`: a wrong key, a bad request; the runtime logs failed
+    episodes' first errors and skips a step where most failed)."""
     count = max(len(outcomes), 1)
     out = {f"episodes/{kind}": sum(o.kind == kind for o in outcomes) / count for kind in KINDS}
     out["calls_per_episode"] = sum(len(o.calls) for o in outcomes) / count
     out["episode_seconds_max"] = max((o.seconds for o in outcomes), default=0.0)
-    out["refused_calls"] = float(
-        sum(v for k, v in endpoint.stats.items() if k.startswith("errors/"))
-    )
+    out["refused_calls"] = float(refused)
     return out
+
+
+def refused(endpoint) -> int:
+    """The calls the endpoint has refused so far (every error code)."""
+    return sum(v for k, v in endpoint.stats.items() if k.startswith("errors/"))
