@@ -78,6 +78,7 @@ class Endpoint:
     version: int = 0  # the policy version: the trainer raises it at each weight sync
     stats: Counter = attrs.field(factory=Counter)  # calls, tokens, errors by code
     last_error: str = ""  # the traceback of the last request the engine failed
+    inflight: dict = attrs.field(factory=dict)  # episode -> {(loop, job)} sampling now
     chat: ChatTokens = attrs.field(init=False)
     calls: int = attrs.field(init=False, default=0)
 
@@ -173,7 +174,7 @@ class Endpoint:
         base = body.seed if body.seed is not None else mix(self.seed, self.calls)
         version = self.version
         requests = [Request(ids, limit, sampling, seed=mix(base, i)) for i in range(body.n)]
-        results = await asyncio.gather(*(self.backend.generate(r) for r in requests))
+        results = await self._generate(requests, episode)
         samples = [self._cut(r.ids, r.logprobs, r.finish_reason, stops) for r in results]
         k = (body.top_logprobs or 0) if isinstance(body, ChatBody) else (body.logprobs or 0)
         if k:
@@ -191,6 +192,28 @@ class Endpoint:
                     episode, ids, sample.ids, sample.logprobs, version, sample.finish_reason
                 )
         return samples
+
+    async def _generate(self, requests: list[Request], episode: str):
+        """The backend's results, unless `cancel(episode)` ends the episode first."""
+        job = asyncio.ensure_future(_all(self.backend.generate(r) for r in requests))
+        entry = (asyncio.get_running_loop(), job)
+        self.inflight.setdefault(episode, set()).add(entry)
+        try:
+            return await job
+        except asyncio.CancelledError:
+            if not job.cancelled():  # the request itself was cancelled (the client left)
+                raise
+            raise ApiError(
+                409, "the episode has ended (its time ran out)", code="episode_ended"
+            ) from None
+        finally:
+            self.inflight.get(episode, set()).discard(entry)
+
+    def cancel(self, episode: str) -> None:
+        """End the calls of `episode` still sampling (from any thread): the engine drops them
+        and each caller gets a 409. The program node calls it when an episode's time is up."""
+        for loop, job in self.inflight.pop(episode, set()):
+            loop.call_soon_threadsafe(job.cancel)
 
     def _sampling(self, body) -> Sampling:
         default = self.sampling or Sampling()
@@ -330,6 +353,11 @@ class Endpoint:
             "top_logprobs": top,
             "text_offset": offsets,
         }
+
+
+async def _all(coroutines):
+    """gather as a task, which `cancel` leaves cancelled (a cancelled gather raises instead)."""
+    return await asyncio.gather(*coroutines)
 
 
 def usage(prompt_tokens: int, samples: list[Sample]) -> dict:

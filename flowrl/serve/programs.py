@@ -27,6 +27,7 @@ import os
 import shlex
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 
@@ -89,11 +90,14 @@ def _bad(outcome: Outcome, where: str, what: str) -> None:
     outcome.error = f"{where} returned {what}: return a reward (a number) or an answer (a string)"
 
 
-async def run_function(function, base_url: str, key: str, row: dict, timeout_s: float):
-    """The value of `function(base_url, key, row)`, within `timeout_s` (asyncio.TimeoutError)."""
+async def run_function(function, base_url: str, key: str, row: dict, timeout_s: float, pool=None):
+    """The value of `function(base_url, key, row)`, within `timeout_s` (TimeoutError); a sync
+    function runs on a thread of `pool` (a ThreadPoolExecutor; None: the loop's default)."""
     if inspect.iscoroutinefunction(function):
         return await asyncio.wait_for(function(base_url, key, row), timeout_s)
-    return await asyncio.wait_for(asyncio.to_thread(function, base_url, key, row), timeout_s)
+    loop = asyncio.get_running_loop()
+    call = loop.run_in_executor(pool, function, base_url, key, row)
+    return await asyncio.wait_for(call, timeout_s)
 
 
 async def run_command(command: str, base_url: str, key: str, row: dict, timeout_s: float, cwd: str):
@@ -153,6 +157,10 @@ async def run_episodes(
             recorded under a new one.
     """
     gate = asyncio.Semaphore(concurrency)
+    # a thread for each running sync episode (the loop's default pool has cpu_count + 4, and an
+    # episode waiting for a thread would spend its time limit there); never joined: a thread
+    # past its time limit cannot be stopped, and must not hold the step
+    pool = ThreadPoolExecutor(concurrency, thread_name_prefix="flowrl-program")
     where = program if isinstance(program, str) else getattr(program, "__qualname__", "program")
 
     async def one(k: int, row: dict) -> Outcome:
@@ -164,14 +172,15 @@ async def run_episodes(
                 if isinstance(program, str):
                     value = await run_command(program, base_url, key, row, timeout_s, cwd)
                 else:
-                    value = await run_function(program, base_url, key, row, timeout_s)
+                    value = await run_function(program, base_url, key, row, timeout_s, pool)
                 read_result(value, outcome, where)
             except TimeoutError:
                 outcome.kind, outcome.error = "timeout", f"{where} ran past {timeout_s} s"
             except Exception as e:  # the program's own failure: the episode's, kept
                 outcome.kind, outcome.error = "error", described(e)
             finally:
-                keys.close(key)
+                keys.close(key)  # a later call is refused; one still sampling is dropped
+                endpoint.cancel(episode)
             outcome.calls = endpoint.recorder.take(episode)
             outcome.seconds = time.perf_counter() - start
             if outcome.kind == "ok" and not outcome.calls:
@@ -179,4 +188,7 @@ async def run_episodes(
                 outcome.error = f"{where} returned without calling the endpoint"
             return outcome
 
-    return list(await asyncio.gather(*(one(k, row) for k, row in enumerate(rows))))
+    try:
+        return list(await asyncio.gather(*(one(k, row) for k, row in enumerate(rows))))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)

@@ -3,6 +3,7 @@ every kind of failure with its first error and file:line, the concurrency bound,
 
 import asyncio
 import sys
+import time
 
 import pytest
 
@@ -20,7 +21,7 @@ from flowrl.testing import tiny_tokenizer  # noqa: E402
 pytestmark = pytest.mark.slow  # starts a server; some tests start child processes
 
 PROGRAMS = """
-import asyncio, time
+import asyncio, threading, time
 import openai
 
 HI = [{"role": "user", "content": "Hi"}]
@@ -75,6 +76,32 @@ async def counted(base_url, api_key, row):
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     await client.chat.completions.create(model="tiny", messages=HI, max_tokens=2, seed=0)
     RUNNING[0] -= 1
+    return 1.0
+
+
+CROWD = [0, 0]  # sync episodes now, most at once
+LOCK = threading.Lock()
+
+
+def crowd(base_url, api_key, row):
+    with LOCK:
+        CROWD[0] += 1
+        CROWD[1] = max(CROWD)
+    time.sleep(0.5)
+    ask(base_url, api_key)
+    with LOCK:
+        CROWD[0] -= 1
+    return 1.0
+
+
+ENDED = []  # what a call still sampling when its episode's time ran out got
+
+
+def stuck(base_url, api_key, row):
+    try:
+        ask(base_url, api_key)
+    except openai.APIStatusError as e:
+        ENDED.append(e.status_code)
     return 1.0
 """
 
@@ -152,6 +179,39 @@ def test_a_hang_times_out_and_its_key_is_closed(served, programs):
     (out,) = episodes(served, load_program("agents.py:hangs", programs), rows=1, timeout_s=0.3)
     assert out.kind == "timeout" and "ran past 0.3 s" in out.error
     assert not served.keys.episodes  # every key closed: a late call is refused
+
+
+def test_sync_episodes_each_get_a_thread(served, programs):
+    """More sync episodes than the loop's default thread pool has threads run at once (one
+    waiting for a thread would spend its time limit waiting)."""
+    function = load_program("agents.py:crowd", programs)
+    out = episodes(served, function, rows=16, concurrency=16)
+    assert all(o.kind == "ok" for o in out)
+    assert function.__globals__["CROWD"][1] == 16
+
+
+class Endless:
+    """A backend whose requests never finish."""
+
+    def __init__(self):
+        self.tokenizer = tiny_tokenizer()
+
+    async def generate(self, request):
+        await asyncio.sleep(3600)
+
+
+def test_a_call_still_sampling_when_time_runs_out_is_dropped(programs):
+    endpoint = Endpoint(Endless(), model_name="tiny", recorder=Recorder())
+    with Server(endpoint, Keys(required=True)) as server:
+        function = load_program("agents.py:stuck", programs)
+        (out,) = episodes(server, function, rows=1, timeout_s=0.5)
+        assert out.kind == "timeout"
+        ended = function.__globals__["ENDED"]
+        for _ in range(100):  # the program's thread gets its answer soon after
+            if ended:
+                break
+            time.sleep(0.05)
+        assert ended == [409] and not endpoint.inflight
 
 
 def test_concurrency_is_bounded(served, programs):
