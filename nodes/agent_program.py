@@ -26,6 +26,7 @@ from pathlib import Path
 
 import attrs
 
+from flowrl.nodes.agent import SPEC as AGENT
 from flowrl.nodespec import NodeSpec, RolloutParams
 from flowrl.params import checked, count, one_of, positive
 
@@ -120,15 +121,8 @@ class ProgramWorker:
 
 
 SPEC = NodeSpec(
-    reads=("prompts", "prompt_mask", "raw_prompt", "extra_info"),
-    writes=(
-        "responses",
-        "response_mask",
-        "response_attention",
-        "response_text",
-        "rollout_logprobs",
-        "rollout_info",
-    ),
+    reads=AGENT.reads,  # what the agent node reads and writes: it takes the agent node's place
+    writes=AGENT.writes,
     optional_writes={"scores": lambda p: p.returns == "reward"},
     params=Params,
     worker=ProgramWorker,
