@@ -1,4 +1,4 @@
-"""`flowrl run | replay | check | plan | render | nodes | export`.
+"""`flowrl run | replay | check | plan | render | nodes | export | serve`.
 
 check, plan, render and nodes import neither torch nor ray; `run` imports the runtime lazily.
 A bad graph file exits with code 2 and a list of its problems, any other flowrl error (a failed
@@ -291,6 +291,20 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        if not (args.api_key or os.environ.get("FLOWRL_API_KEY")):
+            print(
+                f"flowrl serve: --host {args.host} is reachable from other machines: give "
+                "--api-key (or set FLOWRL_API_KEY)",
+                file=sys.stderr,
+            )
+            return 2
+    from flowrl.serve.server import serve  # torch, fastapi: only for this command
+
+    return serve(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowrl", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -354,6 +368,30 @@ def parser() -> argparse.ArgumentParser:
 
     n = sub.add_parser("nodes", help="list the built-in nodes")
     n.set_defaults(func=cmd_nodes)
+
+    sv = sub.add_parser(
+        "serve", help="an OpenAI-compatible endpoint over a model or a run's checkpoint"
+    )
+    sv.add_argument(
+        "model", metavar="MODEL_OR_RUN_DIR", help="a model path (as a graph's) or a run directory"
+    )
+    sv.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8000, help="the port (0: a free one; default 8000)")
+    sv.add_argument(
+        "--api-key", help="the key callers must give (default: $FLOWRL_API_KEY, else any)"
+    )
+    sv.add_argument("--name", help="the model's name in /v1/models (default: the path's last part)")
+    sv.add_argument(
+        "--step", type=int, help="a run directory's checkpoint step (default: the latest)"
+    )
+    sv.add_argument("--model-name", help="which model of the run (default: its only trainable one)")
+    sv.add_argument(
+        "--parser", default="hermes", help='tool-call parser: "hermes", "tag", "file.py:fn"'
+    )
+    sv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    sv.add_argument("--max-n", type=int, default=16, help="the most choices a request may ask for")
+    sv.add_argument("--seed", type=int, default=0, help="seeds requests that give no seed")
+    sv.set_defaults(func=cmd_serve)
 
     e = sub.add_parser("export", help="write a trained model as a Hugging Face model directory")
     e.add_argument("run_dir", metavar="RUN_DIR")
