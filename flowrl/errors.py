@@ -143,3 +143,27 @@ def located(function) -> str:
     code = getattr(target, "__code__", None) or getattr(call, "__code__", None)
     name = getattr(target, "__qualname__", type(target).__qualname__)
     return f"{name} ({shown_path(code.co_filename)}:{code.co_firstlineno})" if code else name
+
+
+class StateError(FlowrlError, TypeError):
+    """A state a checkpoint keeps (a node's, a loss's, a sampler's) that JSON cannot hold:
+    names its owner, the value and the fix."""
+
+
+def unstorable(value, path: str = "state") -> str:
+    """'' when JSON stores `value` as it is, else where the first value it cannot is and what
+    it is, e.g. "state['seen'] = {1, 2} (a set)"."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return ""
+    if isinstance(value, list):
+        return next((p for i, v in enumerate(value) if (p := unstorable(v, f"{path}[{i}]"))), "")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"the key {key!r} ({type(key).__name__}) in {path}"
+            if problem := unstorable(item, f"{path}[{key!r}]"):
+                return problem
+        return ""
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return f"{path} = {shown} (a {type(value).__name__})"

@@ -18,6 +18,7 @@ from pathlib import Path
 import attrs
 
 from flowrl.agent.scripted import ScriptedTurns, scripted_request
+from flowrl.front import registry
 from flowrl.front.tiny_run import VARIED_SCORER, tiny_overrides
 from flowrl.models.tiny import CHAT_TEMPLATE, SPECIAL, tiny_model, tiny_qwen2, tiny_tokenizer
 
@@ -294,8 +295,8 @@ def loss_params(**fields):
     clip_low=None, no floor, can be tried)."""
     from types import SimpleNamespace
 
-    from flowrl.nodes.update.policy import Params
-
+    # the built-in node's params, found as a graph finds them (nodes/ import flowrl, not back)
+    Params = registry.resolve("update.policy").spec.params
     return SimpleNamespace(**(attrs.asdict(Params()) | fields))
 
 
@@ -312,7 +313,8 @@ def try_loss(loss: str, base_dir: str | Path = ".", options: dict | None = None,
 
     from flowrl.math import components
     from flowrl.math.losses import Chunk
-    from flowrl.nodes.update.policy import Params
+
+    Params = registry.resolve("update.policy").spec.params
 
     record = components.resolve_loss(loss, base_dir)
     for problem in components.loss_problems(record, loss, Params, "update.policy"):

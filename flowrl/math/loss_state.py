@@ -69,7 +69,7 @@ def next_state(loss: Loss, name: str, state: dict, rates: dict, options) -> dict
 
 def checked_state(loss: Loss, name: str, state, what: str) -> dict:
     """`state`, what the loss's `what` returned, if it is a dict a checkpoint (JSON) can store."""
-    from flowrl.runtime.node_call import StateError, unstorable
+    from flowrl.errors import StateError, unstorable
 
     function = loss.state if what.startswith("state") else loss.after_update
     where = f'loss "{name}": {located(function)}'

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from flowrl.data import PromptLoader
 from flowrl.data.split import make_sampler, prompt_sets
+from flowrl.errors import StateError, unstorable
 from flowrl.models import load_tokenizer
 from flowrl.nodespec import GREEDY
 from flowrl.runtime import checkpoint, faults, guards, make_executor, outcome, rng, step_log, stop
@@ -33,7 +34,6 @@ from flowrl.runtime import steps as step_sources
 from flowrl.runtime.executor import StepResult
 from flowrl.runtime.feed import PromptFeed
 from flowrl.runtime.loggers import Loggers
-from flowrl.runtime.node_call import StateError, unstorable
 from flowrl.runtime.trace import Trace
 from flowrl.runtime.weight_check import StaleWeights
 

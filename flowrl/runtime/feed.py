@@ -18,9 +18,9 @@ import threading
 from pathlib import Path
 
 from flowrl import contracts
+from flowrl.errors import unstorable
 from flowrl.protocol import DataProto
 from flowrl.runtime.inputs import Recording
-from flowrl.runtime.node_call import unstorable
 from flowrl.samplers import SamplerError
 
 DRAWS = "prompts.jsonl"  # in the run directory: each batch's prompts, as drawn (docs/data.md)

@@ -18,18 +18,13 @@ from typing import Any
 import attrs
 import torch
 
-from flowrl.errors import FlowrlError
+from flowrl.errors import FlowrlError, unstorable
 from flowrl.nodespec import KEEP, NodeSpec, split_output
 from flowrl.protocol import DataProto
 
 
 class NodeFailure(FlowrlError, RuntimeError):
     """A node failed: names the node, where it ran, and the batch it was given."""
-
-
-class StateError(FlowrlError, TypeError):
-    """A state a checkpoint keeps (a node's, a loss's, a sampler's) that JSON cannot hold:
-    names its owner, the value and the fix."""
 
 
 @attrs.frozen
@@ -69,25 +64,6 @@ class ControllerFn:
                 "tuple, float(x) or x.tolist() for a tensor)"
             )
         return out
-
-
-def unstorable(value, path: str = "state") -> str:
-    """'' when JSON stores `value` as it is, else where the first value it cannot is and what
-    it is, e.g. "state['seen'] = {1, 2} (a set)"."""
-    if value is None or isinstance(value, bool | int | float | str):
-        return ""
-    if isinstance(value, list):
-        return next((p for i, v in enumerate(value) if (p := unstorable(v, f"{path}[{i}]"))), "")
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                return f"the key {key!r} ({type(key).__name__}) in {path}"
-            if problem := unstorable(item, f"{path}[{key!r}]"):
-                return problem
-        return ""
-    shown = repr(value)
-    shown = shown if len(shown) <= 60 else shown[:57] + "..."
-    return f"{path} = {shown} (a {type(value).__name__})"
 
 
 @attrs.frozen

@@ -164,7 +164,7 @@ class PoolWorker:
     def node_states(self) -> dict:
         """The state of each node whose worker keeps one (`state_dict()`: update.policy's
         loss state), checked to be JSON a checkpoint can hold."""
-        from flowrl.runtime.node_call import StateError, unstorable
+        from flowrl.errors import StateError, unstorable
 
         out = {}
         for node_id, node in self.nodes.items():

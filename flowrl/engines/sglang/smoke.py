@@ -87,11 +87,11 @@ def versions() -> str:
 def check_start(state) -> str:
     import torch
 
-    from flowrl.cli import load_plan
     from flowrl.engines.sglang.backend import SGLangRollout
+    from flowrl.front.compiler import compile_file
     from flowrl.models import load_model
 
-    plan = load_plan(state["graph"])
+    plan = compile_file(state["graph"])
     config = plan.spec.models["policy"]
     module, tokenizer = load_model(config.path, dtype=config.dtype)
     module.to("cuda:0").eval()
