@@ -42,7 +42,7 @@ class Params(RolloutParams):
 
 
 def check(p: Params, context) -> list:
-    from flowrl.nodespec import Finding
+    from flowrl.hooks import Finding
 
     if bool(p.program) == bool(p.command):
         fix = 'program = "my_agent.py:solve", or command = "python my_agent.py"'
