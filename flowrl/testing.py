@@ -339,7 +339,7 @@ def check_sampler(sampler_class, size: int = 20, options=None, batch_size: int =
     two samplers of the same seed draw alike, and one restored from the state after half the
     steps draws what the first drew next (else AssertionError saying what failed). Returns the
     draws."""
-    from flowrl.runtime.node_call import unstorable
+    from flowrl.errors import unstorable
     from flowrl.samplers import SamplerError, checked_draw
 
     options = sampler_class.Options() if options is None else options

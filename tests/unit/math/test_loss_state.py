@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.errors import GraphErrors
+from flowrl.errors import GraphErrors, StateError
 from flowrl.front import compiler
 from flowrl.math.components import ComponentError
-from flowrl.runtime.node_call import StateError
 from flowrl.testing import run_tiny, tiny_model, tiny_tokenizer, try_loss, update_rows
 
 ROOT = Path(__file__).resolve().parents[3]

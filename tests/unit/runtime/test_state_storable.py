@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flowrl.runtime.node_call import StateError
+from flowrl.errors import StateError
 
 
 def test_a_nodes_state_json_cannot_hold_names_the_node():
