@@ -28,6 +28,7 @@ EXAMPLES = {
     "test_adaptive_kl.py",  # and its test
     "openai_rollout.py",  # docs/extending.md: the reader's backend for a server
     "hard_first.py",  # docs/data.md, docs/testing.md: the reader's sampler
+    "try_endpoint.py",  # docs/agents.md: the reader's script against the endpoint
     "sim_user.py",  # docs/multi-turn.md: a user's simulated-user interaction
     "tutor.py",  # docs/multi-turn.md: a user's interaction
     "gsm8k_multiturn_w_tool.py",  # verl's example data script
