@@ -134,7 +134,8 @@ def test_make_run_uses_the_chosen_pythons_flowrl():
         env=without_make_flags(),  # under `make test` an outer make's flags would be inherited
     )
     assert result.returncode == 0, result.stderr
-    assert (
-        result.stdout.splitlines()[-1] == "/opt/venv/bin/python -m flowrl.cli run graphs/grpo.toml"
-    )
+    lines = result.stdout.splitlines()
+    assert "/opt/venv/bin/python -m flowrl.cli run graphs/grpo.toml" in lines
+    # then the comparison with the README's row, by the same Python
+    assert lines[-1] == "/opt/venv/bin/python bench/readme.py --compare graphs/grpo.toml"
     assert not any(line.startswith("flowrl ") for line in result.stdout.splitlines())
