@@ -88,30 +88,35 @@ def episodes_for(batch, setup: AgentSetup, limits: Limits, n: int) -> list[Episo
     return out
 
 
-def assemble(episodes: list[Episode], pad: int, solution: str) -> dict:
-    """{responses, response_mask, response_attention, rollout_logprobs}: (r, t), right-padded
-    (t the longest response); response_text and rollout_info: (r,) objects."""
-    r, t = len(episodes), max((len(e.ids) for e in episodes), default=0)
+def response_tensors(rows: list[tuple[list, list, list]], pad: int) -> dict:
+    """{responses, response_mask, response_attention, rollout_logprobs}: (r, t) right-padded
+    (t the longest response) from each row's (ids, trained mask, log-probs)."""
+    r, t = len(rows), max((len(ids) for ids, _, _ in rows), default=0)
     responses = torch.full((r, t), pad, dtype=torch.long)
     trained = torch.zeros((r, t), dtype=torch.long)
     attention = torch.zeros((r, t), dtype=torch.long)
     logprobs = torch.zeros((r, t), dtype=torch.float32)
-    texts, infos = np.empty(r, dtype=object), np.empty(r, dtype=object)
-    for k, episode in enumerate(episodes):
-        length = len(episode.ids)
-        responses[k, :length] = torch.tensor(episode.ids, dtype=torch.long)
-        trained[k, :length] = torch.tensor(episode.trained_mask(), dtype=torch.long)
-        attention[k, :length] = 1
-        logprobs[k, :length] = torch.tensor(episode.logprobs, dtype=torch.float32)
-        texts[k], infos[k] = episode.solution(solution), episode.info()
+    for k, (ids, mask, lps) in enumerate(rows):
+        responses[k, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        trained[k, : len(ids)] = torch.tensor(mask, dtype=torch.long)
+        attention[k, : len(ids)] = 1
+        logprobs[k, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
     return {
         "responses": responses,
         "response_mask": trained,
         "response_attention": attention,
         "rollout_logprobs": logprobs,
-        "response_text": texts,
-        "rollout_info": infos,
     }
+
+
+def assemble(episodes: list[Episode], pad: int, solution: str) -> dict:
+    """{responses, response_mask, response_attention, rollout_logprobs}: (r, t), right-padded
+    (t the longest response); response_text and rollout_info: (r,) objects."""
+    rows = [(e.ids, e.trained_mask(), e.logprobs) for e in episodes]
+    texts, infos = np.empty(len(episodes), dtype=object), np.empty(len(episodes), dtype=object)
+    for k, episode in enumerate(episodes):
+        texts[k], infos[k] = episode.solution(solution), episode.info()
+    return {**response_tensors(rows, pad), "response_text": texts, "rollout_info": infos}
 
 
 def agent_metrics(episodes: list[Episode], stats) -> dict:

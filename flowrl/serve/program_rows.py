@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from flowrl.agent.rows import response_tensors
 from flowrl.serve.programs import KINDS
 from flowrl.serve.record import segments
 
@@ -58,17 +59,9 @@ def program_rows(outcomes, prompts: list[list[int]], tokenizer, pad: int, return
     is "ok", or "error" / "timeout" for a failed episode (the runtime's failed requests: the
     step log shows the first errors, and a step where most failed is not trained on)."""
     made = [episode_row(o, p) for o, p in zip(outcomes, prompts, strict=True)]
-    r, t = len(made), max((len(m[0]) for m in made), default=0)
-    responses = torch.full((r, t), pad, dtype=torch.long)
-    trained = torch.zeros((r, t), dtype=torch.long)
-    attention = torch.zeros((r, t), dtype=torch.long)
-    logprobs = torch.zeros((r, t), dtype=torch.float32)
+    r = len(made)
     texts, infos = np.empty(r, dtype=object), np.empty(r, dtype=object)
-    for k, ((ids, mask, lps, dropped), o) in enumerate(zip(made, outcomes, strict=True)):
-        responses[k, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        trained[k, : len(ids)] = torch.tensor(mask, dtype=torch.long)
-        attention[k, : len(ids)] = 1
-        logprobs[k, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
+    for k, ((ids, mask, _, dropped), o) in enumerate(zip(made, outcomes, strict=True)):
         texts[k] = o.answer or ""
         versions = sorted({c.version for c in o.calls})
         infos[k] = {
@@ -83,14 +76,8 @@ def program_rows(outcomes, prompts: list[list[int]], tokenizer, pad: int, return
             "reward": o.reward,
             "seconds": o.seconds,
         }
-    out = {
-        "responses": responses,
-        "response_mask": trained,
-        "response_attention": attention,
-        "rollout_logprobs": logprobs,
-        "response_text": texts,
-        "rollout_info": infos,
-    }
+    tensors = response_tensors([(ids, mask, lps) for ids, mask, lps, _ in made], pad)
+    out = {**tensors, "response_text": texts, "rollout_info": infos}
     if returns == "reward":
         out["scores"] = torch.tensor([o.reward or 0.0 for o in outcomes], dtype=torch.float32)
     return out
