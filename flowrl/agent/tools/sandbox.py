@@ -164,12 +164,7 @@ def _isolation() -> tuple[str, ...]:
     if unshare is None:
         return ()
     flags = ["--net", "--pid", "--fork", "--kill-child"]
-    prefix = (unshare, "--map-root-user", *flags)
-    try:
-        done = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return ()
-    return prefix if done.returncode == 0 else ()
+    return _works((unshare, "--map-root-user", *flags))
 
 
 @functools.cache
@@ -181,7 +176,11 @@ def tied_to_this_process() -> tuple[str, ...]:
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         return ()
-    prefix = (setpriv, "--pdeathsig", "KILL")
+    return _works((setpriv, "--pdeathsig", "KILL"))
+
+
+def _works(prefix: tuple[str, ...]) -> tuple[str, ...]:
+    """`prefix` when `prefix true` runs on this machine, else ()."""
     try:
         done = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
