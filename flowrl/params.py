@@ -30,6 +30,7 @@ MAX_PER_WORKER = 1024  # devices or CPUs of one rank
 MAX_EPOCHS = 10_000  # passes over one step's rows
 MAX_PARAMS = 10**14  # parameters of a model
 MAX_MEMORY_GB = 100_000  # memory of one device
+MAX_WAIT_S = 7 * 24 * 3600.0  # a time limit: a week
 MAX_SEED = 2**32 - 1
 
 

@@ -23,6 +23,7 @@ from flowrl.params import (
     MAX_SEED,
     MAX_STEPS,
     MAX_TOKENS,
+    MAX_WAIT_S,
     MAX_WORKERS,
     Rule,
     at_least,
@@ -130,6 +131,13 @@ class RunConfig:
     critic_warmup: int = checked(0, count(0, MAX_STEPS))  # first N steps train only the critic
     staleness: int = checked(0, count(0, MAX_STEPS))  # k > 0: generate k steps ahead (async)
     partial_rollout: int = checked(0, count(0, MAX_TOKENS))  # tokens a round; 0 = off (async)
+    # a lost rank (process, node, a call past call_timeout_s) is made again and the run goes on
+    # from its newest checkpoint, at most this many times (docs/recovery.md); 0 = it stops
+    max_restarts: int = checked(3, count(0, MAX_STEPS))  # lost ranks recovered from; 0 = stop
+    restart_backoff_s: float = checked(2.0, at_least(0, 3600))  # doubled each in a row
+    restart_wait_s: float = checked(300.0, at_least(0, MAX_WAIT_S))  # for Ray's room again
+    call_timeout_s: float = checked(3600.0, at_least(0, MAX_WAIT_S))  # no answer; 0 = none
+    term_grace_s: float = checked(20.0, at_least(0, MAX_WAIT_S))  # SIGTERM: checkpoint first
 
 
 @attrs.frozen

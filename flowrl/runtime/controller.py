@@ -34,6 +34,8 @@ from flowrl.runtime import steps as step_sources
 from flowrl.runtime.executor import StepResult
 from flowrl.runtime.feed import PromptFeed
 from flowrl.runtime.loggers import Loggers
+from flowrl.runtime.node_call import NodeFailure
+from flowrl.runtime.recovery import LostWorker, Recovery, RecoveryStop
 from flowrl.runtime.trace import Trace
 from flowrl.runtime.weight_check import StaleWeights
 
@@ -121,6 +123,10 @@ class Trainer:
         self.executor = make_executor(backend, plan, num_cpus=spec.run.num_cpus or None)
         self.source = step_sources.source(self.executor, plan, self.feed, self.tokenizer)
         self.trace = Trace()
+        restarts = run.max_restarts if getattr(self.executor, "restartable", False) else 0
+        self.recovery = Recovery(restarts, run.restart_backoff_s)
+        self.start_state = None  # what a recovery before the first checkpoint goes back to
+        self.loggers = self.samples = None
 
     def close(self) -> None:
         from flowrl.rewards.pool import close_all
@@ -143,10 +149,10 @@ class Trainer:
         self.steps_done = start_step
         with contextlib.ExitStack() as stack:
             with self._writing("metrics.jsonl"):
-                loggers = Loggers(self.spec.run.loggers, self.run_dir, self.spec)
-                stack.callback(loggers.close)
-                samples_file = open(self.run_dir / "samples.jsonl", "a")
-                stack.callback(_close_quietly, samples_file)
+                self.loggers = loggers = Loggers(self.spec.run.loggers, self.run_dir, self.spec)
+                stack.callback(lambda: self.loggers.close())
+                self.samples = open(self.run_dir / "samples.jsonl", "a")
+                stack.callback(lambda: _close_quietly(self.samples))
             stack.callback(self._write_trace)  # also when stopped: what the steps did
             if resume:
                 with self._writing("metrics.jsonl"):
@@ -155,8 +161,10 @@ class Trainer:
                 scores = self.validate(0)
                 with self._writing("metrics.jsonl"):
                     loggers.log({"step": 0, **scores})
+            if not resume:  # a recovery before the first checkpoint starts from here
+                self.start_state = self._state(0)
             self.source.start(start_step, queued)  # a rollout stage starts running ahead
-            self._loop(start_step, loggers, samples_file)
+            self._loop(start_step)
 
     def _write_run_files(self) -> None:
         (self.run_dir / "graph.toml").write_text(toml.dumps(self.spec.raw))
@@ -176,32 +184,125 @@ class Trainer:
         try:
             yield
         except Exception as e:
-            if step is None and not isinstance(e, OSError):
-                raise
+            if isinstance(e, LostWorker) or (step is None and not isinstance(e, OSError)):
+                raise  # a lost rank is recovered from, not a failed write
             raise run_dirs.RunDirError(outcome.failed_write(self, what, e)) from e
 
-    def _loop(self, start_step: int, loggers: Loggers, samples_file) -> None:
+    def _loop(self, start_step: int) -> None:
         run = self.spec.run
         bar = tqdm(
-            range(start_step + 1, run.steps + 1),
-            initial=start_step,
-            total=run.steps,
-            desc=Path(self.spec.file).stem,
-            dynamic_ncols=True,
+            initial=start_step, total=run.steps, desc=Path(self.spec.file).stem, dynamic_ncols=True
         )
-        for step in bar:
-            result = self.step(step)
-            if self.val_batch is not None and self._due(step, run.val_every):
-                result.metrics.update(self.validate(step))
-            with self._writing("metrics.jsonl and samples.jsonl"):
-                loggers.log(result.metrics)  # metrics.jsonl, and TensorBoard / W&B when chosen
-                step_log.log_samples(samples_file, step, result.batch, run.log_samples)
-            self.steps_done = step
-            faults.point("logged", step)
-            self._guard(step, result, loggers)
-            if self._due(step, run.save_every) and all(g.may_save for g in self.guards):
-                self.save(step)  # none while a guard says no: the last good one is kept
-            bar.set_postfix(step_log.postfix(result.metrics))
+        step = start_step + 1
+        with stop.preemptible(run.term_grace_s) as preemption:
+            while step <= run.steps:
+                try:
+                    saved = self._one_step(step, bar)
+                except LostWorker as lost:  # a rank is gone: from the last checkpoint again
+                    step = self._recover(lost, step) + 1
+                    bar.n = step - 1
+                    bar.refresh()
+                    continue
+                if preemption.requested:  # SIGTERM: a checkpoint at this safe point, then stop
+                    if not saved:
+                        self.save(step)
+                    raise stop.Stopped("SIGTERM")
+                step += 1
+        bar.close()
+
+    def _one_step(self, step: int, bar) -> bool:
+        """Step `step`: its walk, validation when due, logs, guards and checkpoint; whether a
+        checkpoint was written."""
+        run = self.spec.run
+        result = self.step(step)
+        if self.val_batch is not None and self._due(step, run.val_every):
+            result.metrics.update(self.validate(step))
+        with self._writing("metrics.jsonl and samples.jsonl"):
+            self.loggers.log(result.metrics)  # metrics.jsonl, and TensorBoard / W&B when chosen
+            step_log.log_samples(self.samples, step, result.batch, run.log_samples)
+        self.steps_done = step
+        faults.point("logged", step)
+        self._guard(step, result, self.loggers)
+        saved = self._due(step, run.save_every) and all(g.may_save for g in self.guards)
+        if saved:
+            self.save(step)  # none while a guard says no: the last good one is kept
+        self.recovery.finished(step)
+        bar.update(1)
+        bar.set_postfix(step_log.postfix(result.metrics))
+        return saved
+
+    # -- recovery --------------------------------------------------------------------------
+    def _recover(self, lost: LostWorker, step: int) -> int:
+        """Recover from `lost` during `step` (flowrl/runtime/recovery.py): every pool made
+        again, the newest complete checkpoint loaded (or the run's start), the logs cut back
+        to it. Returns the step it goes on after; raises RecoveryStop when it may not."""
+        try:
+            wait = self.recovery.allow(lost, step)
+        except RecoveryStop as e:
+            raise RecoveryStop(
+                f"{e}. {outcome.after_stop(self.run_dir, self, self.command)}"
+            ) from lost
+        start = time.monotonic()
+        tqdm.write(f"flowrl: step {step}: {lost}; recovering (after {wait:g} s)")
+        self.executor.release()  # every rank ends: calls in flight fail where they wait
+        self.source.close()
+        self.source.join()  # a rollout stage's thread ends with its failed walk
+        time.sleep(wait)
+        try:
+            self.executor.restart(self.spec.run.restart_wait_s)
+        except NodeFailure as e:
+            raise RecoveryStop(
+                f"{lost}; making the pools again failed: {e}. "
+                f"{outcome.after_stop(self.run_dir, self, self.command)}"
+            ) from e
+        self.guards = guards.step_guards(self.spec, self.run_dir, self.command)
+        directory = checkpoint.newest_complete(self.run_dir)
+        if directory is not None:
+            for temp in checkpoint.remove_temps(self.run_dir):
+                tqdm.write(f"removed {temp}: a checkpoint write that did not finish")
+            restored, queued = self._load(directory)
+            source = f"checkpoint {directory.name}"
+        else:  # before the first checkpoint: the models as they were loaded, the run's start
+            restored, queued = self._restore(self.start_state), None
+            source = "the run's start (no checkpoint yet)"
+        self.source = step_sources.source(self.executor, self.plan, self.feed, self.tokenizer)
+        self.source.start(restored, queued)
+        self.steps_done = restored
+        row, said = self.recovery.event(lost, step, restored, source, time.monotonic() - start)
+        tqdm.write(f"flowrl: {said}")
+        with self._writing("metrics.jsonl"):
+            self.loggers.log(row)
+        return restored
+
+    def _state(self, step: int) -> dict:
+        """The controller's state after `step` when no model has changed yet (the start)."""
+        return {
+            "step": step,
+            "loader": self.feed.checkpoint(step),
+            "node_state": json.loads(json.dumps(self.executor.node_state)),
+            "rng": rng.state(),
+        }
+
+    def _restore(self, state: dict) -> int:
+        self.feed.load(state["loader"])
+        self.executor.node_state.update(json.loads(json.dumps(state["node_state"])))
+        rng.set_state(state["rng"])
+        self._cut_logs(state["step"])
+        return state["step"]
+
+    def _cut_logs(self, step: int) -> None:
+        """metrics.jsonl and samples.jsonl back to `step` (a resume or a recovery runs the
+        later steps again), their writers reopened."""
+        with self._writing("metrics.jsonl and samples.jsonl"):
+            reopen = self.loggers is not None
+            if reopen:
+                self.loggers.rewind()
+                _close_quietly(self.samples)
+            for name in ("metrics.jsonl", "samples.jsonl"):  # drop steps the run redoes
+                step_log.truncate_log(self.run_dir / name, step)
+            if reopen:
+                self.loggers.reopen()
+                self.samples = open(self.run_dir / "samples.jsonl", "a")
 
     def _due(self, step: int, every: int) -> bool:
         """Whether something done every `every` steps (0: only at the end) is due."""
@@ -285,18 +386,17 @@ class Trainer:
             print(f"removed {temp}: a checkpoint write that did not finish")
         for newer in checkpoint.set_aside_newer(directory):
             print(f"set {newer.name} aside as {newer}: it is newer than the checkpoint resumed")
+        step, queued = self._load(directory)
+        print(f"resumed from {directory} (step {step})")
+        return step, queued
+
+    def _load(self, directory: Path) -> tuple[int, pipelines.Queued]:
+        """Every pool's models and the controller's state from checkpoint `directory`."""
         state = json.loads((directory / "controller.json").read_text())
         self.executor.broadcast("load", str(directory))
         self.executor.sync_rollout_pools()  # a separate rollout copy gets the loaded weights
-        self.feed.load(state["loader"])
         queued = pipelines.load_queue(directory, state)
-        self.executor.node_state.update(state["node_state"])
-        rng.set_state(state["rng"])
-        with self._writing("metrics.jsonl and samples.jsonl"):
-            for name in ("metrics.jsonl", "samples.jsonl"):  # drop steps the resumed run redoes
-                step_log.truncate_log(self.run_dir / name, state["step"])
-        print(f"resumed from {directory} (step {state['step']})")
-        return state["step"], queued
+        return self._restore(state), queued
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -49,10 +49,13 @@ class Executor(abc.ABC):
       least one is;
     - `results(handle)`: each rank's return value, in rank order; raises NodeFailure naming
       the pool and rank when a rank failed;
-    - `shutdown()`: release the ranks (processes, placement groups).
+    - `shutdown()`: release the ranks (processes, placement groups);
+    - where `restartable`: `release()` and `restart(wait_s)`, to make lost ranks again
+      (flowrl/runtime/recovery.py).
     """
 
     concurrent = True  # walks from two threads run at once (run.staleness's two stages)
+    restartable = False  # `release` and `restart` make lost ranks again (recovery.py)
 
     def __init__(self, plan):
         self.plan, self.spec = plan, plan.spec
@@ -84,6 +87,14 @@ class Executor(abc.ABC):
 
     def shutdown(self) -> None:  # noqa: B027 (nothing to release by default)
         pass
+
+    def release(self) -> None:
+        """End every rank, keeping what `restart` needs (only where `restartable`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot make its ranks again")
+
+    def restart(self, wait_s: float) -> None:
+        """Make every rank again after `release`, waiting up to `wait_s` for room."""
+        raise NotImplementedError(f"{type(self).__name__} cannot make its ranks again")
 
     def rank0_output(self, handle):
         """Rank 0's result of a submitted call, in a form `submit` can pass on as an argument

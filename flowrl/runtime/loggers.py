@@ -18,7 +18,13 @@ class JsonlLogger:
     """RUN_DIR/metrics.jsonl: one JSON object per row, keys sorted; events too (a resume)."""
 
     def __init__(self, run_dir: Path, spec):
-        self.file = open(run_dir / "metrics.jsonl", "a")
+        self.path = run_dir / "metrics.jsonl"
+        self.file = open(self.path, "a")
+
+    def reopen(self) -> None:
+        """Append to the file again (after it was cut back and replaced: `Loggers.rewind`)."""
+        self.close()
+        self.file = open(self.path, "a")
 
     def log(self, row: dict) -> None:
         self.file.write(json.dumps(row, sort_keys=True) + "\n")
@@ -81,11 +87,33 @@ class Loggers:
     def __init__(self, names, run_dir: Path, spec):
         names = ["jsonl", *(n for n in names if n != "jsonl")]
         self.loggers = [LOGGERS[name](run_dir, spec) for name in names]
+        self.sent = -1  # the last step the other loggers got (they cannot take a step back)
+        self.skip_upto = -1  # after a recovery: the steps they have, which run again
 
     def log(self, row: dict) -> None:
+        step = row.get("step")
+        again = step is not None and step <= self.skip_upto
         for logger in self.loggers:
-            if isinstance(logger, JsonlLogger) or ("step" in row and "event" not in row):
+            if isinstance(logger, JsonlLogger):
                 logger.log(row)
+            elif step is not None and "event" not in row and not again:
+                logger.log(row)
+        if step is not None and "event" not in row:
+            self.sent = max(self.sent, step)
+
+    def rewind(self) -> None:
+        """Before metrics.jsonl is cut back to an earlier step (a recovery runs later steps
+        again): its file is closed (`reopen` opens it again); TensorBoard and W&B keep the
+        steps they have and are not sent them again."""
+        self.skip_upto = self.sent
+        for logger in self.loggers:
+            if isinstance(logger, JsonlLogger):
+                logger.close()
+
+    def reopen(self) -> None:
+        for logger in self.loggers:
+            if isinstance(logger, JsonlLogger):
+                logger.reopen()
 
     def close(self) -> None:
         for logger in self.loggers:

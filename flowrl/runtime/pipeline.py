@@ -35,6 +35,7 @@ from flowrl.runtime.inputs import Recording
 from flowrl.runtime.trace import Slice
 
 VERSION_KEY = "weight_version"  # (b,) int64: the update whose weights generated the row
+JOIN_TIMEOUT_S = 120.0  # for the rollout stage's thread to end once its pools are released
 TRACK = "controller/rollout stage"  # the trace track of the rollout stage's controller items
 
 
@@ -241,6 +242,17 @@ class Pipeline:
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
+
+    def join(self, timeout: float = JOIN_TIMEOUT_S) -> None:
+        """Wait for the rollout stage's thread to end (after `close`, with its pools released:
+        a walk in flight fails where it waits), so it reads no more prompts."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                raise RuntimeError(
+                    f"the rollout stage's thread did not end within {timeout:g} s of its pools "
+                    "being released"
+                )
 
 
 def next_version(done: int, k: int, start: int, steps: int) -> int | None:

@@ -8,6 +8,7 @@ executor turns into the step's timings and trace.
 """
 
 import copy
+import datetime
 import json
 import os
 import time
@@ -19,6 +20,7 @@ import torch
 from flowrl.front import memory, registry
 from flowrl.models import lora
 from flowrl.protocol import DataProto
+from flowrl.runtime import faults
 from flowrl.runtime.node_call import CallResult, NodeCall, Timed, call_node
 from flowrl.runtime.setup import PoolSetup
 from flowrl.runtime.weights import Weights
@@ -44,6 +46,7 @@ class PoolWorker:
 
         hf_logging.disable_progress_bar()  # one "Loading weights" bar per model per rank is noise
         self.setup, self.rank, self.world_size = setup, rank, world_size
+        self.step = 0  # the training step of the last call (what a fault point names)
         device = _device(setup.device, rank)
         group = _process_group(setup, rank, world_size, dist_url, device)
         self.train, self.rollout, self.tokenizers = {}, {}, {}
@@ -123,6 +126,9 @@ class PoolWorker:
         """
         node = self.nodes[node_id]
         call, worker = node.call, node.worker
+        if not changes:  # validation's calls (greedy) carry step 0
+            self.step = batch.meta.get("step", self.step)
+        self._fault(node_id)
         if changes:
             call = attrs.evolve(call, params=attrs.evolve(call.params, **changes))
             worker = call.spec.worker(node.engine, call.params)
@@ -137,6 +143,7 @@ class PoolWorker:
         start = time.time()
         copy = self.rollout_copies.get(model)  # fsdp: the unsharded copy the rollout uses
         if kind == "sync":
+            self._fault("sync")
             if model in self.rollout:
                 if copy is not None:  # gathered one parameter at a time
                     self.train[model].copy_weights_to(copy)
@@ -184,6 +191,7 @@ class PoolWorker:
         """ddp: rank 0 writes the trainable models' state to pool-<name>.pt (all ranks hold the
         same after each step). fsdp: every rank writes its shards into pool-<name>/. Rank 0
         writes the node workers' states (the same on every rank) to nodes-<name>.json."""
+        self._fault("save")
         states = self.node_states()
         if states and self.rank == 0:
             path = Path(directory) / f"nodes-{self.setup.pool}.json"
@@ -226,6 +234,7 @@ class PoolWorker:
         other ranks return Timed(None, ...) (under fsdp they take part in gathering the shards).
         """
         start = time.time()
+        self._fault("export")
         if self.train[model].module is not None and lora.has_adapter(self.train[model].module):
             state = None  # with LoRA (ddp only), the adapter: all ranks hold the same
             if self.rank == 0:
@@ -243,6 +252,7 @@ class PoolWorker:
         times the export too (its rank never answers to the controller: on Ray the weights go
         worker to worker)."""
         start = time.time()
+        self._fault("import")
         with torch.no_grad():  # with LoRA, the adapter
             lora.load_weights(self.train[model].module, exported.value)
         if model in self.rollout:  # a backend with its own copy (sglang) takes them too
@@ -260,6 +270,10 @@ class PoolWorker:
                 close()
             except Exception as e:  # noqa: BLE001 (the run is ending: say it, go on)
                 print(f"flowrl: warning: rollout backend of {name}: close() failed: {e}")
+
+    def _fault(self, what: str) -> None:
+        """A test's fault set for this rank doing `what` (flowrl/runtime/faults.py)."""
+        faults.point(f"{self.setup.pool}.{self.rank}.{what}", self.step)
 
     def apply(self, fn, *args):
         """`fn(self, *args)` on this rank: how tests and diagnostics look inside a rank (its
@@ -279,8 +293,13 @@ def _process_group(setup: PoolSetup, rank: int, world_size: int, url: str, devic
     if setup.device == "cuda":
         torch.cuda.set_device(device)
     backend = "gloo" if setup.device == "cpu" else "nccl"
-    if world_size > 1:
-        dist.init_process_group(backend, init_method=url, rank=rank, world_size=world_size)
+    if world_size > 1:  # a collective whose peer is gone fails after run.call_timeout_s
+        timeout = {}
+        if setup.collective_timeout_s:
+            timeout["timeout"] = datetime.timedelta(seconds=setup.collective_timeout_s)
+        dist.init_process_group(
+            backend, init_method=url, rank=rank, world_size=world_size, **timeout
+        )
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return dist.group.WORLD

@@ -31,6 +31,7 @@ class PoolSetup:
     nodes: tuple  # NodeSetup for every node that runs on this pool
     strategy: str = "ddp"  # "ddp" or "fsdp" (flowrl/engines/train/sharding.py)
     sharded: tuple = ()  # the models fsdp shards here
+    collective_timeout_s: float = 0.0  # run.call_timeout_s: a collective fails after it (0: never)
 
 
 def pool_setups(plan) -> dict[str, PoolSetup]:
@@ -63,5 +64,6 @@ def pool_setups(plan) -> dict[str, PoolSetup]:
             nodes,
             pool.strategy,
             pool.sharded,
+            spec.run.call_timeout_s,
         )
     return out

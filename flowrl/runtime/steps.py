@@ -42,6 +42,9 @@ class StepSource(Protocol):
     def close(self) -> None:
         """Stop what runs beside the loop (a rollout stage's thread)."""
 
+    def join(self) -> None:
+        """Wait until what `close` stopped has ended (a recovery: its pools are released)."""
+
 
 class Walk:
     """The whole plan on the step's prompts; during run.critic_warmup the nodes the warm-up
@@ -68,6 +71,9 @@ class Walk:
         return contextlib.nullcontext()  # the step's own walk synced them
 
     def close(self) -> None:
+        pass
+
+    def join(self) -> None:
         pass
 
 
@@ -124,6 +130,10 @@ class Pipelined:
     def close(self) -> None:
         if self.pipeline is not None:
             self.pipeline.close()
+
+    def join(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.join()
 
 
 def source(executor, plan, feed: PromptFeed, tokenizer) -> StepSource:

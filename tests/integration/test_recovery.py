@@ -1,0 +1,148 @@
+"""Recovery on a multi-node Ray test cluster (a head and three raylets on this machine): a rank
+killed (rollout or train), a rank that stops answering, a whole raylet lost, during a weight
+sync and during a checkpoint write, twice in one run; each run finishes every step once, with
+its recovery events, and its values equal those of a run that never failed. A fault that
+recurs at the same point stops the run with its cause.
+
+Faults fire at exact points (`FLOWRL_KILL_AT`, flowrl/runtime/faults.py), each once
+(`FLOWRL_FAULTS_ONCE`), through the job's environment: every rank of the run gets it."""
+
+import json
+from collections import Counter
+
+import pytest
+from test_async import comparable
+
+from flowrl.runtime.controller import Trainer
+from flowrl.runtime.recovery import RecoveryStop
+
+pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
+
+ray = pytest.importorskip("ray")
+
+STEPS = 5
+SETTINGS = {
+    "run.steps": STEPS,
+    "run.save_every": 2,
+    "run.keep_checkpoints": 10,
+    "run.restart_backoff_s": 0,
+    "run.restart_wait_s": 60,
+}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    fast = {  # a lost raylet is noticed within ~2 s, not the default ~30 s
+        "health_check_initial_delay_ms": 0,
+        "health_check_period_ms": 500,
+        "health_check_failure_threshold": 3,
+    }
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": fast})
+    for _ in range(3):  # a node each for the train and gen pools, and one to spare
+        made.add_node(num_cpus=1)
+    made.wait_for_nodes()
+    yield made
+    if ray.is_initialized():
+        ray.shutdown()
+    made.shutdown()
+
+
+def run(cluster, tiny_plan, run_dir, faults: str = "", marks=None, **extra):
+    """The tiny disaggregated GRPO run on the cluster, with `faults` (FLOWRL_KILL_AT, each
+    fired once: marks in `marks`); the run directory."""
+    env = {"FLOWRL_KILL_AT": faults} if faults else {}
+    if marks is not None:
+        marks.mkdir(exist_ok=True)
+        env["FLOWRL_FAULTS_ONCE"] = str(marks)
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address=cluster.address, runtime_env={"env_vars": env})
+    plan = tiny_plan("grpo_disaggregated.toml", **{**SETTINGS, **extra})
+    trainer = Trainer(plan, run_dir, "ray")
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def unfailed(cluster, tmp_path_factory):
+    """The run without a fault: what every recovered run must equal."""
+    from conftest import ROOT, tiny_overrides
+
+    from flowrl.cli import load_plan
+
+    folder = tmp_path_factory.mktemp("unfailed")
+
+    def plan(graph, **extra):
+        return load_plan(str(ROOT / "graphs" / graph), tiny_overrides(graph, folder, **extra))
+
+    return comparable(run(cluster, plan, folder / "run"))
+
+
+def events(run_dir) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("event") == "recovery"]
+
+
+def assert_like_unfailed(run_dir, unfailed, recoveries: int) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = Counter(r["step"] for r in rows if "event" not in r)
+    assert steps == {s: 1 for s in range(STEPS + 1)}  # every step once; step 0: validation
+    samples = Counter(json.loads(x)["step"] for x in (run_dir / "samples.jsonl").open())
+    assert set(samples) == set(range(1, STEPS + 1)) and len(set(samples.values())) == 1
+    assert comparable(run_dir) == unfailed  # every value of every step
+    found = events(run_dir)
+    assert len(found) == recoveries, found
+    return found
+
+
+def test_a_rollout_rank_and_a_train_rank_killed_in_one_run(cluster, tiny_plan, tmp_path, unfailed):
+    faults = "gen.0.generate:1,train.0.update_policy:4"  # before the first checkpoint; after it
+    run_dir = run(cluster, tiny_plan, tmp_path / "run", faults, tmp_path / "marks")
+    first, second = assert_like_unfailed(run_dir, unfailed, recoveries=2)
+    assert (first["step"], first["lost"], first["what"]) == (1, "pool gen, rank 0", "died")
+    assert first["restored_from"] == "the run's start (no checkpoint yet)"
+    assert (second["step"], second["lost"], second["restored_step"]) == (4, "pool train, rank 0", 2)
+    assert second["restored_from"] == "checkpoint step_000002" and second["seconds"] > 0
+    assert "pid" in first["where"] and "update_policy" in second["cause"]
+
+
+def test_killed_during_a_weight_sync_and_a_checkpoint_write(cluster, tiny_plan, tmp_path, unfailed):
+    faults = "train.0.export:1,gen.0.save:4"
+    run_dir = run(cluster, tiny_plan, tmp_path / "run", faults, tmp_path / "marks")
+    sync, save = assert_like_unfailed(run_dir, unfailed, recoveries=2)
+    assert "weights" in sync["cause"] and sync["lost"] == "pool train, rank 0"
+    assert save["step"] == 4 and "save" in save["cause"] and save["restored_step"] == 2
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints == ["step_000002", "step_000004", "step_000005"]  # no temp left
+
+
+def test_a_lost_node_and_a_rank_that_stops_answering(cluster, tiny_plan, tmp_path, unfailed):
+    faults = "train.0.update_policy:2:NODE,gen.0.generate:3:HANG"
+    marks = tmp_path / "marks"
+    run_dir = run(cluster, tiny_plan, tmp_path / "run", faults, marks, **{"run.call_timeout_s": 8})
+    node, hang = assert_like_unfailed(run_dir, unfailed, recoveries=2)
+    assert node["what"] == "node lost" and node["lost"] == "pool train, rank 0"
+    assert hang["what"] == "no answer" and "run.call_timeout_s = 8 s" in hang["cause"]
+    ray.init(address=cluster.address)  # the run's close shut its connection down
+    alive = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")]
+    assert len(alive) == 2  # the run finished on the two raylets left
+
+
+def test_a_fault_that_recurs_at_the_same_point_stops_the_run(cluster, tiny_plan, tmp_path):
+    # no FLOWRL_FAULTS_ONCE: the rank dies there every time, as a deterministic crash would
+    with pytest.raises(RecoveryStop, match="same fault stopped step 3 again") as stopped:
+        run(cluster, tiny_plan, tmp_path / "run", "gen.0.generate:3")
+    assert "--resume" in str(stopped.value) and "step_000002" in str(stopped.value)
+    (only,) = events(tmp_path / "run")  # the first was recovered from
+    assert only["step"] == 3
+
+
+def test_max_restarts_zero_stops_at_the_first_lost_rank(cluster, tiny_plan, tmp_path):
+    with pytest.raises(RecoveryStop, match=r"pool gen, rank 0.*run.max_restarts = 0"):
+        run(cluster, tiny_plan, tmp_path / "run", "gen.0.generate:1", **{"run.max_restarts": 0})
+    assert events(tmp_path / "run") == []
