@@ -38,6 +38,34 @@ class FlowrlError(Exception):
     """Base of flowrl's errors: the message says what is wrong, where, and what to do."""
 
 
+class InfraError(FlowrlError, RuntimeError):
+    """What a request ran on failed, not the model: its engine died or aborted it, a service
+    its tools call is down. The request is counted as `infra_failed` and left out of its
+    group's statistics and of the loss, never scored as if the model had failed
+    (flowrl/runtime/executor.py: `_after_requests`; docs/recovery.md)."""
+
+
+# connection failures of the HTTP clients engines and services are reached with, by name (the
+# clients are optional: none is imported to ask)
+CONNECTION_ERRORS = (
+    "ConnectError",  # httpx
+    "ConnectTimeout",
+    "RemoteProtocolError",
+    "ReadError",
+    "ClientConnectionError",  # aiohttp
+    "ServerDisconnectedError",
+    "APIConnectionError",  # openai
+)
+
+
+def is_infra(error: BaseException) -> bool:
+    """Whether `error` is an infrastructure failure (InfraError, a refused or dropped
+    connection) rather than a fault of the request's own code or of the model's output."""
+    if isinstance(error, InfraError | ConnectionError):
+        return True
+    return any(t.__name__ in CONNECTION_ERRORS for t in type(error).__mro__)
+
+
 class GraphErrors(FlowrlError):
     """All the problems found in one graph file."""
 

@@ -30,6 +30,7 @@ import time
 import attrs
 
 from flowrl.engines.rollout import Request, Sampling
+from flowrl.errors import InfraError
 
 DEFAULT_SAMPLING = Sampling()
 
@@ -113,7 +114,7 @@ async def _request(episode, backend, sampling, seed, first_turn, stats, started)
             stats.add("decode", start)
             stats.turns += 1
             if result.finish_reason == "abort":  # cut short: not a turn the policy ended
-                episode.fail(RuntimeError("the rollout backend aborted the request"))
+                episode.fail(InfraError("the rollout backend aborted the request"))
                 break
             episode.on_turn(result.ids, result.logprobs)
             if episode.done:

@@ -20,8 +20,10 @@ interaction answers) gets an eos the policy did not sample (mask 0), so the ids 
 template's.
 
 Anything that raises inside a request ends that request with reason "error" (the exception is
-kept in `info`); such a request and one that ran out of time ("timeout") train on nothing (mask
-all 0). No request's failure escapes to the step.
+kept in `info`), or "infra" when what it ran on failed (`flowrl.errors.is_infra`: its engine
+aborted it or is unreachable, a tool's service is down); such a request and one that ran out of
+time ("timeout") train on nothing (mask all 0), and an "infra" one is also left out of its
+group's statistics (flowrl/runtime/executor.py). No request's failure escapes to the step.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import attrs
 
 from flowrl.agent.chat import truncate_chars
 from flowrl.agent.tools.timeouts import run_call
-from flowrl.errors import described
+from flowrl.errors import described, is_infra
 
 GENERATING, TOOLS, INTERACTING, DONE = "generating", "tools", "interacting", "done"
 REASONS = (
@@ -45,9 +47,11 @@ REASONS = (
     "invalid_calls",
     "timeout",
     "error",
+    "infra",
     "interaction_done",
 )
-FAILED = ("error", "timeout")  # requests that contribute zero loss
+FAILED = ("error", "timeout", "infra")  # requests that contribute zero loss
+INFRA = "infra"  # what the request ran on failed: left out of its group (executor.py)
 
 
 @attrs.frozen
@@ -272,7 +276,7 @@ class Episode:
     def _fail(self, error: Exception) -> None:
         self.exception = error
         self.error = described(error)  # "Type: message (file:line)", the user's line first
-        self._end("error")
+        self._end(INFRA if is_infra(error) else "error")
 
     def _timeout(self) -> float:
         return max(min(self.limits.tool_timeout_s, self._time_left()), 1e-3)

@@ -152,7 +152,7 @@ class Executor(abc.ABC):
 
     def _walk(self, walk: "_Walk", param_changes: dict) -> StepResult:
         while len(walk.done) < len(walk.items):
-            _pass_over_after_failed_requests(walk)
+            _after_requests(walk)
             ready = [i for i in walk.items if walk.ready(i)]
             for item in ready:
                 self._start(item, walk, param_changes)
@@ -299,22 +299,37 @@ class _Walk:
         return all(d in self.done for d in item.deps)
 
 
-def _pass_over_after_failed_requests(walk: _Walk) -> None:
-    """When most of a step's multi-turn requests failed (`step_log.failed_step`), the walk
-    passes over its remaining node items, the update among them, rather than feed them rows
-    without responses; transitions still run, so each pool's residency stays in order. The
-    batch's meta says why (`FAILED_STEP`) for the controller. A walk that trains nothing
-    (validation, the rollout stage of run.staleness) goes on: it scores what the requests
-    gave."""
+def _after_requests(walk: _Walk) -> None:
+    """Once a walk's multi-turn requests are done (its batch has `rollout_info`), before any
+    node reads their rows:
+
+    - When most of them failed (`step_log.failed_step`), the walk passes over its remaining
+      node items, the update among them, rather than feed them rows without responses;
+      transitions still run, so each pool's residency stays in order. The batch's meta says
+      why (`FAILED_STEP`) for the controller. A walk that trains nothing (validation, the
+      rollout stage of run.staleness) goes on: it scores what the requests gave.
+    - Otherwise the requests whose infrastructure failed (termination "infra": an engine that
+      died or aborted them, a tool's service down) leave the batch, with the rest of a group
+      they leave too small (`step_log.infra_rows`): they are never scored, so never count as
+      the model's failures in a group's statistics. `infra_failed` and
+      `infra_groups_dropped` count them."""
     if walk.requests_checked or "rollout_info" not in walk.batch:
         return
     walk.requests_checked = True
     left = [i for i in walk.items if i.id not in walk.done | walk.skip | set(walk.pending)]
-    if not any(i.kind == "call" and i.mode == "train" for i in left):
-        return
-    if failed := step_log.failed_step(walk.batch):
-        walk.skip |= {i.id for i in left if i.kind not in ("reload", "offload")}
-        walk.batch.meta[step_log.FAILED_STEP] = failed
+    if any(i.kind == "call" and i.mode == "train" for i in left):
+        if failed := step_log.failed_step(walk.batch):
+            walk.skip |= {i.id for i in left if i.kind not in ("reload", "offload")}
+            walk.batch.meta[step_log.FAILED_STEP] = failed
+            return
+    rows, groups = step_log.infra_rows(walk.batch)
+    walk.metrics["infra_failed"] = float(
+        sum(i["termination"] == "infra" for i in walk.batch["rollout_info"])
+    )
+    walk.metrics["infra_groups_dropped"] = float(groups)
+    if rows:
+        keep = [i for i in range(len(walk.batch)) if i not in set(rows)]
+        walk.batch = walk.batch.index(keep)
 
 
 def _merge(batch: DataProto, writes: DataProto, decl) -> DataProto:

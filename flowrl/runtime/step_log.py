@@ -88,6 +88,8 @@ def truncate_log(path: Path, step: int) -> None:
 
 FAILED_SHARE = 0.5  # a step in which more than this share of the requests failed trains not
 FAILED_STEP = "failed_requests"  # the batch meta key of such a step: what failed, first error
+INFRA = "infra"  # a request whose engine or service failed (flowrl/agent/episode.py)
+MIN_GROUP = 2  # rows a group keeps, of those whose infrastructure did not fail, or it goes
 
 
 def failed_step(batch) -> str:
@@ -97,11 +99,34 @@ def failed_step(batch) -> str:
     if "rollout_info" not in batch or len(batch) == 0:
         return ""
     infos = batch["rollout_info"]
-    failed = [info for info in infos if info["termination"] in ("error", "timeout")]
+    failed = [info for info in infos if info["termination"] in ("error", "timeout", INFRA)]
     if len(failed) <= FAILED_SHARE * len(infos):
         return ""
     first = failed[0].get("error") or "ran out of time (request_timeout_s)"
     return f"{len(failed)} of {len(infos)} requests failed; first: {first}"
+
+
+def infra_rows(batch) -> tuple[list[int], int]:
+    """The rows a multi-turn batch leaves out: those whose request ended in "infra" (what it
+    ran on failed), and the rest of a group (rows of one `uid`) left with fewer than
+    MIN_GROUP rows by them, where groups have several rows; and how many groups went."""
+    infos = batch["rollout_info"]
+    failed = {i for i, info in enumerate(infos) if info["termination"] == INFRA}
+    if not failed:
+        return [], 0
+    if "uid" not in batch:
+        return sorted(failed), 0
+    members: dict[int, list[int]] = {}
+    for i, uid in enumerate(batch["uid"].tolist()):
+        members.setdefault(uid, []).append(i)
+    out, dropped = set(failed), 0
+    if max(len(rows) for rows in members.values()) > 1:  # groups: n samples of a prompt
+        for rows in members.values():
+            kept = [i for i in rows if i not in failed]
+            if len(kept) < len(rows) and len(kept) < MIN_GROUP:
+                out |= set(kept)
+                dropped += 1
+    return sorted(out), dropped
 
 
 def failed_requests(batch) -> list[int]:

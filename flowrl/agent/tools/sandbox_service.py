@@ -31,6 +31,8 @@ import urllib.request
 
 import attrs
 
+from flowrl.errors import InfraError
+
 SCHEMA = {
     "type": "function",
     "function": {
@@ -50,8 +52,9 @@ SCHEMA = {
 UNUSED = ("type", "num_workers", "rate_limit", "enable_global_rate_limit")
 
 
-class SandboxServiceError(RuntimeError):
-    """The service could not run the code (not the code's own failure)."""
+class SandboxServiceError(InfraError):
+    """The service could not run the code (not the code's own failure): the request is an
+    infrastructure failure (`flowrl.errors.InfraError`), not a tool error the model reads."""
 
 
 @attrs.frozen

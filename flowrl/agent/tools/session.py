@@ -16,6 +16,7 @@ import typing
 import attrs
 
 from flowrl.agent.tools.timeouts import ToolStuck, run_call
+from flowrl.errors import is_infra
 from flowrl.rewards import BadValue, finite
 
 JSON_TYPES = {
@@ -109,6 +110,8 @@ class Session:
             text = f"error: TimeoutError: {name} took longer than {timeout:g} s"
             return failed(text, "timeout", time.monotonic() - start)
         except Exception as e:
+            if is_infra(e):  # a service the tool calls is down: not the model's doing
+                raise
             return failed(f"error: {type(e).__name__}: {e}", "error", time.monotonic() - start)
         text, reward = tool_output(out)
         try:

@@ -157,3 +157,41 @@ def test_a_verl_interaction_without_kwargs_fails_naming_its_method(tmp_path):
     with pytest.raises(TypeError, match=r"'ground_truth': give it \*\*kwargs"):
         asyncio.run(interaction.start("id", ground_truth="3"))
     asyncio.run(interaction.start("id"))  # no kwargs: fine
+
+
+def test_requests_whose_infrastructure_failed_leave_their_group_and_the_loss(tmp_path):
+    """An engine that died or a service that is down is not the model's failure: those rows
+    are never scored, a group they leave with one row goes whole, the rest trains."""
+    plan = compile_text(tmp_path, GOOD)  # 2 prompts x 4 samples: rows 0-3 and 4-7
+    executor = FailingRollout(plan, [None] * 8)
+    outcome = ["stop", "infra", "infra", "infra", "stop", "infra", "stop", "stop"]
+
+    def submit(pool, method, per_rank_args, inner=executor.submit):
+        out = inner(pool, method, per_rank_args)
+        if method == "call" and per_rank_args[0][0] == "generate":
+            for info, reason in zip(out[0].writes["rollout_info"], outcome, strict=True):
+                info["termination"] = reason
+                info["error"] = "InfraError: engine gone" if reason == "infra" else None
+        return out
+
+    executor.submit = submit
+    result = executor.run_step(prompts([0, 1]))
+    assert [e[1] for e in executor.log if e[0] == "call"][-1] == "update"  # it trained
+    uids = result.batch["uid"].tolist()
+    assert len(result.batch) == 3 and len(set(uids)) == 1  # rows 4, 6, 7: the second group
+    assert [i["termination"] for i in result.batch["rollout_info"]] == ["stop"] * 3
+    assert result.metrics["infra_failed"] == 4.0 and result.metrics["infra_groups_dropped"] == 1.0
+    assert step_log.FAILED_STEP not in result.batch.meta
+
+
+def test_an_infra_error_ends_a_request_as_infra_and_a_code_error_as_error():
+    from flowrl.errors import InfraError, is_infra
+
+    class ConnectError(Exception):  # named as httpx names its own
+        pass
+
+    assert is_infra(InfraError("engine gone")) and is_infra(ConnectionRefusedError())
+    assert is_infra(ConnectError()) and not is_infra(ValueError("bad answer"))
+    from flowrl.agent.tools.sandbox_service import SandboxServiceError
+
+    assert is_infra(SandboxServiceError("the service answered HTTP 500"))

@@ -125,12 +125,15 @@ def test_a_5xx_is_retried_and_a_4xx_is_not(service):
     assert len(server.requests) == 1
 
 
-def test_the_services_failures_are_errors_the_session_counts(service):
+def test_the_services_failures_end_the_request_as_infrastructure_not_a_tool_error(service):
+    """The model did nothing wrong when the service is down: the call raises through the
+    session (the request ends "infra" and leaves its group) instead of answering the model an
+    error text its group would score as a failure."""
+    from flowrl.errors import InfraError
+
     server = service(*[(500, "internal error")] * 3)
-    result = call(Session([make(server.url, retries=2)], {}), "print(1)")
-    assert result.status == "error" and result.reward == 0.0  # verl's failed-call reward
-    assert result.text.startswith("error: SandboxServiceError: ")
-    assert "failed 3 tries; the last: HTTP 500: internal error" in result.text
+    with pytest.raises(InfraError, match="failed 3 tries; the last: HTTP 500: internal error"):
+        call(Session([make(server.url, retries=2)], {}), "print(1)")
     assert len(server.requests) == 3
     server = service((200, {"status": "SandboxError", "message": "no runner for python"}))
     with pytest.raises(SandboxServiceError, match="'SandboxError': no runner for python"):
