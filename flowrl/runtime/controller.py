@@ -242,7 +242,7 @@ class Trainer:
             raise RecoveryStop(
                 f"{e}. {outcome.after_stop(self.run_dir, self, self.command)}"
             ) from lost
-        start = time.monotonic()
+        start, began = time.monotonic(), time.time()
         tqdm.write(f"flowrl: step {step}: {lost}; recovering (after {wait:g} s)")
         self.executor.release()  # every rank ends: calls in flight fail where they wait
         self.source.close()
@@ -268,7 +268,8 @@ class Trainer:
         self.source = step_sources.source(self.executor, self.plan, self.feed, self.tokenizer)
         self.source.start(restored, queued)
         self.steps_done = restored
-        row, said = self.recovery.event(lost, step, restored, source, time.monotonic() - start)
+        seconds = time.monotonic() - start
+        row, said = self.recovery.event(lost, step, restored, source, seconds, began)
         tqdm.write(f"flowrl: {said}")
         with self._writing("metrics.jsonl"):
             self.loggers.log(row)

@@ -80,8 +80,11 @@ class Recovery:
         if self.last is None or step >= self.last[0]:
             self.in_a_row = 0
 
-    def event(self, lost: LostWorker, step: int, restored: int, source: str, seconds: float):
-        """The `recovery` row of metrics.jsonl, and the console line."""
+    def event(
+        self, lost: LostWorker, step: int, restored: int, source: str, seconds: float, began: float
+    ):
+        """The `recovery` row of metrics.jsonl (`began`: when it began, Unix time), and the
+        console line."""
         row = {
             "event": "recovery",
             "step": step,
@@ -93,6 +96,7 @@ class Recovery:
             "restored_from": source,
             "restored_step": restored,
             "seconds": round(seconds, 3),
+            "time": round(began, 3),
         }
         said = (
             f"step {step}: pool {lost.pool}, rank {lost.rank} {lost.what}"

@@ -21,6 +21,9 @@ pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loa
 ray = pytest.importorskip("ray")
 
 STEPS = 5
+DISAGGREGATED = "grpo_disaggregated.toml"
+# one pool of two ddp ranks, one on each of two nodes: their gradients meet in a collective
+DDP = {"pools.main.workers": 2, "pools.main.nodes": 2, "data.batch_size": 2}
 SETTINGS = {
     "run.steps": STEPS,
     "run.save_every": 2,
@@ -49,9 +52,9 @@ def cluster():
     made.shutdown()
 
 
-def run(cluster, tiny_plan, run_dir, faults: str = "", marks=None, **extra):
-    """The tiny disaggregated GRPO run on the cluster, with `faults` (FLOWRL_KILL_AT, each
-    fired once: marks in `marks`); the run directory."""
+def run(cluster, tiny_plan, run_dir, faults="", marks=None, graph=DISAGGREGATED, **extra):
+    """A tiny run on the cluster (the disaggregated GRPO graph unless told), with `faults`
+    (FLOWRL_KILL_AT, each fired once: marks in `marks`); the run directory."""
     env = {"FLOWRL_KILL_AT": faults} if faults else {}
     if marks is not None:
         marks.mkdir(exist_ok=True)
@@ -59,7 +62,7 @@ def run(cluster, tiny_plan, run_dir, faults: str = "", marks=None, **extra):
     if ray.is_initialized():
         ray.shutdown()
     ray.init(address=cluster.address, runtime_env={"env_vars": env})
-    plan = tiny_plan("grpo_disaggregated.toml", **{**SETTINGS, **extra})
+    plan = tiny_plan(graph, **{**SETTINGS, **extra})
     trainer = Trainer(plan, run_dir, "ray")
     try:
         trainer.fit()
@@ -68,19 +71,21 @@ def run(cluster, tiny_plan, run_dir, faults: str = "", marks=None, **extra):
     return run_dir
 
 
-@pytest.fixture(scope="module")
-def unfailed(cluster, tmp_path_factory):
-    """The run without a fault: what every recovered run must equal."""
+def unfailed_run(cluster, folder, graph=DISAGGREGATED, **extra) -> list[dict]:
     from conftest import ROOT, tiny_overrides
 
     from flowrl.cli import load_plan
 
-    folder = tmp_path_factory.mktemp("unfailed")
+    def plan(graph, **more):
+        return load_plan(str(ROOT / "graphs" / graph), tiny_overrides(graph, folder, **more))
 
-    def plan(graph, **extra):
-        return load_plan(str(ROOT / "graphs" / graph), tiny_overrides(graph, folder, **extra))
+    return comparable(run(cluster, plan, folder / "run", graph=graph, **extra))
 
-    return comparable(run(cluster, plan, folder / "run"))
+
+@pytest.fixture(scope="module")
+def unfailed(cluster, tmp_path_factory):
+    """The run without a fault: what every recovered run must equal."""
+    return unfailed_run(cluster, tmp_path_factory.mktemp("unfailed"))
 
 
 def events(run_dir) -> list[dict]:
@@ -119,6 +124,22 @@ def test_killed_during_a_weight_sync_and_a_checkpoint_write(cluster, tiny_plan, 
     assert save["step"] == 4 and "save" in save["cause"] and save["restored_step"] == 2
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert checkpoints == ["step_000002", "step_000004", "step_000005"]  # no temp left
+
+
+def test_a_ddp_rank_killed_while_its_peer_waits_in_the_collective(cluster, tiny_plan, tmp_path):
+    """Rank 1 dies in its update: rank 0's all-reduce fails on the lost peer (gloo), and the
+    rank named lost is the dead one, not the one whose call failed first."""
+    reference = unfailed_run(cluster, tmp_path / "unfailed", "grpo.toml", **DDP)
+    faults = "main.1.update_policy:3"
+    run_dir = run(
+        cluster, tiny_plan, tmp_path / "run", faults, tmp_path / "marks", "grpo.toml", **DDP
+    )
+    (event,) = assert_like_unfailed(run_dir, reference, recoveries=1)
+    assert (event["lost"], event["what"], event["restored_step"]) == (
+        "pool main, rank 1",
+        "died",
+        2,
+    )
 
 
 def test_a_lost_node_and_a_rank_that_stops_answering(cluster, tiny_plan, tmp_path, unfailed):

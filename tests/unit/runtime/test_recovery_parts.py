@@ -54,10 +54,10 @@ def test_the_event_says_what_died_where_and_what_was_restored():
     recovery = Recovery(max_restarts=3, backoff_s=0)
     failure = lost(what="node lost")
     recovery.allow(failure, 4)
-    row, said = recovery.event(failure, 4, 2, "checkpoint step_000002", 3.21)
+    row, said = recovery.event(failure, 4, 2, "checkpoint step_000002", 3.21, 1.5e9)
     assert row["event"] == "recovery" and row["step"] == 4 and row["restored_step"] == 2
     assert (row["lost"], row["what"], row["where"]) == ("pool gen, rank 0", "node lost", "pid 1")
-    assert row["seconds"] == 3.21 and row["cause"] == str(failure)
+    assert row["seconds"] == 3.21 and row["cause"] == str(failure) and row["time"] == 1.5e9
     assert "checkpoint step_000002 loaded in 3.2 s; going on from step 2" in said
     assert "recovery 1 of at most 3" in said
 
