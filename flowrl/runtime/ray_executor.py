@@ -143,7 +143,8 @@ class RayExecutor(Executor):
             if waiting:
                 rank = h.refs.index(waiting[0])
                 return LostWorker(
-                    f"{h.method} {h.name} on pool {h.pool}, rank {rank} did not answer within "
+                    f"{f'{h.method} {h.name}'.strip()} on pool {h.pool}, rank {rank} did not "
+                    "answer within "
                     f"run.call_timeout_s = {self.call_timeout_s:g} s; the controller waited on "
                     "it",
                     h.pool,
@@ -156,7 +157,7 @@ class RayExecutor(Executor):
     def results(self, handle, pool: str | None = None):
         refs = handle.refs if isinstance(handle, _Handle) else handle
         pool = handle.pool if isinstance(handle, _Handle) else pool
-        what = f"{handle.method} {handle.name}" if isinstance(handle, _Handle) else "start"
+        what = f"{handle.method} {handle.name}".strip() if isinstance(handle, _Handle) else "start"
         out = []
         for rank, ref in enumerate(refs):
             try:

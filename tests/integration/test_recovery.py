@@ -167,3 +167,15 @@ def test_max_restarts_zero_stops_at_the_first_lost_rank(cluster, tiny_plan, tmp_
     with pytest.raises(RecoveryStop, match=r"pool gen, rank 0.*run.max_restarts = 0"):
         run(cluster, tiny_plan, tmp_path / "run", "gen.0.generate:1", **{"run.max_restarts": 0})
     assert events(tmp_path / "run") == []
+
+
+def test_lost_ranks_under_run_staleness_one(cluster, tiny_plan, tmp_path):
+    """The rollout stage runs a step ahead in its own thread: a train rank lost while it
+    generates, then a rollout rank lost while the trainer checkpoints; its thread ends before
+    the pools are made again, and the queue comes back from the checkpoint."""
+    ahead = {"run.staleness": 1}
+    reference = unfailed_run(cluster, tmp_path / "unfailed", **ahead)
+    faults = "train.0.update_policy:2,gen.0.generate:4"
+    run_dir = run(cluster, tiny_plan, tmp_path / "run", faults, tmp_path / "marks", **ahead)
+    events = assert_like_unfailed(run_dir, reference, recoveries=2)
+    assert {e["lost"] for e in events} == {"pool train, rank 0", "pool gen, rank 0"}
