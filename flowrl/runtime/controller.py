@@ -141,30 +141,41 @@ class Trainer:
         directory) from a checkpoint, to run.steps."""
         guards.writable(self.run_dir)
         self.started, start_step, queued = True, 0, None
-        if resume:
-            start_step, queued = self._resume(None if resume is True else Path(resume))
-        else:
+        if not resume:
             with self._writing("graph.toml and run.json"):
                 self._write_run_files()
-        self.steps_done = start_step
         with contextlib.ExitStack() as stack:
             with self._writing("metrics.jsonl"):
-                self.loggers = loggers = Loggers(self.spec.run.loggers, self.run_dir, self.spec)
+                self.loggers = Loggers(self.spec.run.loggers, self.run_dir, self.spec)
                 stack.callback(lambda: self.loggers.close())
                 self.samples = open(self.run_dir / "samples.jsonl", "a")
                 stack.callback(lambda: _close_quietly(self.samples))
             stack.callback(self._write_trace)  # also when stopped: what the steps did
             if resume:
+                try:
+                    start_step, queued = self._resume(None if resume is True else Path(resume))
+                except LostWorker as lost:  # a rank lost while loading: made again, loaded
+                    start_step, queued = self._recover(lost, 0)
+                self.steps_done = start_step
                 with self._writing("metrics.jsonl"):
-                    loggers.log({"event": "resume", "step": start_step})
-            elif self.val_batch is not None:
-                scores = self.validate(0)
-                with self._writing("metrics.jsonl"):
-                    loggers.log({"step": 0, **scores})
-            if not resume:  # a recovery before the first checkpoint starts from here
+                    self.loggers.log({"event": "resume", "step": start_step})
+            else:  # a recovery before the first checkpoint goes back to the run's start
                 self.start_state = self._state(0)
+                if self.val_batch is not None:
+                    scores = self._validate_start()
+                    with self._writing("metrics.jsonl"):
+                        self.loggers.log({"step": 0, **scores})
+                    self.start_state = self._state(0)  # validation's draws included
             self.source.start(start_step, queued)  # a rollout stage starts running ahead
             self._loop(start_step)
+
+    def _validate_start(self) -> dict:
+        """Validation before the first step, again after a recovery if a rank was lost."""
+        while True:
+            try:
+                return self.validate(0)
+            except LostWorker as lost:
+                self._recover(lost, 0)
 
     def _write_run_files(self) -> None:
         (self.run_dir / "graph.toml").write_text(toml.dumps(self.spec.raw))
@@ -199,8 +210,10 @@ class Trainer:
                 try:
                     saved = self._one_step(step, bar)
                 except LostWorker as lost:  # a rank is gone: from the last checkpoint again
-                    step = self._recover(lost, step) + 1
-                    bar.n = step - 1
+                    restored, queued = self._recover(lost, step)
+                    self.source.start(restored, queued)
+                    step = restored + 1
+                    bar.n = restored
                     bar.refresh()
                     continue
                 if preemption.requested:  # SIGTERM: a checkpoint at this safe point, then stop
@@ -232,48 +245,57 @@ class Trainer:
         return saved
 
     # -- recovery --------------------------------------------------------------------------
-    def _recover(self, lost: LostWorker, step: int) -> int:
+    def _recover(self, lost: LostWorker, step: int) -> tuple[int, pipelines.Queued | None]:
         """Recover from `lost` during `step` (flowrl/runtime/recovery.py): every pool made
         again, the newest complete checkpoint loaded (or the run's start), the logs cut back
-        to it. Returns the step it goes on after; raises RecoveryStop when it may not."""
-        try:
-            wait = self.recovery.allow(lost, step)
-        except RecoveryStop as e:
-            raise RecoveryStop(
-                f"{e}. {outcome.after_stop(self.run_dir, self, self.command)}"
-            ) from lost
+        to it; a rank lost again meanwhile is one more recovery. Returns the step it goes on
+        after and the queue its checkpoint kept, for a new step source (not started); raises
+        RecoveryStop when it may not go on."""
         start, began = time.monotonic(), time.time()
-        tqdm.write(f"flowrl: step {step}: {lost}; recovering (after {wait:g} s)")
-        self.executor.release()  # every rank ends: calls in flight fail where they wait
-        self.source.close()
-        self.source.join()  # a rollout stage's thread ends with its failed walk
-        time.sleep(wait)
-        try:
-            self.executor.restart(self.spec.run.restart_wait_s)
-        except NodeFailure as e:
-            raise RecoveryStop(
-                f"{lost}; making the pools again failed: {e}. "
-                f"{outcome.after_stop(self.run_dir, self, self.command)}"
-            ) from e
-        self.guards = guards.step_guards(self.spec, self.run_dir, self.command)
-        directory = checkpoint.newest_complete(self.run_dir)
-        if directory is not None:
-            for temp in checkpoint.remove_temps(self.run_dir):
-                tqdm.write(f"removed {temp}: a checkpoint write that did not finish")
-            restored, queued = self._load(directory)
-            source = f"checkpoint {directory.name}"
-        else:  # before the first checkpoint: the models as they were loaded, the run's start
-            restored, queued = self._restore(self.start_state), None
-            source = "the run's start (no checkpoint yet)"
-        self.source = step_sources.source(self.executor, self.plan, self.feed, self.tokenizer)
-        self.source.start(restored, queued)
+        while True:
+            try:
+                wait = self.recovery.allow(lost, step)
+            except RecoveryStop as e:
+                why = f"{e}. {outcome.after_stop(self.run_dir, self, self.command)}"
+                raise RecoveryStop(why) from lost
+            tqdm.write(f"flowrl: step {step}: {lost}; recovering (after {wait:g} s)")
+            try:
+                restored, queued, source = self._make_again(wait)
+                break
+            except LostWorker as again:  # lost while the pools were made or loaded
+                lost = again
+            except NodeFailure as e:
+                raise RecoveryStop(
+                    f"{lost}; making the pools again failed: {e}. "
+                    f"{outcome.after_stop(self.run_dir, self, self.command)}"
+                ) from e
         self.steps_done = restored
         seconds = time.monotonic() - start
         row, said = self.recovery.event(lost, step, restored, source, seconds, began)
         tqdm.write(f"flowrl: {said}")
         with self._writing("metrics.jsonl"):
             self.loggers.log(row)
-        return restored
+        return restored, queued
+
+    def _make_again(self, wait: float) -> tuple[int, pipelines.Queued | None, str]:
+        """Every rank ended and made again, the newest complete checkpoint (or the run's
+        start) loaded: (its step, its queue, where it came from)."""
+        self.executor.release()  # every rank ends: calls in flight fail where they wait
+        self.source.close()
+        self.source.join()  # a rollout stage's thread ends with its failed walk
+        time.sleep(wait)
+        self.executor.restart(self.spec.run.restart_wait_s)
+        self.guards = guards.step_guards(self.spec, self.run_dir, self.command)
+        self.source = step_sources.source(self.executor, self.plan, self.feed, self.tokenizer)
+        directory = checkpoint.newest_complete(self.run_dir)
+        if directory is None:  # before the first checkpoint: the models as they were loaded
+            return self._restore(self.start_state), None, "the run's start (no checkpoint yet)"
+        for temp in checkpoint.remove_temps(self.run_dir):
+            tqdm.write(f"removed {temp}: a checkpoint write that did not finish")
+        for newer in checkpoint.set_aside_newer(directory):  # incomplete ones
+            tqdm.write(f"set {newer.name} aside as {newer}: it is incomplete")
+        restored, queued = self._load(directory)
+        return restored, queued, f"checkpoint {directory.name}"
 
     def _state(self, step: int) -> dict:
         """The controller's state after `step` when no model has changed yet (the start)."""

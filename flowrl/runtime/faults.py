@@ -16,7 +16,9 @@ Several faults are separated by commas. Points of the controller:
   else is done yet.
 
 Points of a pool's rank are `<pool>.<rank>.<what>` (flowrl/runtime/pool_worker.py), the step
-being the one the rank last worked on: `<node>` (a node's call, e.g. `gen.0.generate:3`),
+being the one the rank last worked on (validation's calls count as step 0 before the first
+step, and as the step they follow after it): `load` (step 0: the rank starts, before its
+models load), `<node>` (a node's call, e.g. `gen.0.generate:3`),
 `sync` (weights synced in place to the rollout engine), `export` and `import` (weights sent
 from a training pool to a rollout pool), `save` (the rank writing its part of a checkpoint).
 

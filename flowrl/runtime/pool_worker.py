@@ -47,6 +47,7 @@ class PoolWorker:
         hf_logging.disable_progress_bar()  # one "Loading weights" bar per model per rank is noise
         self.setup, self.rank, self.world_size = setup, rank, world_size
         self.step = 0  # the training step of the last call (what a fault point names)
+        self._fault("load")
         device = _device(setup.device, rank)
         group = _process_group(setup, rank, world_size, dist_url, device)
         self.train, self.rollout, self.tokenizers = {}, {}, {}

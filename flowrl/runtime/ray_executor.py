@@ -44,7 +44,15 @@ class RayExecutor(Executor):
         run = plan.spec.run
         self.call_timeout_s = run.call_timeout_s or None  # 0: wait as long as it takes
         self.groups, self.actors, self.hosts = {}, {}, {}
-        self._build(READY_TIMEOUT_S)
+        for attempt in range(run.max_restarts + 1):  # a rank lost while the models load
+            try:
+                self._build(READY_TIMEOUT_S)
+                break
+            except LostWorker as lost:
+                if attempt == run.max_restarts:
+                    raise
+                print(f"flowrl: making the pools: {lost}; making them again", flush=True)
+                self.release()
 
     def _build(self, wait_s: float) -> None:
         """Every pool's placement group (waiting up to `wait_s` for Ray's room) and ranks, each
@@ -93,10 +101,11 @@ class RayExecutor(Executor):
     def release(self) -> None:
         """End every rank (the lost, the hung and the healthy) and free its placement; Ray
         stays up for `restart`."""
-        for name, actors in self.actors.items():
+        for actors in self.actors.values():
             for actor in actors:
                 ray.kill(actor, no_restart=True)
-            remove_placement_group(self.groups[name])
+        for group in self.groups.values():
+            remove_placement_group(group)
         self.groups, self.actors = {}, {}
 
     def pools(self):

@@ -154,6 +154,18 @@ def test_a_lost_node_and_a_rank_that_stops_answering(cluster, tiny_plan, tmp_pat
     assert len(alive) == 2  # the run finished on the two raylets left
 
 
+def test_lost_while_the_pools_start_and_during_the_first_validation(
+    cluster, tiny_plan, tmp_path, unfailed
+):
+    """A rank lost while the models load is made again at once; one lost in the validation
+    before the first step sends the run back to its start, and validation runs again."""
+    faults = "gen.0.load:0,gen.0.generate:0"
+    run_dir = run(cluster, tiny_plan, tmp_path / "run", faults, tmp_path / "marks")
+    (event,) = assert_like_unfailed(run_dir, unfailed, recoveries=1)
+    assert (event["step"], event["restored_step"]) == (0, 0)
+    assert len(list((tmp_path / "marks").iterdir())) == 2  # both faults fired
+
+
 def test_a_fault_that_recurs_at_the_same_point_stops_the_run(cluster, tiny_plan, tmp_path):
     # no FLOWRL_FAULTS_ONCE: the rank dies there every time, as a deterministic crash would
     with pytest.raises(RecoveryStop, match="same fault stopped step 3 again") as stopped:
