@@ -60,6 +60,7 @@ class Params(RolloutParams):
     interaction: str = ""  # "file.py:reply" (a function) or "file.py:Cls" (verl interaction)
     interaction_config: str = ""  # a verl interaction YAML; rows pick by interaction_kwargs.name
     interact_on_cut: bool = False  # the interaction answers a turn cut by max_turn_tokens
+    env: str = ""  # "file.py:Cls": a Gymnasium environment of text (flowrl/agent/environments.py)
     script_first_turn: bool = False  # first turn = a call of each tool (--tiny sets it)
 
 
@@ -127,12 +128,15 @@ class AgentWorker:
         setup = agent_setup(p, batch.meta.get("base_dir", "."), self.engine.tokenizer)
         episodes = episodes_for(batch, setup, limits(p), p.n)
         base = step_seed(batch.meta)
+        seeds = [request_seed(base, k) for k in range(len(episodes))]
+        for episode, seed in zip(episodes, seeds, strict=True):
+            episode.seed = seed  # an environment resets with it
         stats = self.engine.run(
             run_requests(
                 episodes,
                 self.engine,
                 Sampling(p.temperature, p.top_p, p.top_k, p.do_sample),
-                seeds=[request_seed(base, k) for k in range(len(episodes))],
+                seeds=seeds,
                 first_turn=scripted_turn(setup, p) if p.script_first_turn else (),
                 lockstep=self.engine.lockstep,
             ),

@@ -26,15 +26,20 @@ def agent_findings(p, context: CheckContext) -> list[Finding]:
         out.append(Finding(f"tools: {e}", fix))
     out += _parser_findings(p, context, toolbox)
     out += _sandbox_findings(p)
-    if p.interaction and p.interaction_config:
-        out.append(Finding("interaction and interaction_config are both set", "keep one"))
+    if sum(map(bool, (p.interaction, p.interaction_config, p.env))) > 1:
+        out.append(Finding("interaction, interaction_config and env: several are set", "keep one"))
+    interactions = {}
     try:  # instantiates verl interaction classes as verl's registry does
         from flowrl.agent.interactions import load_interactions
 
-        interactions = load_interactions(p.interaction, p.interaction_config, context.base_dir)
+        interactions = load_interactions(
+            p.interaction, p.interaction_config, context.base_dir, p.env
+        )
     except Exception as e:
         fix = 'interaction = "file.py:reply" or interaction_config = "interaction.yaml"'
-        out.append(Finding(f"interaction: {e}", fix))
+        if p.env:
+            fix = 'env = "file.py:Cls", a Gymnasium environment (reset, step) of text'
+        out.append(Finding(f"{'env' if p.env else 'interaction'}: {e}", fix))
     template = None
     try:
         from flowrl.agent.prompt import read_template
@@ -93,7 +98,7 @@ def _limit_findings(p) -> list[Finding]:
         )
     if p.request_timeout_s < p.tool_timeout_s:
         out.append(Finding("request_timeout_s is shorter than tool_timeout_s", warning=True))
-    if p.interact_on_cut and not (p.interaction or p.interaction_config):
+    if p.interact_on_cut and not (p.interaction or p.interaction_config or p.env):
         fix = 'interaction = "file.py:reply" or interaction_config = "interaction.yaml"'
         out.append(Finding("interact_on_cut = true without an interaction does nothing", fix, True))
     if p.obs_role not in ("tool", "user"):

@@ -110,6 +110,8 @@ class Episode:
         self.tool_rewards: list[float] = []  # step rewards tools returned
         self.turn_scores: list[float] = []  # interaction rewards
         self.reward_scores: dict = {}  # end-of-request tool rewards {tool: reward}
+        self.seed: int | None = None  # the request's sampling seed (an environment's reset)
+        self.env_outcome: dict = {}  # an environment's terminated / truncated at the end
         self._pending_calls, self._unfed = [], []
 
     @property
@@ -140,7 +142,13 @@ class Episode:
             await self.session.start()
             if self.interaction is not None:
                 args = {"request_id": self.request_id, **self.interaction_kwargs}
-                await run_call("interaction", self.interaction.start, args, self._timeout())
+                if getattr(self.interaction, "takes_seed", False):  # an environment's reset
+                    args["seed"] = self.seed
+                opening = await run_call(
+                    "interaction", self.interaction.start, args, self._timeout()
+                )
+                if isinstance(opening, str) and opening:  # an environment's first observation
+                    self._observe([{"role": "user", "content": opening}])
         except Exception as e:
             self._fail(e)
 
@@ -180,6 +188,9 @@ class Episode:
             self.error = "the rollout stopped before the request ended"
         self.reward_scores, self.release_errors = await self.session.close()
         if self.interaction is not None:
+            outcome = getattr(self.interaction, "outcome", None)
+            if callable(outcome):  # an environment: how it ended, before it is closed
+                self.env_outcome = outcome(self.request_id)
             try:
                 args = {"request_id": self.request_id}
                 await run_call("interaction", self.interaction.finish, args, self._timeout())
@@ -318,6 +329,8 @@ class Episode:
             "tool_timeouts": statuses.count("timeout"),
             "tool_rewards": list(self.tool_rewards),
             "turn_scores": list(self.turn_scores),
+            "turn_rewards": list(self.turn_scores),  # an environment's per-turn rewards
+            **self.env_outcome,
             "rollout_reward_scores": dict(self.reward_scores),
             "policy_tokens": sum(self.mask),
             "tool_tokens": len(self.mask) - sum(self.mask),

@@ -54,9 +54,14 @@ class FunctionInteraction:
         return None
 
 
-def load_interactions(reference: str, config: str, base_dir: str) -> dict:
+def load_interactions(reference: str, config: str, base_dir: str, env: str = "") -> dict:
     """{name: interaction}: a verl interaction YAML's by name, or "" -> the one `interaction`
-    names (a function, or a verl BaseInteraction class with verl's default name)."""
+    names (a function, or a verl BaseInteraction class with verl's default name), or the
+    Gymnasium environment `env` names (flowrl/agent/environments.py)."""
+    if env:
+        from flowrl.agent.environments import EnvironmentInteraction
+
+        return {"": EnvironmentInteraction(load_object(env, base_dir, "env"), label=env)}
     if config:
         return load_interaction_config(config, base_dir)
     if not reference:
@@ -71,6 +76,12 @@ def as_interaction(target, label: str = ""):
     label = label or getattr(target, "__qualname__", None) or repr(target)
     if isinstance(target, FunctionInteraction | VerlInteraction):
         return target
+    from flowrl.agent.environments import EnvironmentInteraction, is_environment
+
+    if isinstance(target, EnvironmentInteraction):
+        return target
+    if is_environment(target):  # a Gymnasium environment class of text
+        return EnvironmentInteraction(target, label=label)
     if inspect.isclass(target):
         if not is_verl_interaction(target):
             raise ToolError(

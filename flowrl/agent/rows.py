@@ -44,7 +44,7 @@ def agent_setup(params, base_dir: str, tokenizer) -> AgentSetup:
             toolbox,
             make_parser(params.parser, toolbox.names, base_dir),
             ChatTokens(tokenizer, read_template(params.chat_template, base_dir)),
-            load_interactions(params.interaction, params.interaction_config, base_dir),
+            load_interactions(params.interaction, params.interaction_config, base_dir, params.env),
         )
     return _SETUPS[key]
 

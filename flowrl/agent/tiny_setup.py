@@ -41,6 +41,9 @@ def tiny_node(p, base_dir: str) -> TinyNode:
             "max_parallel_calls": max(p.max_parallel_calls, calls),
         }
     interactions = _interactions(p, base_dir)
+    if p.env:  # an environment: its reset observation opens the response, then replies
+        interactions = {p.env.rpartition(":")[2] or "env": p.env}
+        answers += REPLY_TOKENS
     if interactions:
         params |= room_for_replies(p, turn, answers, tool_rounds=1 if text else 0)
     return TinyNode(params, tools=tools, scripted=p.script_first_turn, interactions=interactions)

@@ -30,9 +30,12 @@ def test_tiny_overrides_put_every_shipped_graph_on_the_tiny_model(graph, tmp_pat
         if getattr(generate, "tools", ()):  # an agent: its scripted first turn, answers, a turn
             assert generate.script_first_turn
             assert generate.max_new_tokens > 2 * generate.max_turn_tokens
+        elif getattr(generate, "env", ""):  # an environment: its observations and replies
+            assert generate.interact_on_cut and generate.max_new_tokens > 3 * 512
         else:
             assert generate.max_new_tokens == 6
-        assert any(hasattr(p, "scorer") for p in params)
+        if not getattr(generate, "env", ""):  # an environment's rewards are its own
+            assert any(hasattr(p, "scorer") for p in params)
     assert all(p.cpus_per_worker == 1 for p in spec.pools.values())
 
 

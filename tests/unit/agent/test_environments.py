@@ -1,0 +1,97 @@
+"""Gymnasium environments of text as an agent node's rollout source (`env = "file.py:Cls"`),
+against the real `gymnasium` package: the reset observation opens the conversation, each
+turn's action is the model's turn and its reward a turn reward, terminated and truncated kept
+apart, the request's seed given to reset, and what an environment returns checked where it
+comes back."""
+
+import asyncio
+
+import pytest
+
+gymnasium = pytest.importorskip("gymnasium")
+
+from flowrl.agent.environments import EnvironmentInteraction  # noqa: E402
+from flowrl.testing import scripted_request  # noqa: E402
+
+
+class Guess(gymnasium.Env):
+    """Guess a number from 1 to 8 in at most 3 tries: 'higher' / 'lower' after each."""
+
+    observation_space = gymnasium.spaces.Text(200)
+    action_space = gymnasium.spaces.Text(200)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.target = int(self.np_random.integers(1, 9))
+        if options and "target" in options:
+            self.target = int(options["target"])
+        self.tries = 0
+        return "Guess my number, 1 to 8.", {}
+
+    def step(self, action):
+        self.tries += 1
+        digits = [int(c) for c in action if c.isdigit()]
+        guess = digits[-1] if digits else 0
+        if guess == self.target:
+            return "Right!", 1.0, True, False, {}
+        hint = "higher" if guess < self.target else "lower"
+        return hint, -0.1, False, self.tries >= 3, {}
+
+
+def test_an_episode_runs_the_environment_turn_by_turn():
+    episode = scripted_request(
+        ["I guess 4", "then 6", "7"], interaction=Guess, interaction_kwargs={"target": 7}
+    )
+    info = episode.info()
+    users = [m["content"] for m in info["messages"] if m["role"] == "user"]
+    assert users == ["Guess my number, 1 to 8.", "higher", "higher", "Right!"]
+    assert info["turn_rewards"] == [-0.1, -0.1, 1.0]
+    assert info["termination"] == "interaction_done"
+    assert (info["env_terminated"], info["env_truncated"]) == (True, False)
+    assert info["policy_tokens"] > 0 and info["tool_tokens"] > 0  # observations: mask 0
+
+
+def test_truncated_is_kept_apart_from_terminated():
+    episode = scripted_request(["1", "1", "1"], interaction=Guess, interaction_kwargs={"target": 8})
+    info = episode.info()
+    assert (info["env_terminated"], info["env_truncated"]) == (False, True)
+    assert info["turn_rewards"] == [-0.1, -0.1, -0.1]
+
+
+def test_the_request_seed_reaches_reset():
+    interaction = EnvironmentInteraction(Guess)
+    targets = []
+    for seed in (3, 3, 4):
+        asyncio.run(interaction.start(f"r{seed}-{len(targets)}", seed=seed))
+        targets.append(interaction.envs[f"r{seed}-{len(targets)}"].target)
+    assert targets[0] == targets[1]  # same seed, same episode
+
+
+class Broken(Guess):
+    def step(self, action):
+        return 3, float("nan"), False, False, {}
+
+
+class NaNReward(Guess):
+    def step(self, action):
+        return "ok", float("nan"), False, False, {}
+
+
+class FourValues(Guess):
+    def step(self, action):
+        return "ok", 0.0, False, {}  # gym's old API
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        (Broken, "returned int 3; it must return text (a str) as its observation"),
+        (NaNReward, "returned float nan; it must return a finite number as its reward"),
+        (FourValues, "it must return (observation, reward, terminated, truncated, info)"),
+    ],
+)
+def test_what_an_environment_returns_is_checked_naming_its_line(env, said):
+    episode = scripted_request(["5"], interaction=env, raise_errors=False)
+    info = episode.info()
+    assert info["termination"] == "error" and said in info["error"]
+    assert "test_environments.py:" in info["error"]  # the class's file:line
