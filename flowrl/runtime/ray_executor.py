@@ -31,6 +31,7 @@ INFRASTRUCTURE = (
     ray.exceptions.WorkerCrashedError,
     ray.exceptions.ObjectLostError,  # OwnerDiedError, ObjectFetchTimedOutError, ...
     ray.exceptions.LocalRayletDiedError,
+    ray.exceptions.OutOfMemoryError,  # killed by Ray's memory monitor
 )
 
 
