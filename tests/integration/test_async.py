@@ -10,7 +10,6 @@ import torch
 from test_pools import calls_by_track
 
 from flowrl.runtime.controller import Trainer
-from flowrl.runtime.node_call import NodeFailure
 from flowrl.testing import parameters
 
 pytestmark = pytest.mark.slow  # the integration tier: trains, starts Ray or loads models
@@ -83,16 +82,27 @@ def test_staleness_one_on_ray_equals_local_and_overlaps_the_pools(tiny_plan, tmp
     assert not [(g, t) for g in generates for t in trains if g[0] < t[1] and t[0] < g[1]]
 
 
-def test_a_dead_rollout_rank_is_named(tiny_plan, tmp_path):
+@pytest.mark.parametrize("restarts", [0, 3])
+def test_a_dead_rollout_rank_is_named_and_recovered_from(tiny_plan, tmp_path, restarts):
+    """Killed before the rollout stage's first walk: with run.max_restarts = 0 the run stops
+    naming the rank; by default the pools are made again and the run finishes."""
     ray = pytest.importorskip("ray")
-    plan = tiny_plan(
-        "grpo_disaggregated.toml", **{"run.staleness": 1, "run.num_cpus": 2, "run.val_size": 0}
-    )
+    from flowrl.runtime.recovery import RecoveryStop
+
+    settings = {"run.staleness": 1, "run.num_cpus": 2, "run.val_size": 0}
+    plan = tiny_plan("grpo_disaggregated.toml", **settings, **{"run.max_restarts": restarts})
     trainer = Trainer(plan, tmp_path / "run", "ray")
     try:
         ray.kill(trainer.executor.actors["gen"][0])  # the rollout stage's only rank
-        with pytest.raises(NodeFailure, match="failed on pool gen, rank 0: the rank's process"):
-            trainer.fit()
+        if restarts == 0:
+            with pytest.raises(RecoveryStop, match="on pool gen, rank 0: the rank's process died"):
+                trainer.fit()
+            return
+        trainer.fit()
+        rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+        (event,) = [r for r in rows if r.get("event") == "recovery"]
+        assert event["lost"] == "pool gen, rank 0" and event["what"] == "died"
+        assert [r["step"] for r in rows if "event" not in r] == [1, 2]
     finally:
         trainer.close()
 

@@ -9,7 +9,7 @@ from flowrl.errors import StateError
 
 
 def test_a_nodes_state_json_cannot_hold_names_the_node():
-    from flowrl.runtime.controller import _state_json
+    from flowrl.runtime.restoring import _state_json
 
     state = {"step": 2, "loader": {}, "node_state": {"bonus": {"seen": {1, 2}}}, "rng": {}}
     with pytest.raises(StateError) as caught:
