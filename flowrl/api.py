@@ -77,6 +77,9 @@ PUBLIC = {
     # graphs
     "compile": "flowrl:compile",
     "GraphErrors": "flowrl.errors:GraphErrors",
+    # what a tool or an engine raises when its infrastructure failed, not the model
+    # (the request is left out of its group: docs/recovery.md)
+    "InfraError": "flowrl.errors:InfraError",
     "FlowrlDeprecationWarning": "flowrl.compat:FlowrlDeprecationWarning",
     # testing helpers (docs/testing.md)
     "run_tiny": "flowrl.testing:run_tiny",
