@@ -195,3 +195,25 @@ def test_an_infra_error_ends_a_request_as_infra_and_a_code_error_as_error():
     from flowrl.agent.tools.sandbox_service import SandboxServiceError
 
     assert is_infra(SandboxServiceError("the service answered HTTP 500"))
+
+
+def test_a_tool_whose_service_is_down_ends_its_request_as_infra(tmp_path):
+    from flowrl.testing import scripted_request
+
+    (tmp_path / "remote.py").write_text(
+        "from flowrl.api import InfraError\n\n"
+        "def lookup(q: str) -> str:\n"
+        '    """Look it up.\n\n    Args:\n        q: the query.\n    """\n'
+        '    raise InfraError("the search service answered 503")\n\n'
+        "def local(q: str) -> str:\n"
+        '    """Look it up here.\n\n    Args:\n        q: the query.\n    """\n'
+        '    raise ValueError("no such word")\n'
+    )
+    call = '<tool_call>{"name": "%s", "arguments": {"q": "x"}}</tool_call>'
+    tools = ["remote.py:lookup", "remote.py:local"]
+    down = scripted_request([call % "lookup", "done"], tools, base_dir=tmp_path, raise_errors=False)
+    assert down.info()["termination"] == "infra"
+    assert "the search service answered 503" in down.info()["error"]
+    # the tool's own error is an answer the model reads; the request goes on
+    own = scripted_request([call % "local", "done"], tools, base_dir=tmp_path)
+    assert own.info()["termination"] == "stop" and own.info()["tool_errors"] == 1
