@@ -197,7 +197,7 @@ class RayExecutor(Executor):
         gone = self._dead_rank() or (pool, rank)
         where = self._where(*gone)
         what_happened = "node lost" if self._node_gone(*gone) else "died"
-        text = f"{what} on pool {pool}, rank {rank}: {_reason(error)}"
+        text = f"{what} failed on pool {pool}, rank {rank}: {_reason(error)}"
         if gone != (pool, rank):
             text += f"; the rank gone is pool {gone[0]}, rank {gone[1]}"
         if what_happened == "node lost":

@@ -50,6 +50,7 @@ def test_two_ranks_match_one_rank(tiny_plan):
 
 def test_dead_rank_is_named(tiny_plan):
     from flowrl.runtime.ray_executor import RayExecutor
+    from flowrl.runtime.recovery import LostWorker
 
     plan = tiny_plan("grpo.toml", **{"run.num_cpus": 2})
     executor = RayExecutor(plan, num_cpus=2)
@@ -58,7 +59,10 @@ def test_dead_rank_is_named(tiny_plan):
         batch = fixed_batch()
         with pytest.raises(
             NodeFailure, match="update_policy failed on pool main, rank 0: the rank's process died"
-        ):
+        ) as raised:
             executor.results(executor.submit("main", "call", [("update_policy", batch, None)]))
+        # an infrastructure fault, which the trainer recovers from (docs/recovery.md)
+        assert isinstance(raised.value, LostWorker) and raised.value.what == "died"
+        assert (raised.value.pool, raised.value.rank) == ("main", 0)
     finally:
         executor.shutdown()
