@@ -13,6 +13,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from flowrl.runtime import faults
 from flowrl.runtime.executor import Executor
 from flowrl.runtime.node_call import NodeFailure
 from flowrl.runtime.pool_worker import PoolWorker
@@ -260,8 +261,13 @@ def _start_ray(num_cpus: int | None) -> None:
     """A new Ray instance of this process's own, bound to the loopback address, without the
     dashboard; or, when RAY_ADDRESS is set, the cluster it names (docs/scaling.md)."""
     address = os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True, configure_logging=False)
+    if address:  # the cluster's ranks do not inherit this process's environment: a test's
+        # fault points (flowrl/runtime/faults.py) go to them through the job's
+        env = {k: os.environ[k] for k in (faults.VARIABLE, faults.ONCE) if k in os.environ}
+        runtime_env = {"env_vars": env} if env else None
+        ray.init(
+            address=address, log_to_driver=True, configure_logging=False, runtime_env=runtime_env
+        )
         return
     ray.init(
         address="local",  # never attach to another Ray instance found on the machine

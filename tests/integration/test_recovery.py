@@ -191,3 +191,30 @@ def test_lost_ranks_under_run_staleness_one(cluster, tiny_plan, tmp_path):
     run_dir = run(cluster, tiny_plan, tmp_path / "run", faults, tmp_path / "marks", **ahead)
     events = assert_like_unfailed(run_dir, reference, recoveries=2)
     assert {e["lost"] for e in events} == {"pool train, rank 0", "pool gen, rank 0"}
+
+
+def test_flowrl_run_on_a_cluster_named_by_ray_address_recovers(cluster, tmp_path):
+    """The command line on a running cluster (RAY_ADDRESS): the fault reaches the ranks through
+    the job's environment, the run recovers and says so on the console."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT, tiny_overrides
+
+    if ray.is_initialized():
+        ray.shutdown()
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {**os.environ, "RAY_ADDRESS": cluster.address, "FLOWRL_FAULTS_ONCE": str(marks)}
+    env["FLOWRL_KILL_AT"] = "gen.0.generate:2"
+    overrides = tiny_overrides(DISAGGREGATED, tmp_path, **SETTINGS)
+    command = [sys.executable, "-m", "flowrl.cli", "run", str(ROOT / "graphs" / DISAGGREGATED)]
+    done = subprocess.run(
+        [*command, *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pool gen, rank 0 died" in done.stdout + done.stderr
+    (run_dir,) = tmp_path.glob("grpo_disaggregated-*")
+    (event,) = events(run_dir)
+    assert (event["step"], event["lost"]) == (2, "pool gen, rank 0")
