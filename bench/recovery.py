@@ -32,6 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))  # conftest's tiny_overrides
+from equality import is_timing, rows  # noqa: E402 (bench/, beside this file)
+
 GRAPH = "grpo_disaggregated.toml"
 SETTINGS = {
     "run.steps": 8,
@@ -48,15 +50,12 @@ FAULTS = {  # kind -> (FLOWRL_KILL_AT, extra settings)
     "rank stops answering": ("gen.0.generate:5:HANG", {"run.call_timeout_s": 10}),
     "node lost": ("train.0.update_policy:5:NODE", {}),  # last: the cluster keeps 2 raylets
 }
-NOISE = ("timing_s/", "process/", "time_s", "tokens_per_s", "memory/")
 
 
 def comparable(run_dir: Path) -> list[dict]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """metrics.jsonl's step rows without the machine's figures (bench/equality.py's)."""
     return [
-        {k: v for k, v in r.items() if not k.startswith(NOISE) and not k.endswith("_per_s")}
-        for r in rows
-        if "event" not in r
+        {k: v for k, v in r.items() if not is_timing(k)} for r in rows(run_dir) if "event" not in r
     ]
 
 

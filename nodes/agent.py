@@ -129,8 +129,6 @@ class AgentWorker:
         episodes = episodes_for(batch, setup, limits(p), p.n)
         base = step_seed(batch.meta)
         seeds = [request_seed(base, k) for k in range(len(episodes))]
-        for episode, seed in zip(episodes, seeds, strict=True):
-            episode.seed = seed  # an environment resets with it
         stats = self.engine.run(
             run_requests(
                 episodes,

@@ -79,6 +79,8 @@ async def run_requests(
     backend's own errors do."""
     stats = RolloutStats()
     seeds = list(range(len(episodes))) if seeds is None else seeds
+    for episode, seed in zip(episodes, seeds, strict=True):
+        episode.seed = seed  # an environment resets with its request's seed
     if lockstep:  # the first turns reach the engine in one loop iteration, together
         start = time.time()
         await asyncio.gather(*(episode.start() for episode in episodes))

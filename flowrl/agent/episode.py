@@ -110,7 +110,7 @@ class Episode:
         self.tool_rewards: list[float] = []  # step rewards tools returned
         self.turn_scores: list[float] = []  # interaction rewards
         self.reward_scores: dict = {}  # end-of-request tool rewards {tool: reward}
-        self.seed: int | None = None  # the request's sampling seed (an environment's reset)
+        self.seed: int | None = None  # the request's sampling seed (run_requests sets it)
         self.env_outcome: dict = {}  # an environment's terminated / truncated at the end
         self._pending_calls, self._unfed = [], []
 

@@ -328,7 +328,8 @@ def _after_requests(walk: _Walk) -> None:
     )
     walk.metrics["infra_groups_dropped"] = float(groups)
     if rows:
-        keep = [i for i in range(len(walk.batch)) if i not in set(rows)]
+        dropped = set(rows)
+        keep = [i for i in range(len(walk.batch)) if i not in dropped]
         walk.batch = walk.batch.index(keep)
 
 

@@ -214,21 +214,16 @@ class RayExecutor(Executor):
         return None
 
     def _lost_rank(self, pool: str, error: Exception, what: str) -> LostWorker | None:
-        """A rank of `pool` that is gone, when another rank's call failed with `error` (a
+        """A rank that is gone, when a rank of `pool` failed with `error` that is not Ray's (a
         collective whose peer died fails on the survivors, often before Ray has marked the
         peer dead: then it is asked again for up to PEER_WAIT_S)."""
-        actors = self.actors.get(pool, [])
-        if len(actors) < 2:
+        if len(self.actors.get(pool, [])) < 2:
             return None
         peer = any(word in str(error).lower() for word in PEER_WORDS)
         until = time.monotonic() + (PEER_WAIT_S if peer else 0)
-        while True:
-            for rank, actor in enumerate(actors):
-                if _actor_state(actor) == "DEAD":
-                    return self._lost(pool, rank, ray.exceptions.ActorDiedError(), what)
-            if time.monotonic() >= until:
-                return None
+        while (gone := self._dead_rank()) is None and time.monotonic() < until:
             time.sleep(0.5)
+        return None if gone is None else self._lost(*gone, ray.exceptions.ActorDiedError(), what)
 
     def _where(self, pool: str, rank: int) -> str:
         hosts = self.hosts.get(pool) or []

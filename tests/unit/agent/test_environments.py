@@ -58,13 +58,24 @@ def test_truncated_is_kept_apart_from_terminated():
     assert info["turn_rewards"] == [-0.1, -0.1, -0.1]
 
 
+class Seeded(Guess):
+    seeds: list = []
+
+    def reset(self, *, seed=None, options=None):
+        Seeded.seeds.append(seed)
+        return super().reset(seed=seed, options=options)
+
+
 def test_the_request_seed_reaches_reset():
+    """run_requests gives each episode its request's seed (index 0 here, as the agent node's
+    seeds by step and row); reset gets it, so the same seed draws the same episode."""
+    Seeded.seeds = []
+    scripted_request(["1"], interaction=Seeded, max_assistant_turns=1)
+    assert Seeded.seeds == [0]
     interaction = EnvironmentInteraction(Guess)
-    targets = []
-    for seed in (3, 3, 4):
-        asyncio.run(interaction.start(f"r{seed}-{len(targets)}", seed=seed))
-        targets.append(interaction.envs[f"r{seed}-{len(targets)}"].target)
-    assert targets[0] == targets[1]  # same seed, same episode
+    for request, seed in (("a", 3), ("b", 3)):
+        asyncio.run(interaction.start(request, seed=seed))
+    assert interaction.envs["a"].target == interaction.envs["b"].target
 
 
 class Broken(Guess):
