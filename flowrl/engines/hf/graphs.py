@@ -15,6 +15,8 @@ import warnings
 
 import torch
 
+from flowrl.engines.hf.sampling import sample_scan
+
 # decode calls pad their rows to the next of these (vLLM captures 1, 2, 4 and multiples of 8)
 LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
@@ -78,16 +80,19 @@ class GraphCapture:
         self.captured, self.pool, self.weights_at = {}, None, None
 
     def _turn_off(self, what: str, error: BaseException) -> None:
-        """Graphs or the compiled step off for the rest of the process, warned and kept in
-        `warnings` (a benchmark records them)."""
+        """Graphs, the compiled step or the compiled sampler off for the rest of the process,
+        warned and kept in `warnings` (a benchmark records them)."""
         if what == "compile":
             self.compiled = None
+        elif what == "sampler":
+            self.sampler = None
         else:
             self.graphs = False
+        part = "the block's sampling" if what == "sampler" else "the rollout's decode step"
         message = (
-            f"the rollout's decode step: {'compiling' if what == 'compile' else 'capturing'} "
+            f"{part}: {'capturing' if what == 'graphs' else 'compiling'} "
             f"it failed ({type(error).__name__}: {str(error)[:500]}); it runs "
-            f"{'uncompiled' if what == 'compile' else 'eagerly'} from now on"
+            f"{'eagerly' if what == 'graphs' else 'uncompiled'} from now on"
         )
         self.warnings.append(message)
         warnings.warn(message, stacklevel=3)
@@ -146,6 +151,15 @@ def capturing():
         gc.collect, torch.cuda.empty_cache = saved[:2]
         if saved[2] is not None:
             torch._C._host_emptyCache = saved[2]
+
+
+def compiled_sampler():
+    """`sample_scan` compiled by inductor, shapes dynamic: the scaling, the max and the
+    exponentials fused around the scan, so a sampled decode step reads its logits about twice
+    (eager, each of sample_scan's element-wise ops is a pass over the vocabulary). Compiled
+    at its first call, again for each new sampling setting (temperature, top-k, top-p are
+    constants of the compiled code)."""
+    return torch.compile(sample_scan, dynamic=True)
 
 
 def compiled_step(forward):

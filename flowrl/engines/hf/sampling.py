@@ -43,19 +43,24 @@ def sample_tokens(
     candidates); for greedy decoding, under the model's distribution at temperature 1.
     `uniform` (a,) replaces the draws from `generator`: one number in [0, 1) per row, from
     the row's own random stream (the continuous-batching engine's per-request sampling).
-    `sync_free`: nothing waits for the device (the nucleus from a full sort, not from a top-c
-    grown until it holds top_p), so a CUDA caller can queue steps ahead.
+    `sync_free`: nothing waits for the device (`sample_scan`: the nucleus from one full sort,
+    not from a top-c grown until it holds top_p), so a CUDA caller can queue steps ahead.
     """
     if not do_sample or temperature == 0:
         token = logits.argmax(-1)
         if not with_logprobs:
             return token
         return token, logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+    if sync_free:
+        if uniform is None:
+            uniform = torch.rand(len(logits), generator=generator, device=logits.device)
+        token, logprob = sample_scan(logits, temperature, top_k, top_p, uniform)
+        return (token, logprob) if with_logprobs else token
     logits, order = logits / temperature, None
     if 0 < top_k < logits.shape[-1]:
         logits, order = logits.topk(top_k, dim=-1)  # (a, k), and their token ids
     if top_p < 1.0:
-        logits, order = nucleus(logits, order, top_p, sync_free)
+        logits, order = nucleus(logits, order, top_p)
     index = draw(logits.softmax(-1), generator, uniform)  # (a,): a position among the candidates
     token = index if order is None else order.gather(-1, index[:, None]).squeeze(-1)
     if not with_logprobs:
@@ -63,19 +68,52 @@ def sample_tokens(
     return token, logits.log_softmax(-1).gather(-1, index[:, None]).squeeze(-1)
 
 
-def nucleus(logits, order, top_p: float, sync_free: bool = False):
+def sample_scan(logits, temperature: float, top_k: int, top_p: float, uniform):
+    """The device's sampling step: logits (a, v) and one uniform per row (a,) -> (tokens (a,),
+    logprobs (a,)), as `sample_tokens` draws them (temperature, then top-k, then top-p, the
+    CDF inverted at the uniform) up to float rounding, in one scan over the candidates and
+    nothing read back. The candidates' unnormalised weights exp((x - max) / T) are summed once
+    (`cumsum`): the scan's last entry is their mass, the nucleus is the prefix of a sorted
+    scan whose mass before an entry is under top_p of it (so top-p needs one sort, top-k its
+    topk, temperature alone neither), the draw is a binary search in the same scan, and the
+    log-prob is the chosen logit's (x - max) / T less the log of the kept mass. Where
+    `sample_tokens` scales, normalises, cumsums and log-softmaxes the candidates (a pass over
+    the vocabulary each, eager), this reads them twice (max, scan) and writes the scan once.
+    """
+    logits, order = logits.float(), None  # the CUDA runner's logits are float32 already
+    if 0 < top_k < logits.shape[-1]:
+        logits, order = logits.topk(top_k, dim=-1)  # (a, k), sorted
+    elif top_p < 1.0:
+        logits, order = logits.sort(dim=-1, descending=True)  # (a, v)
+    top = logits[:, :1] if order is not None else logits.amax(-1, keepdim=True)  # (a, 1)
+    weights = (logits - top).mul_(1 / temperature).exp_()  # in (0, 1], the largest 1
+    scan = weights.cumsum(-1)  # (a, c)
+    count = torch.full_like(top, scan.shape[-1], dtype=torch.long)  # candidates kept
+    if top_p < 1.0:  # the more likely tokens hold less than top_p before each kept one
+        inside = (scan - weights) < top_p * scan[:, -1:]
+        count = inside.sum(-1, keepdim=True).clamp(min=1)  # the most likely token stays
+    mass = scan.gather(-1, count - 1)  # (a, 1): the kept candidates' weight
+    u = uniform.to(scan.device, scan.dtype)[:, None]
+    index = torch.searchsorted(scan, u * mass, right=True)  # first entry with scan > u * mass
+    index = torch.minimum(index, count - 1)  # (a, 1)
+    chosen = (logits.gather(-1, index) - top) / temperature - mass.log()
+    token = index if order is None else order.gather(-1, index)
+    return token.squeeze(-1), chosen.squeeze(-1)
+
+
+def nucleus(logits, order, top_p: float):
     """The smallest set of most likely tokens holding top_p of the mass (Holtzman et al. 2019,
     arXiv 1904.09751): (logits (a, c) of sorted candidates, the rest -inf; their ids in `order`,
     or in the vocabulary when order is None). The candidates come from a top-c grown until they
     hold top_p in every row: sorting SmolLM2's 49152 tokens for 32 rows takes 60 ms on CPU, a
-    top-64 2 ms. `sync_free`: all candidates sorted at once, no check read back."""
+    top-64 2 ms (a check read back per size: `sample_scan` sorts once instead)."""
     vocab = logits.shape[-1]
     normaliser = logits.logsumexp(-1, keepdim=True)
-    c = vocab if sync_free else min(64, vocab)
+    c = min(64, vocab)
     while True:
         values, index = logits.topk(c, dim=-1)  # (a, c), sorted
         probs = (values - normaliser).exp()
-        if c == vocab or bool((probs.sum(-1) >= top_p).all()):  # c == vocab: no read back
+        if c == vocab or bool((probs.sum(-1) >= top_p).all()):
             break
         c = min(8 * c, vocab)
     drop = probs.cumsum(-1) - probs >= top_p  # the more likely tokens already hold top_p

@@ -38,7 +38,13 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from flowrl.engines.hf.graphs import LADDER, GraphCapture, Launched, compiled_step
+from flowrl.engines.hf.graphs import (
+    LADDER,
+    GraphCapture,
+    Launched,
+    compiled_sampler,
+    compiled_step,
+)
 from flowrl.engines.hf.kv_cache import SlotCache
 from flowrl.engines.hf.packed import can_pack, packing
 from flowrl.engines.hf.runner import Block, ModelRunner
@@ -204,7 +210,8 @@ class StaticRunner(GraphCapture, ModelRunner):
             )
         self.budget, self.graphs, self.max_slots = budget, graphs, max_slots
         self.compiled = compiled_step(self._forward) if compile else None
-        self.warnings: list[str] = []  # why graphs or the compiled step were turned off
+        self.sampler = compiled_sampler() if compile else None  # a block's sampled rows
+        self.warnings: list[str] = []  # why graphs, a compiled step or sampler were turned off
         self.capture_s = 0.0  # seconds spent capturing graphs (and compiling), in all
         self.dtype = next(module.parameters()).dtype
         self.per_column = column_bytes(module, self.dtype)
@@ -333,11 +340,8 @@ class StaticRunner(GraphCapture, ModelRunner):
         self._pad_rows(d, b)
         for j in range(steps):
             u = None if uniforms is None else uniforms[j]
-            out = sample_tokens(
-                logits, s.temperature, s.top_k, s.top_p, s.do_sample, None,
-                block.logprobs, u, sync_free=True,
-            )  # fmt: skip
-            token, logprob = out if block.logprobs else (out, chosen[j])
+            token, logprob = self._sample(logits, s, u, block.logprobs)
+            logprob = chosen[j] if logprob is None else logprob
             tokens[j], chosen[j] = token, logprob
             if j == block.calls:  # every row has sampled its last token
                 break
@@ -347,6 +351,21 @@ class StaticRunner(GraphCapture, ModelRunner):
             self._run(b, width)
             logits = self.out[:d]
         return Launched(torch.stack([tokens.float(), chosen]), done, logits)
+
+    def _sample(self, logits, s, uniform, logprobs: bool):
+        """One token per row of logits (d, v) on the device, nothing read back -> (tokens,
+        their log-probs or None): the compiled sampler for sampled rows when there is one."""
+        if self.sampler is not None and not s.greedy:
+            try:
+                token, logprob = self.sampler(logits, s.temperature, s.top_k, s.top_p, uniform)
+                return token, logprob if logprobs else None
+            except Exception as error:  # noqa: BLE001 - inductor's errors are of any kind
+                self._turn_off("sampler", error)
+        out = sample_tokens(
+            logits, s.temperature, s.top_k, s.top_p, s.do_sample, None, logprobs, uniform,
+            sync_free=True,
+        )  # fmt: skip
+        return out if logprobs else (out, None)
 
     def _pad_rows(self, d: int, b: int) -> None:
         """Rows d..b-1 of a call padded to b feed id 0 at the scratch column."""

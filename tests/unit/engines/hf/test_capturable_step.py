@@ -22,6 +22,8 @@ import flowrl.engines.hf.static as static
 from flowrl.backends import HFOptions
 from flowrl.engines import HFRollout
 from flowrl.engines.batch import generate_batch
+from flowrl.engines.hf.graphs import compiled_sampler
+from flowrl.engines.hf.sampling import sample_scan, stream_uniforms
 from flowrl.engines.hf.static import LADDER, DecodeCall, StaticRunner
 from flowrl.errors import FlowrlError
 from flowrl.testing import tiny_model, tiny_qwen2, tiny_tokenizer
@@ -323,3 +325,38 @@ def test_the_next_block_is_queued_before_the_first_is_read(monkeypatch):
     assert events == ["launch", "launch", "read", "read"]
     assert torch.equal(eager["responses"], overlapped["responses"])
     torch.testing.assert_close(eager["logprobs"], overlapped["logprobs"], atol=1e-5, rtol=0)
+
+
+# -- the compiled sampler ----------------------------------------------------------------------
+@pytest.mark.slow  # inductor compiles the sampler on the CPU
+def test_the_compiled_sampler_draws_the_eager_scans_tokens():
+    g = torch.Generator().manual_seed(5)
+    sampler = compiled_sampler()
+    for rows, (t, k, p) in ((24, (0.8, 0, 1.0)), (7, (1.0, 0, 0.9)), (24, (1.2, 30, 0.8))):
+        logits = torch.randn(rows, 3000, generator=g) * 3
+        u = stream_uniforms(torch.arange(rows), torch.full((rows,), 2, dtype=torch.long))
+        token, logprob = sampler(logits, t, k, p, u)
+        eager = sample_scan(logits, t, k, p, u)
+        assert torch.equal(token, eager[0])
+        torch.testing.assert_close(logprob, eager[1], atol=1e-5, rtol=0)
+
+
+def test_a_sampler_that_fails_to_compile_warns_and_samples_uncompiled(monkeypatch):
+    model = tiny_model(seed=3).eval()
+    sampled = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=3)
+    _, plain = decode(model, **sampled)
+
+    def broken():
+        def sampler(*args):
+            raise RuntimeError("inductor: no C compiler")
+
+        return sampler
+
+    monkeypatch.setattr(static, "compiled_sampler", broken)
+    monkeypatch.setattr(static, "compiled_step", lambda forward: None)  # the step stays eager
+    options = HFOptions(runner="static", memory_fraction=0.01, compile="on")
+    with pytest.warns(UserWarning, match="the block's sampling: compiling it failed"):
+        engine, out = decode(model, options, **sampled)
+    assert engine.runner.sampler is None and "no C compiler" in engine.runner.warnings[0]
+    assert torch.equal(plain["responses"], out["responses"])
+    torch.testing.assert_close(plain["logprobs"], out["logprobs"], atol=0, rtol=0)

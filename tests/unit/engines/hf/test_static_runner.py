@@ -15,7 +15,12 @@ import torch
 from flowrl.backends import HFOptions
 from flowrl.engines import HFRollout, make_rollout
 from flowrl.engines.batch import generate_batch
-from flowrl.engines.hf.sampling import sample_tokens, stream_uniforms, threefry2x32
+from flowrl.engines.hf.sampling import (
+    sample_scan,
+    sample_tokens,
+    stream_uniforms,
+    threefry2x32,
+)
 from flowrl.engines.hf.static import (
     LADDER,
     LOGIT_BYTES,
@@ -96,6 +101,45 @@ def test_tokens_drawn_from_stream_uniforms_follow_the_distribution():
     expected = probs.double() * 20000
     # 3 degrees of freedom, 0.1% critical value 16.27
     assert float(((counts - expected) ** 2 / expected).sum()) < 16.27
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 0, 0.9), (0.8, 50, 1.0), (1.0, 200, 0.8), (0.6, 0, 0.3)],
+)
+def test_one_scan_draws_what_the_host_sampler_draws(temperature, top_k, top_p):
+    """sample_scan (the device's one-scan sampler) against sample_tokens' host path at the
+    same uniforms: the same token but where a uniform falls within float rounding of a
+    boundary, and the same log-prob of the drawn token."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(512, 4096, generator=g) * 3  # peaked and flat rows alike
+    u = stream_uniforms(torch.arange(512), torch.full((512,), 5, dtype=torch.long))
+    host = sample_tokens(logits, temperature, top_k, top_p, True, None, True, u)
+    scan = sample_scan(logits, temperature, top_k, top_p, u)
+    same = host[0] == scan[0]
+    assert int(same.sum()) >= 510, int(same.sum())
+    torch.testing.assert_close(host[1][same], scan[1][same], atol=2e-5, rtol=0)
+    # and its log-prob is the drawn token's under the distribution it came from
+    recount = sample_tokens(logits, temperature, top_k, top_p, True, None, True, u)[1]
+    torch.testing.assert_close(recount[same], scan[1][same], atol=2e-5, rtol=0)
+
+
+def test_one_scan_keeps_the_nucleus_and_top_k_candidates_only():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(64, 300, generator=g)
+    for trial in range(20):
+        u = stream_uniforms(torch.arange(64), torch.full((64,), trial, dtype=torch.long))
+        token, _ = sample_scan(logits, 1.0, 0, 0.5, u)
+        probs, ranked = logits.softmax(-1).sort(-1, descending=True)
+        inside = (probs.cumsum(-1) - probs) < 0.5
+        for row in range(64):
+            assert token[row] in ranked[row][inside[row]]
+        token, _ = sample_scan(logits, 1.0, 5, 1.0, u)
+        assert all(token[r] in logits[r].topk(5).indices for r in range(64))
+    # top_p that no token reaches alone still keeps the most likely one
+    token, logprob = sample_scan(logits, 1.0, 0, 1e-6, u)
+    assert torch.equal(token, logits.argmax(-1))
+    torch.testing.assert_close(logprob, torch.zeros(64), atol=1e-6, rtol=0)
 
 
 def test_nucleus_without_read_back_keeps_the_same_candidates():
