@@ -60,7 +60,7 @@ class Params(RolloutParams):
     interaction: str = ""  # "file.py:reply" (a function) or "file.py:Cls" (verl interaction)
     interaction_config: str = ""  # a verl interaction YAML; rows pick by interaction_kwargs.name
     interact_on_cut: bool = False  # the interaction answers a turn cut by max_turn_tokens
-    env: str = ""  # "file.py:Cls": a Gymnasium environment of text (flowrl/agent/environments.py)
+    env: str = ""  # "file.py:Cls": an environment of text, Gymnasium's API or OpenEnv's
     script_first_turn: bool = False  # first turn = a call of each tool (--tiny sets it)
 
 

@@ -57,16 +57,25 @@ class FunctionInteraction:
 def load_interactions(reference: str, config: str, base_dir: str, env: str = "") -> dict:
     """{name: interaction}: a verl interaction YAML's by name, or "" -> the one `interaction`
     names (a function, or a verl BaseInteraction class with verl's default name), or the
-    Gymnasium environment `env` names (flowrl/agent/environments.py)."""
+    environment `env` names (Gymnasium's API or an OpenEnv `Environment`: `environment`)."""
     if env:
-        from flowrl.agent.environments import EnvironmentInteraction
-
-        return {"": EnvironmentInteraction(load_object(env, base_dir, "env"), label=env)}
+        return {"": environment(load_object(env, base_dir, "env"), env)}
     if config:
         return load_interaction_config(config, base_dir)
     if not reference:
         return {}
     return {"": as_interaction(load_object(reference, base_dir, "interaction"), reference)}
+
+
+def environment(cls, label: str):
+    """The interaction of an environment class: an OpenEnv `Environment` (served on loopback,
+    flowrl/agent/openenv_envs.py), else a Gymnasium-shaped one (flowrl/agent/environments.py)."""
+    from flowrl.agent.environments import EnvironmentInteraction
+    from flowrl.agent.openenv_envs import OpenEnvInteraction, is_openenv
+
+    if is_openenv(cls):
+        return OpenEnvInteraction(cls, label=label)
+    return EnvironmentInteraction(cls, label=label)
 
 
 def as_interaction(target, label: str = ""):
@@ -77,11 +86,12 @@ def as_interaction(target, label: str = ""):
     if isinstance(target, FunctionInteraction | VerlInteraction):
         return target
     from flowrl.agent.environments import EnvironmentInteraction, is_environment
+    from flowrl.agent.openenv_envs import OpenEnvInteraction, is_openenv
 
-    if isinstance(target, EnvironmentInteraction):
+    if isinstance(target, EnvironmentInteraction | OpenEnvInteraction):
         return target
-    if is_environment(target):  # a Gymnasium environment class of text
-        return EnvironmentInteraction(target, label=label)
+    if is_openenv(target) or is_environment(target):  # an environment class of text
+        return environment(target, label)
     if inspect.isclass(target):
         if not is_verl_interaction(target):
             raise ToolError(
