@@ -30,9 +30,7 @@ from __future__ import annotations
 import asyncio
 import math
 import numbers
-import socket
 import threading
-import time
 import typing
 
 from flowrl import contracts
@@ -203,38 +201,20 @@ class OpenEnvInteraction:
 
 
 class LoopbackServer:
-    """An ASGI app under uvicorn on 127.0.0.1, in a daemon thread, on a port bound before it
-    starts (no race for a free port)."""
+    """OpenEnv's app on 127.0.0.1 at a free port, on a thread of this process."""
 
     def __init__(self, app):
-        import uvicorn
+        from flowrl.serve.server import Threaded
 
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(quiet_disconnects(app), log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
-            name="flowrl-openenv",
-        )  # fmt: skip
+        self.threaded = Threaded(quiet_disconnects(app), name="an OpenEnv server")
+        self.url = self.threaded.url
 
     def start(self) -> LoopbackServer:
-        self.thread.start()
-        deadline = time.monotonic() + SERVER_START_S
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the OpenEnv server on {self.url} did not start")
-            time.sleep(0.005)
+        self.threaded.start(SERVER_START_S)
         return self
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        if self.thread.is_alive():
-            self.server.force_exit = True
-            self.thread.join(10)
-        self.sock.close()
+        self.threaded.stop()
 
 
 def quiet_disconnects(app):

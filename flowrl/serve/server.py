@@ -17,7 +17,50 @@ from flowrl.serve.app import Keys, make_app
 from flowrl.serve.endpoint import Endpoint
 
 
-class Server:
+class Threaded:
+    """An ASGI app under uvicorn on a thread of this process, on a socket bound before it
+    starts (port 0: a free one, with no race for it)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, name: str = "flowrl-serve"):
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((host, port))
+        self.host, self.port, self.name = host, self.socket.getsockname()[1], name
+        config = uvicorn.Config(app, log_level="warning", access_log=False)
+        self.server = uvicorn.Server(config)
+        self.thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0):
+        self.thread = threading.Thread(
+            target=self.server.run,
+            kwargs={"sockets": [self.socket]},
+            name=self.name,
+            daemon=True,
+        )
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not start on {self.host}:{self.port}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+            if self.thread.is_alive():
+                self.server.force_exit = True
+                self.thread.join(timeout=10)
+        self.socket.close()
+
+
+class Server(Threaded):
     """The endpoint served by uvicorn on a thread of this process.
 
     Args:
@@ -30,40 +73,15 @@ class Server:
 
     def __init__(self, endpoint: Endpoint, keys: Keys, host: str = "127.0.0.1", port: int = 0):
         self.endpoint, self.keys = endpoint, keys
-        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.socket.bind((host, port))
-        self.host, self.port = host, self.socket.getsockname()[1]
-        config = uvicorn.Config(make_app(endpoint, keys), log_level="warning", access_log=False)
-        self.server = uvicorn.Server(config)
-        self.thread: threading.Thread | None = None
+        super().__init__(make_app(endpoint, keys), host, port, name="the endpoint")
 
     @property
     def base_url(self) -> str:
         """What an OpenAI client takes as `base_url` (ends in /v1)."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return f"http://{host}:{self.port}/v1"
+        return f"{self.url}/v1"
 
     def start(self, timeout_s: float = 30.0) -> Server:
-        self.thread = threading.Thread(
-            target=self.server.run,
-            kwargs={"sockets": [self.socket]},
-            name="flowrl-serve",
-            daemon=True,
-        )
-        self.thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the endpoint did not start on {self.host}:{self.port}")
-            time.sleep(0.01)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        if self.thread is not None:
-            self.thread.join(timeout=10)
-        self.socket.close()
+        return super().start(timeout_s)
 
     def __enter__(self) -> Server:
         return self.start()
