@@ -8,8 +8,10 @@ The worker serves the rollout engine on 127.0.0.1 (flowrl/serve/) and runs the p
 per (row, sample): a function "file.py:name" (sync or async) given the endpoint's base URL,
 its episode's key and the row ({"prompt": messages, "extra_info": ..., "index", "sample"}), or
 a `command` run as a child process with OPENAI_BASE_URL / OPENAI_API_KEY set (the row on its
-stdin). A call that sets no temperature / top_p / top_k gets the node's; with `do_sample =
-false` (validation) every call is greedy; `max_new_tokens` caps each call. Every call is
+stdin), or `env = "verifiers:..."`: a verifiers environment's episode for the row's task
+(flowrl/serve/verifiers_envs.py; its rubric's reward, with `returns = "reward"`). A call
+that sets no temperature / top_p / top_k gets the node's; with `do_sample = false`
+(validation) every call is greedy; `max_new_tokens` caps each call. Every call is
 recorded (prompt ids, completion ids, log-probs, policy version); the episode's row is its
 calls from the row's prompt on: each completion trained (mask 1), what the program added
 between calls attended to (mask 0). A call that rewrites the history starts
@@ -35,6 +37,7 @@ from flowrl.params import checked, count, one_of, positive
 class Params(RolloutParams):
     program: str = ""  # "file.py:function" (sync or async): (base_url, api_key, row) -> result
     command: str = ""  # or a command line run per episode (OPENAI_BASE_URL, OPENAI_API_KEY)
+    env: str = ""  # or "verifiers:file.py" / "verifiers:<id>": a verifiers environment's episodes
     returns: str = checked("answer", one_of(("answer", "reward")))  # reward: writes scores
     max_concurrent: int = checked(8, count(1, 4096))  # episodes running at once
     episode_timeout_s: float = checked(120.0, positive())  # one episode, wall time
@@ -44,9 +47,11 @@ class Params(RolloutParams):
 def check(p: Params, context) -> list:
     from flowrl.hooks import Finding
 
-    if bool(p.program) == bool(p.command):
-        fix = 'program = "my_agent.py:solve", or command = "python my_agent.py"'
-        return [Finding("give exactly one of program and command", fix)]
+    if sum(map(bool, (p.program, p.command, p.env))) != 1:
+        fix = 'program = "agent.py:solve", command = "python agent.py" or env = "verifiers:..."'
+        return [Finding("give exactly one of program, command and env", fix)]
+    if p.env:
+        return _env_findings(p, context)
     file, _, name = p.program.rpartition(":")
     if p.program and not (file.endswith(".py") and name):
         return [
@@ -63,6 +68,23 @@ def check(p: Params, context) -> list:
             )
         ]
     return []
+
+
+def _env_findings(p: Params, context) -> list:
+    from flowrl.hooks import Finding
+
+    ref = p.env.removeprefix("verifiers:")
+    if not p.env.startswith("verifiers:") or not ref:
+        fix = 'env = "verifiers:my_env.py" (a file next to the graph) or "verifiers:<env id>"'
+        return [Finding(f'env = "{p.env}" is not a verifiers environment', fix)]
+    out = []
+    if ref.endswith(".py") and not (Path(context.base_dir) / ref).is_file():
+        where = Path(context.base_dir) / ref
+        out.append(Finding(f'env = "{p.env}": no file {where}', "give it relative to the graph"))
+    if p.returns != "reward":
+        what = "a verifiers environment's rubric scores its episodes"
+        out.append(Finding(what, 'returns = "reward"'))
+    return out
 
 
 class ProgramWorker:
@@ -84,11 +106,24 @@ class ProgramWorker:
         )
         return Server(endpoint, Keys(required=True)).start()
 
+    def _program(self, base_dir: str):
+        """The function run per episode: the program's, or a verifiers environment's episode
+        (flowrl/serve/verifiers_envs.py), loaded once."""
+        from flowrl.serve.programs import load_program
+
+        if not self.params.env:
+            return load_program(self.params.program, base_dir)
+        if getattr(self, "verifiers", None) is None:
+            from flowrl.serve.verifiers_envs import VerifiersProgram
+
+            self.verifiers = VerifiersProgram(self.params.env, base_dir)
+        return self.verifiers.episode
+
     def __call__(self, batch):
         from flowrl.engines.rollout import Sampling
         from flowrl.nodes.generate import generation_metrics, step_seed
         from flowrl.serve.program_rows import program_metrics, program_rows, refused, rows_for
-        from flowrl.serve.programs import load_program, run_episodes
+        from flowrl.serve.programs import run_episodes
 
         p, start = self.params, time.perf_counter()
         base_dir = batch.meta.get("base_dir", ".")
@@ -98,7 +133,7 @@ class ProgramWorker:
         endpoint.version, endpoint.seed = int(batch.meta.get("step", 0)), step_seed(batch.meta)
         # the node's sampling for calls that give none; do_sample = false (validation): greedy
         endpoint.sampling = Sampling(p.temperature, p.top_p, p.top_k, p.do_sample)
-        program = p.command or load_program(p.program, base_dir)
+        program = p.command or self._program(base_dir)
         rows, prompts = rows_for(batch, p.n)
         self.step, refused_before = self.step + 1, refused(endpoint)
         outcomes = self.engine.run(

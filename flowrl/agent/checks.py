@@ -29,17 +29,21 @@ def agent_findings(p, context: CheckContext) -> list[Finding]:
     if sum(map(bool, (p.interaction, p.interaction_config, p.env))) > 1:
         out.append(Finding("interaction, interaction_config and env: several are set", "keep one"))
     interactions = {}
-    try:  # instantiates verl interaction classes as verl's registry does
-        from flowrl.agent.interactions import load_interactions
+    if p.env.startswith("verifiers:"):  # verifiers runs its own loop: the program node's door
+        fix = f'uses = "agent_program" with env = "{p.env}" (docs/agents.md, verifiers)'
+        out.append(Finding(f'env = "{p.env}": a verifiers environment is not an interaction', fix))
+    else:
+        try:  # instantiates verl interaction classes as verl's registry does
+            from flowrl.agent.interactions import load_interactions
 
-        interactions = load_interactions(
-            p.interaction, p.interaction_config, context.base_dir, p.env
-        )
-    except Exception as e:
-        fix = 'interaction = "file.py:reply" or interaction_config = "interaction.yaml"'
-        if p.env:
-            fix = 'env = "file.py:Cls", a Gymnasium environment (reset, step) of text'
-        out.append(Finding(f"{'env' if p.env else 'interaction'}: {e}", fix))
+            interactions = load_interactions(
+                p.interaction, p.interaction_config, context.base_dir, p.env
+            )
+        except Exception as e:
+            fix = 'interaction = "file.py:reply" or interaction_config = "interaction.yaml"'
+            if p.env:
+                fix = "env = \"file.py:Cls\", an environment of text (Gymnasium's or OpenEnv's)"
+            out.append(Finding(f"{'env' if p.env else 'interaction'}: {e}", fix))
     template = None
     try:
         from flowrl.agent.prompt import read_template

@@ -14,8 +14,9 @@ from flowrl.samplers import UniformOptions, UniformSampler, checked_draw
 
 
 def make_rows(source: str, split: str, size: int, seed: int, base_dir=".") -> list[dict]:
-    """ "arithmetic", "calculator" or "arithmetic_preferences" -> a built-in task; else a data
-    file relative to base_dir."""
+    """ "arithmetic", "calculator" or "arithmetic_preferences" -> a built-in task;
+    "verifiers:<file.py or id>" -> a verifiers environment's tasks; else a data file relative
+    to base_dir."""
     if source == "arithmetic":
         return arithmetic_rows(split, size, seed)
     if source == "calculator":
@@ -24,6 +25,10 @@ def make_rows(source: str, split: str, size: int, seed: int, base_dir=".") -> li
         return arithmetic_preference_rows(split, size, seed)
     if source == "calculator_tools":  # the tool shown by its schema only
         return calculator_rows(split, size, seed, schema_only=True)
+    if source.startswith("verifiers:"):  # a verifiers environment's tasks
+        from flowrl.serve.verifiers_envs import task_rows
+
+        return task_rows(source, base_dir)
     path = Path(source) if Path(source).is_absolute() else Path(base_dir) / source
     return load_rows(path)
 

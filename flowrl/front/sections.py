@@ -57,14 +57,24 @@ def check_data(data: schema.DataConfig, base_dir: Path, errors: Collector, overr
         source = getattr(data, key)
         if not source or source in schema.BUILTIN_SOURCES:
             continue
-        path = Path(source) if Path(source).is_absolute() else base_dir / source
         origin = said(overridden, f"data.{key}")
+        if source.startswith("verifiers:"):  # a verifiers environment's tasks
+            ref = source.removeprefix("verifiers:")
+            if ref.endswith(".py") and not (base_dir / ref).is_file():
+                errors.add(
+                    f"[data] {key}",
+                    f'{origin}"{source}": no file {base_dir / ref}',
+                    "give the environment's file relative to the graph, or an installed id",
+                )
+            continue
+        path = Path(source) if Path(source).is_absolute() else base_dir / source
         if path.suffix not in schema.DATA_SUFFIXES:
             errors.add(
                 f"[data] {key}",
                 f'{origin}"{source}" is neither a built-in source nor a data file',
-                f"use {one_of(schema.BUILTIN_SOURCES)} or a "
-                f"{' / '.join(schema.DATA_SUFFIXES)} file in verl's format",
+                f"use {one_of(schema.BUILTIN_SOURCES)}, a "
+                f"{' / '.join(schema.DATA_SUFFIXES)} file in verl's format or "
+                '"verifiers:<env>"',
             )
         elif not path.is_file():
             errors.add(

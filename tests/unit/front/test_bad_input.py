@@ -280,6 +280,24 @@ CASES = [
         ['override "models.policy.pool=gpu"', "[models.policy]", 'pool "gpu" is not defined'],
     ),
     (
+        "verifiers-env-on-the-agent-node",
+        GRPO.replace('uses = "generate"', 'uses = "agent"\nenv = "verifiers:game.py"'),
+        [],
+        ["[nodes.generate]", "a verifiers environment is not an interaction", "agent_program"],
+    ),
+    (
+        "verifiers-env-answering",
+        GRPO.replace('uses = "generate"', 'uses = "agent_program"\nenv = "verifiers:game.py"'),
+        [],
+        ["[nodes.generate]", "no file", "game.py", 'returns = "reward"'],
+    ),
+    (
+        "verifiers-source-missing",
+        GRPO.replace('source = "arithmetic"', 'source = "verifiers:tasks.py"'),
+        [],
+        ["[data] source", '"verifiers:tasks.py": no file', "tasks.py"],
+    ),
+    (
         "override-model",
         GRPO,
         ["nodes.generate.model=polcy"],

@@ -38,8 +38,8 @@ on_policy = true
 @pytest.mark.parametrize(
     "how, says",
     [
-        ("", "give exactly one of program and command"),
-        ('program = "a.py:f"\ncommand = "python a.py"', "give exactly one of program and command"),
+        ("", "give exactly one of program, command and env"),
+        ('program = "a.py:f"\ncommand = "python a.py"', "give exactly one of program, command and env"),
         ('program = "agent.py"', 'is not "file.py:function"'),
         ('program = "missing.py:solve"', "no file"),
     ],
