@@ -130,7 +130,8 @@ class ProgramWorker:
         if self.server is None:
             self.server = self._serve()
         endpoint = self.server.endpoint
-        endpoint.version, endpoint.seed = int(batch.meta.get("step", 0)), step_seed(batch.meta)
+        endpoint.set_version(int(batch.meta.get("step", 0)))
+        endpoint.seed = step_seed(batch.meta)
         # the node's sampling for calls that give none; do_sample = false (validation): greedy
         endpoint.sampling = Sampling(p.temperature, p.top_p, p.top_k, p.do_sample)
         program = p.command or self._program(base_dir)

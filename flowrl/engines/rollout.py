@@ -191,7 +191,10 @@ class RolloutBase:
     def reload(self, parts: tuple[str, ...]) -> None:
         pass
 
+    weights_version = 0  # weight syncs taken so far (the endpoint stamps calls with it)
+
     def sync_weights(self, source) -> None:
+        self.weights_version += 1
         if source is not self.module:
             self.module.load_state_dict(source.state_dict())
 

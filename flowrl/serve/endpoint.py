@@ -75,12 +75,13 @@ class Endpoint:
     sampling: Sampling | None = None
     chat_template: str | None = None
     base_dir: str = "."
-    version: int = 0  # the policy version: the trainer raises it at each weight sync
+    version: int = 0  # the policy version set at the step's start (`set_version`)
     stats: Counter = attrs.field(factory=Counter)  # calls, tokens, errors by code
     last_error: str = ""  # the traceback of the last request the engine failed
     inflight: dict = attrs.field(factory=dict)  # episode -> {(loop, job)} sampling now
     chat: ChatTokens = attrs.field(init=False)
     calls: int = attrs.field(init=False, default=0)
+    synced_at: int = attrs.field(init=False, default=0)  # the backend's syncs at set_version
 
     def __attrs_post_init__(self):
         self.chat = ChatTokens(self.backend.tokenizer, self.chat_template)
@@ -88,6 +89,15 @@ class Endpoint:
     @property
     def tokenizer(self):
         return self.backend.tokenizer
+
+    def set_version(self, version: int) -> None:
+        """The policy version from now on (a step's start): a weight sync the backend takes
+        later (`weights_version`, e.g. under run.staleness while an episode runs) raises it."""
+        self.version, self.synced_at = version, getattr(self.backend, "weights_version", 0)
+
+    def policy_version(self) -> int:
+        """The version a call starting now samples with."""
+        return self.version + getattr(self.backend, "weights_version", 0) - self.synced_at
 
     def models(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "flowrl"}
@@ -172,7 +182,7 @@ class Endpoint:
         sampling = self._sampling(body)
         self.calls += 1
         base = body.seed if body.seed is not None else mix(self.seed, self.calls)
-        version = self.version
+        version = self.policy_version()  # at the call's start
         requests = [Request(ids, limit, sampling, seed=mix(base, i)) for i in range(body.n)]
         results = await self._generate(requests, episode)
         samples = [self._cut(r.ids, r.logprobs, r.finish_reason, stops) for r in results]

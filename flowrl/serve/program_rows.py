@@ -101,13 +101,22 @@ def spans(ids: list[int], mask: list[int], tokenizer) -> list[tuple[str, bool]]:
 
 
 def program_metrics(outcomes, refused: int) -> dict:
-    """Shares of episodes by how they ended, calls per episode, the calls the endpoint refused
+    """Shares of episodes by how they ended, calls per episode, the share of episodes whose
+    calls span more than one policy version and the largest span, the calls the endpoint refused
     during the rollout (`refused`: a wrong key, a bad request; the runtime logs failed
     episodes' first errors and skips a step where most failed)."""
     count = max(len(outcomes), 1)
     out = {f"episodes/{kind}": sum(o.kind == kind for o in outcomes) / count for kind in KINDS}
     out["calls_per_episode"] = sum(len(o.calls) for o in outcomes) / count
     out["episode_seconds_max"] = max((o.seconds for o in outcomes), default=0.0)
+    # staleness inside an episode: a weight sync between its calls (run.staleness)
+    spans = [
+        max(c.version for c in o.calls) - min(c.version for c in o.calls)
+        for o in outcomes
+        if o.calls
+    ]
+    out["episodes_across_versions"] = sum(s > 0 for s in spans) / count
+    out["version_span_max"] = float(max(spans, default=0))
     out["refused_calls"] = float(refused)
     return out
 

@@ -117,6 +117,7 @@ class HFRollout(RolloutBase):
         if self.view is None:
             super().sync_weights(source)
         else:
+            self.weights_version += 1
             refresh_in_place(self.view, source)
 
     def offload(self, parts: tuple[str, ...]) -> None:

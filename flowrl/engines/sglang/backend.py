@@ -233,7 +233,7 @@ class SGLangRollout(RolloutBase):
     def sync_weights(self, source: torch.nn.Module) -> None:
         """Take the trained weights of `source`: pushed now if SGLang holds its weights, else
         when they are resumed (a resume pushes them anyway)."""
-        self.module = source
+        self.module, self.weights_version = source, self.weights_version + 1
         if "weights" not in self.released:
             self._push()
 

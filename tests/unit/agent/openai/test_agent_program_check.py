@@ -39,7 +39,10 @@ on_policy = true
     "how, says",
     [
         ("", "give exactly one of program, command and env"),
-        ('program = "a.py:f"\ncommand = "python a.py"', "give exactly one of program, command and env"),
+        (
+            'program = "a.py:f"\ncommand = "python a.py"',
+            "give exactly one of program, command and env",
+        ),
         ('program = "agent.py"', 'is not "file.py:function"'),
         ('program = "missing.py:solve"', "no file"),
     ],

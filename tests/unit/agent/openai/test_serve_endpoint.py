@@ -436,3 +436,64 @@ def test_an_agents_conversation_becomes_one_row_the_trainer_agrees_with(served, 
     messages[1] = {"role": "assistant", "content": "edited"}
     ask(client, messages=messages, max_tokens=4, seed=1)
     assert len(segments(calls + served.endpoint.recorder.take("conversation"))) == 2
+
+
+def test_a_weight_update_in_the_middle_of_an_episode_stamps_both_versions(served, model):
+    """A real weight sync between two calls of one episode (what run.staleness can do while
+    a program runs): the second call is stamped with the next version and sampled by the new
+    weights (its log-probs are the new model's, within 1e-4, not the old one's); the row keeps
+    both versions and the node's metrics count the episode as spanning two."""
+    import copy
+
+    from flowrl.serve.program_rows import program_metrics
+    from flowrl.serve.programs import Outcome
+
+    def recompute(module, call):
+        ids = torch.tensor([call.completion_ids])
+        batch = DataProto.from_dict(
+            {
+                "prompts": torch.tensor([call.prompt_ids]),
+                "prompt_mask": torch.ones(1, len(call.prompt_ids), dtype=torch.long),
+                "responses": ids,
+                "response_mask": torch.ones_like(ids),
+                "response_attention": torch.ones_like(ids),
+            }
+        )
+        engine = TrainEngine(module, tiny_tokenizer(), trainable=False)
+        return engine.forward(batch, grad=False)["logprobs"][0]
+
+    backend, endpoint = served.endpoint.backend, served.endpoint
+    old = copy.deepcopy(model)
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    client = openai.OpenAI(
+        base_url=served.base_url,
+        api_key=KEY,
+        max_retries=0,
+        default_headers={"X-Episode-Id": "across-a-sync"},
+    )
+    endpoint.set_version(5)
+    try:
+        r = ask(client, max_tokens=8, seed=10)
+        backend.sync_weights(new)  # the trainer's sync, while the episode runs
+        messages = [*HI, {"role": "assistant", "content": r.choices[0].message.content}]
+        ask(
+            client,
+            messages=[*messages, {"role": "user", "content": "Sure?"}],
+            max_tokens=8,
+            seed=11,
+        )
+    finally:
+        backend.sync_weights(old)  # the module-scoped model as it was
+        endpoint.set_version(0)
+    first, second = endpoint.recorder.take("across-a-sync")
+    assert (first.version, second.version) == (5, 6)
+    for call, module in ((first, old), (second, new)):
+        got = torch.tensor(call.logprobs)
+        assert (recompute(module, call) - got).abs().max() < 1e-4
+    assert (recompute(old, second) - torch.tensor(second.logprobs)).abs().max() > 1e-3
+    outcome = Outcome(reward=1.0, calls=[first, second])
+    metrics = program_metrics([outcome, Outcome(reward=0.0, calls=[first])], refused=0)
+    assert metrics["episodes_across_versions"] == 0.5 and metrics["version_span_max"] == 1.0
