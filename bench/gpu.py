@@ -308,7 +308,10 @@ def summarise(results: dict, smoke: bool) -> dict:
         return ratio((mine or {}).get("median_step_s"), (theirs or {}).get("median_step_s"))
 
     headline = (got("decode_runner") or {}).get(key) or {}
-    graphs = {k: headline.get(k) for k in ("graphs", "compiled", "capture_s", "warnings")}
+    graphs = {
+        k: headline.get(k)
+        for k in ("graphs", "compiled", "sampler_compiled", "capture_s", "warnings")
+    }
 
     val = (got("learning") or {}).get("val", {})
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
