@@ -141,7 +141,7 @@ SMOKE = Shapes(
 STEPS = (
     ("prepare", 45),
     ("smoke", 90),  # two tiny compiles on a GPU
-    ("decode_runner", 90),  # the step's compile (~30-60 s?) happens here
+    ("decode_runner", 100),  # the step's compile (~30-60 s?) and the sampler's happen here
     ("decode_generate", 45),
     ("grpo_small_flowrl", 35),
     ("grpo_small_flowrl_noskip", 30),
@@ -152,7 +152,7 @@ STEPS = (
     ("train", 30),
     ("learning", 75),
     ("decode_eager", 45),
-    ("colocation", 45),
+    ("colocation", 35),
 )
 BUDGET_S = 330.0  # bench/gpu_run.sh's default: with the install and the tests, call 2 <= 7 min
 SMOKE_SLOWER = 4  # --smoke: each step's limit and the budget times this (a CPU, maybe shared)
