@@ -14,9 +14,11 @@ that sets no temperature / top_p / top_k gets the node's; with `do_sample = fals
 (validation) every call is greedy; `max_new_tokens` caps each call. Every call is
 recorded (prompt ids, completion ids, log-probs, policy version); the episode's row is its
 calls from the row's prompt on: each completion trained (mask 1), what the program added
-between calls attended to (mask 0). A call that rewrites the history starts
-a segment the row cannot hold (the row's prompt is the dataset's): it is counted
-(`segments_dropped`), not trained. A program that fails (raises, hangs past
+between calls attended to (mask 0). A call that rewrites the history starts a new segment:
+with `max_segments = k` each episode has k rows, its first k segments (then empty rows) with
+`episode_share` 1/k so grpo and rloo take group statistics over episodes; segments past k,
+or whose prompt rewrote the row's own messages, are counted (`segments_dropped`), not
+trained. A program that fails (raises, hangs past
 `episode_timeout_s`, never calls, returns nothing usable, starts from another prompt) trains
 on nothing, counted by kind with its first error shown. docs/agents.md.
 """
@@ -42,6 +44,7 @@ class Params(RolloutParams):
     max_concurrent: int = checked(8, count(1, 4096))  # episodes running at once
     episode_timeout_s: float = checked(120.0, positive())  # one episode, wall time
     parser: str = "hermes"  # the endpoint's tool-call parser: "hermes", "tag", "file.py:fn"
+    max_segments: int = checked(1, count(1, 16))  # rows per episode: one per history rewrite
 
 
 def check(p: Params, context) -> list:
@@ -122,7 +125,13 @@ class ProgramWorker:
     def __call__(self, batch):
         from flowrl.engines.rollout import Sampling
         from flowrl.nodes.generate import generation_metrics, step_seed
-        from flowrl.serve.program_rows import program_metrics, program_rows, refused, rows_for
+        from flowrl.serve.program_rows import (
+            program_metrics,
+            program_rows,
+            refused,
+            rows_for,
+            segment_metrics,
+        )
         from flowrl.serve.programs import run_episodes
 
         p, start = self.params, time.perf_counter()
@@ -150,16 +159,21 @@ class ProgramWorker:
                 tag=f"{self.step}:",
             )
         )
-        out = program_rows(outcomes, prompts, self.engine.tokenizer, self.engine.pad, p.returns)
+        out = program_rows(
+            outcomes, prompts, self.engine.tokenizer, self.engine.pad, p.returns, p.max_segments
+        )
         metrics = generation_metrics(out["response_mask"], time.perf_counter() - start)
         refused_now = refused(endpoint) - refused_before
-        return out, {**metrics, **program_metrics(outcomes, refused_now)}
+        return out, {**metrics, **program_metrics(outcomes, refused_now), **segment_metrics(out)}
 
 
 SPEC = NodeSpec(
     reads=AGENT.reads,  # what the agent node reads and writes: it takes the agent node's place
     writes=AGENT.writes,
-    optional_writes={"scores": lambda p: p.returns == "reward"},
+    optional_writes={
+        "scores": lambda p: p.returns == "reward",
+        "episode_share": lambda p: p.max_segments > 1,
+    },
     params=Params,
     worker=ProgramWorker,
     mode="rollout",

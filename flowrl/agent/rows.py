@@ -156,6 +156,9 @@ def agent_metrics(episodes: list[Episode], stats) -> dict:
     }
     for reason in REASONS:
         out[f"termination/{reason}"] = sum(i["termination"] == reason for i in infos) / count
+    if any("env_terminated" in i for i in infos):  # an environment's own ends (a game won...)
+        for flag in ("env_terminated", "env_truncated"):
+            out[flag] = sum(bool(i.get(flag)) for i in infos) / count
     calls = [c for i in infos for c in i["calls"] if c["name"]]
     for name in sorted({c["name"] for c in calls}):  # per tool: calls and answered calls
         out[f"calls/{name}"] = sum(c["name"] == name for c in calls) / count

@@ -20,12 +20,17 @@ from flowrl.math import ops
 # -- group estimators: per-row scores (b,) and group ids (b,) -> (b,) ---------------------------
 
 
-def group_advantages(scores, uid, scale_by_std: bool = True, eps: float = 1e-6):
+def group_advantages(scores, uid, scale_by_std: bool = True, eps: float = 1e-6, share=None):
     """scores (b,), uid (b,) -> (b,): score minus its group's mean [/ (group std + eps)].
 
-    Groups of one sample get 0 (no baseline to compare with).
+    Groups of one sample get 0 (no baseline to compare with). `share` (b,): each row's share of
+    its episode (an episode of an agent program held in several rows, every row with the
+    episode's score: 1 / its rows): the group's mean and std are then the episodes', as if
+    each were one row.
     """
     scores = scores.float()
+    if share is not None:
+        return _shared_group_advantages(scores, uid, scale_by_std, eps, share.float())
     total, count = ops.group_sum_count(scores, uid)
     centered = scores - total / count
     if scale_by_std:
@@ -34,12 +39,32 @@ def group_advantages(scores, uid, scale_by_std: bool = True, eps: float = 1e-6):
     return torch.where(count > 1, centered, torch.zeros_like(centered))
 
 
-def leave_one_out_advantages(scores, uid):
+def _shared_group_advantages(scores, uid, scale_by_std, eps, share):
+    """group_advantages over episodes whose rows carry `share` of them (weights summing to 1
+    per episode): the weighted mean and the weighted unbiased std over episodes."""
+    total, _ = ops.group_sum_count(share * scores, uid)
+    episodes, _ = ops.group_sum_count(share, uid)
+    centered = scores - total / episodes
+    if scale_by_std:
+        squares, _ = ops.group_sum_count(share * centered**2, uid)
+        centered = centered / ((squares / (episodes - 1).clamp(min=1)).sqrt() + eps)
+    return torch.where(episodes > 1 + 1e-4, centered, torch.zeros_like(centered))
+
+
+def leave_one_out_advantages(scores, uid, share=None):
     """scores (b,), uid (b,) -> (b,): score minus the mean of the OTHER samples of its group.
 
-    With k samples: A_i = s_i - (sum_j s_j - s_i) / (k - 1); groups of one get 0.
+    With k samples: A_i = s_i - (sum_j s_j - s_i) / (k - 1); groups of one get 0. `share`
+    (b,): each row's share of its episode (see group_advantages): the other samples are the
+    other episodes.
     """
     scores = scores.float()
+    if share is not None:
+        share = share.float()
+        total, _ = ops.group_sum_count(share * scores, uid)
+        episodes, _ = ops.group_sum_count(share, uid)
+        baseline = (total - scores) / (episodes - 1).clamp(min=1)
+        return torch.where(episodes > 1 + 1e-4, scores - baseline, torch.zeros_like(scores))
     total, count = ops.group_sum_count(scores, uid)
     baseline = (total - scores) / (count - 1).clamp(min=1)
     return torch.where(count > 1, scores - baseline, torch.zeros_like(scores))
@@ -225,3 +250,14 @@ def remax_return_advantages(token_rewards, baseline_scores, response_mask):
     mask = response_mask.to(token_rewards.dtype)
     returns = torch.flip(torch.cumsum(torch.flip(token_rewards * mask, [-1]), -1), [-1])
     return (returns - baseline_scores.float()[:, None]) * mask
+
+
+def refuse_shared_episodes(batch, node: str) -> None:
+    """ValueError for an advantage node whose statistics take one row per episode, when an
+    agent program holds its episodes in several rows (`episode_share` written)."""
+    if "episode_share" in batch.keys():
+        raise ValueError(
+            f"advantage.{node} takes one row per episode, and an agent program holds its "
+            "episodes in several rows (max_segments > 1): use advantage.grpo or advantage.rloo "
+            "(they take group statistics over episodes), or max_segments = 1"
+        )

@@ -35,51 +35,76 @@ def rows_for(batch, n: int) -> tuple[list[dict], list[list[int]]]:
     return rows, ids
 
 
-def episode_row(outcome, prompt: list[int]) -> tuple[list[int], list[int], list[float], int]:
-    """(response ids, mask, log-probs, segments dropped) of one episode over its row's prompt."""
+def episode_rows(outcome, prompt: list[int], slots: int = 1) -> tuple[list[tuple], int]:
+    """([(response ids, mask, log-probs)] * slots, segments dropped) of one episode over its
+    row's prompt: its segments (record.segments) in order, each as the row's prompt followed
+    by the rest of the segment's prompt (attended to, mask 0) and its calls; `slots` rows, the
+    ones past its segments empty. A segment whose prompt does not start with the row's (the
+    history rewrote the row's own messages) cannot be held, nor can segments past `slots`:
+    both are counted dropped. A failed episode: every row empty."""
+    empty = ([], [], [])
     if outcome.kind != "ok":
-        return [], [], [], 0
+        return [empty] * slots, 0
     parts = segments(outcome.calls)
-    first = parts[0]
-    if first.prompt_ids[: len(prompt)] != prompt:
+    if parts[0].prompt_ids[: len(prompt)] != prompt:
         outcome.kind = "error"
         outcome.error = (
             "the program's first call does not start from the row's prompt: send the row's "
             "messages (row['prompt']) first, as given"
         )
-        return [], [], [], 0
-    delta = first.prompt_ids[len(prompt) :]
-    ids = delta + first.ids
-    return ids, [0] * len(delta) + first.mask, [0.0] * len(delta) + first.logprobs, len(parts) - 1
+        return [empty] * slots, 0
+    rows = []
+    for part in parts:
+        if len(rows) == slots or part.prompt_ids[: len(prompt)] != prompt:
+            continue
+        delta = part.prompt_ids[len(prompt) :]
+        zeros = [0] * len(delta)
+        rows.append((delta + part.ids, zeros + part.mask, [0.0] * len(delta) + part.logprobs))
+    dropped = len(parts) - len(rows)
+    return rows + [empty] * (slots - len(rows)), dropped
 
 
-def program_rows(outcomes, prompts: list[list[int]], tokenizer, pad: int, returns: str) -> dict:
-    """The node's outputs: responses, masks and log-probs (r, t), response_text and
-    rollout_info (r,), and scores (r,) with returns = "reward". rollout_info's `termination`
-    is "ok", or "error" / "timeout" for a failed episode (the runtime's failed requests: the
-    step log shows the first errors, and a step where most failed is not trained on)."""
-    made = [episode_row(o, p) for o, p in zip(outcomes, prompts, strict=True)]
-    r = len(made)
+def program_rows(
+    outcomes, prompts: list[list[int]], tokenizer, pad: int, returns: str, slots: int = 1
+) -> dict:
+    """The node's outputs, `slots` rows per episode (its segments, then empty rows): responses,
+    masks and log-probs (r, t), response_text and rollout_info (r,), scores (r,) with returns =
+    "reward", and with slots > 1 `episode_share` (r,), 1 / slots: each row's share of its
+    episode, so the advantage nodes that read it (grpo, rloo) take group statistics over
+    episodes. Every row of an episode carries its answer, reward and how it ended, so a row
+    statistic counts each episode `slots` times alike. rollout_info's `termination` is "ok", or
+    "error" / "timeout" for a failed episode (the runtime's failed requests: the step log shows
+    the first errors, and a step where most failed is not trained on)."""
+    made = [episode_rows(o, p, slots) for o, p in zip(outcomes, prompts, strict=True)]
+    r = len(made) * slots
     texts, infos = np.empty(r, dtype=object), np.empty(r, dtype=object)
-    for k, ((ids, mask, _, dropped), o) in enumerate(zip(made, outcomes, strict=True)):
-        texts[k] = o.answer or ""
+    rows = []
+    for k, ((parts, dropped), o) in enumerate(zip(made, outcomes, strict=True)):
         versions = sorted({c.version for c in o.calls})
-        infos[k] = {
-            "termination": {"ok": "stop", "timeout": "timeout"}.get(o.kind, "error"),
-            "program_end": o.kind,
-            "error": f"{o.kind}: {o.error}" if o.error else "",
-            "messages": [_said(c, tokenizer) for c in o.calls],
-            "trained_spans": spans(ids, mask, tokenizer),
-            "calls": len(o.calls),
-            "segments_dropped": dropped,
-            "versions": versions,
-            "reward": o.reward,
-            "seconds": o.seconds,
-        }
-    tensors = response_tensors([(ids, mask, lps) for ids, mask, lps, _ in made], pad)
-    out = {**tensors, "response_text": texts, "rollout_info": infos}
+        held = sum(bool(ids) for ids, _, _ in parts)
+        for j, (ids, mask, lps) in enumerate(parts):
+            rows.append((ids, mask, lps))
+            texts[k * slots + j] = o.answer or ""
+            infos[k * slots + j] = {
+                "termination": {"ok": "stop", "timeout": "timeout"}.get(o.kind, "error"),
+                "program_end": o.kind,
+                "error": f"{o.kind}: {o.error}" if o.error else "",
+                "messages": [_said(c, tokenizer) for c in o.calls],
+                "trained_spans": spans(ids, mask, tokenizer),
+                "calls": len(o.calls),
+                "segment": j,
+                "segments_held": held,
+                "segments_dropped": dropped,
+                "versions": versions,
+                "reward": o.reward,
+                "seconds": o.seconds,
+            }
+    out = {**response_tensors(rows, pad), "response_text": texts, "rollout_info": infos}
     if returns == "reward":
-        out["scores"] = torch.tensor([o.reward or 0.0 for o in outcomes], dtype=torch.float32)
+        rewards = [o.reward or 0.0 for o in outcomes for _ in range(slots)]
+        out["scores"] = torch.tensor(rewards, dtype=torch.float32)
+    if slots > 1:
+        out["episode_share"] = torch.full((r,), 1.0 / slots)
     return out
 
 
@@ -119,6 +144,18 @@ def program_metrics(outcomes, refused: int) -> dict:
     out["version_span_max"] = float(max(spans, default=0))
     out["refused_calls"] = float(refused)
     return out
+
+
+def segment_metrics(out: dict) -> dict:
+    """Segments per episode (a history rewrite starts one) and those not trained (past
+    max_segments, or rewriting the row's own prompt), averaged over episodes."""
+    firsts = [i for i in out["rollout_info"] if i["segment"] == 0]
+    count = max(len(firsts), 1)
+    return {
+        "segments_per_episode": sum(i["segments_held"] + i["segments_dropped"] for i in firsts)
+        / count,
+        "segments_dropped": sum(i["segments_dropped"] for i in firsts) / count,
+    }
 
 
 def refused(endpoint) -> int:

@@ -23,6 +23,7 @@ class Params:
 
 
 def run(batch, params):
+    estimators.refuse_shared_episodes(batch, "gpg")
     adv = estimators.gpg_advantages(batch["scores"], batch["uid"], params.scale_by_std, params.eps)
     return {"advantages": adv[:, None] * batch["response_mask"]}  # (b, t)
 
@@ -33,4 +34,5 @@ SPEC = NodeSpec(
     params=Params,
     fn=run,
     groups=True,
+    reads_if_written=("episode_share",),  # to refuse it: see run
 )

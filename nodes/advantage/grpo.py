@@ -1,7 +1,7 @@
 """Group-relative advantages (GRPO, arXiv 2402.03300); Dr. GRPO without the std (2503.20783).
 The math is `flowrl.math.estimators.group_advantages`.
 
-reads: scores, uid, response_mask -> writes: advantages
+reads: scores, uid, response_mask (+ episode_share when written) -> writes: advantages
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ class Params:
 
 
 def run(batch, params):
+    share = batch["episode_share"] if "episode_share" in batch.keys() else None
     adv = estimators.group_advantages(
-        batch["scores"], batch["uid"], params.scale_by_std, params.eps
+        batch["scores"], batch["uid"], params.scale_by_std, params.eps, share
     )
     return {"advantages": adv[:, None] * batch["response_mask"]}  # (b, t)
 
@@ -32,4 +33,6 @@ SPEC = NodeSpec(
     params=Params,
     fn=run,
     groups=True,
+    # an agent program's episodes held in several rows (agent_program's max_segments)
+    reads_if_written=("episode_share",),
 )

@@ -21,6 +21,7 @@ class Params:
 
 
 def run(batch, params):
+    estimators.refuse_shared_episodes(batch, "opo")
     adv = estimators.opo_advantages(batch["scores"], batch["uid"], batch["response_mask"])
     return {"advantages": adv[:, None] * batch["response_mask"]}  # (b, t)
 
@@ -31,4 +32,5 @@ SPEC = NodeSpec(
     params=Params,
     fn=run,
     groups=True,
+    reads_if_written=("episode_share",),  # to refuse it: see run
 )

@@ -22,6 +22,7 @@ class Params:
 
 
 def run(batch, params):
+    estimators.refuse_shared_episodes(batch, "passk")
     adv = estimators.passk_advantages(batch["scores"], batch["uid"], params.k)
     return {"advantages": adv[:, None] * batch["response_mask"]}  # (b, t)
 
@@ -44,4 +45,5 @@ SPEC = NodeSpec(
     fn=run,
     groups=True,
     check=check,
+    reads_if_written=("episode_share",),  # to refuse it: see run
 )

@@ -135,3 +135,39 @@ def test_the_shipped_openai_agent_graph_runs(tmp_path):
     assert steps and all(m["generate/episodes/ok"] == 1.0 for m in steps)
     assert all(m["generate/calls_per_episode"] >= 1.0 for m in steps)
     assert any(m.get("update_policy/grad_norm", 0) > 0 for m in run.metrics)
+
+
+REWRITER = '''
+import openai
+
+
+def solve(base_url, api_key, row):
+    """Two calls; the second sends the first answer rewritten (as a template that drops a
+    reasoning block would): a break in the history."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = list(row["prompt"])
+    r = client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+    messages.append({"role": "assistant", "content": "(rewritten)"})
+    messages.append({"role": "user", "content": "Again?"})
+    r = client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+    return r.choices[0].message.content
+'''
+
+
+def test_an_episode_whose_history_is_rewritten_trains_every_segment(tmp_path):
+    """max_segments = 2: each episode is two rows, its two segments, both trained (nothing
+    dropped), and GRPO's groups are taken over episodes (episode_share)."""
+    (tmp_path / "agent.py").write_text(REWRITER)
+    how = 'program = "agent.py:solve"\nmax_segments = 2'
+    graph = write_graph(tmp_path, GRAPH, how=how, reward=RULE)
+    run = run_tiny(graph, tmp_path / "runs", **{"run.val_size": 0})
+    steps = [m for m in run.metrics if "generate/episodes/ok" in m]
+    assert steps and all(m["generate/episodes/ok"] == 1.0 for m in steps)
+    assert all(m["generate/segments_per_episode"] == 2.0 for m in steps)
+    assert all(m["generate/segments_dropped"] == 0.0 for m in steps)
+    assert any(m.get("update_policy/grad_norm", 0) > 0 for m in run.metrics)
+    # the default, one row per episode: the second segment is counted, not trained
+    graph = write_graph(tmp_path, GRAPH, how='program = "agent.py:solve"', reward=RULE)
+    run = run_tiny(graph, tmp_path / "runs1", **{"run.val_size": 0})
+    steps = [m for m in run.metrics if "generate/episodes/ok" in m]
+    assert all(m["generate/segments_dropped"] == 1.0 for m in steps)

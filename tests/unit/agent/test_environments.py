@@ -106,3 +106,19 @@ def test_what_an_environment_returns_is_checked_naming_its_line(env, said):
     info = episode.info()
     assert info["termination"] == "error" and said in info["error"]
     assert "test_environments.py:" in info["error"]  # the class's file:line
+
+
+def test_the_node_metrics_count_the_environments_own_ends():
+    """env_terminated / env_truncated: shares of the step's requests (a game won, lost)."""
+    from types import SimpleNamespace
+
+    from flowrl.agent.rows import agent_metrics
+
+    won = scripted_request(["7"], interaction=Guess, interaction_kwargs={"target": 7})
+    lost = scripted_request(["1", "1", "1"], interaction=Guess, interaction_kwargs={"target": 8})
+    stats = SimpleNamespace(seconds=lambda part: 1.0, overlap_s=0.0, turns=4)
+    metrics = agent_metrics([won, lost, lost], stats)
+    assert metrics["env_terminated"] == pytest.approx(1 / 3)
+    assert metrics["env_truncated"] == pytest.approx(2 / 3)
+    plain = scripted_request(["hi"], max_assistant_turns=1)
+    assert "env_terminated" not in agent_metrics([plain], stats)

@@ -123,3 +123,38 @@ def test_gpg_matches_loop(seed, scale_by_std):
             value /= statistics.stdev(group) + 1e-6
         expected.append(alpha * value)
     torch.testing.assert_close(gpg_advantages(scores, uid, scale_by_std), torch.tensor(expected))
+
+
+def test_group_statistics_over_episodes_held_in_several_rows():
+    """An episode in k rows, each with its score and share 1/k: GRPO's and RLOO's advantages
+    are those of the episodes as one row each (mean, unbiased std, leave-one-out)."""
+    import torch
+
+    from flowrl.math import estimators
+
+    episodes = torch.tensor([1.0, 0.0, 0.5, 0.25, 2.0])
+    uid = torch.tensor([0, 0, 0, 1, 1])
+    k = 3
+    rows = episodes.repeat_interleave(k)
+    rows_uid = uid.repeat_interleave(k)
+    share = torch.full((len(rows),), 1.0 / k)
+    for fn in (estimators.group_advantages, estimators.leave_one_out_advantages):
+        once = fn(episodes, uid)
+        spread = fn(rows, rows_uid, share=share)
+        torch.testing.assert_close(spread, once.repeat_interleave(k))
+        assert not torch.allclose(fn(rows, rows_uid), once.repeat_interleave(k))  # unweighted
+    # a group of one episode in k rows still gets 0
+    alone = estimators.group_advantages(
+        torch.ones(k), torch.zeros(k, dtype=torch.long), share=torch.full((k,), 1 / k)
+    )
+    assert alone.tolist() == [0.0] * k
+
+
+def test_one_row_per_episode_estimators_refuse_shared_episodes():
+    import pytest
+
+    from flowrl.math.estimators import refuse_shared_episodes
+
+    refuse_shared_episodes({"scores": 1}, "passk")  # one row per episode: fine
+    with pytest.raises(ValueError, match=r"advantage.passk .*max_segments > 1.*advantage.grpo"):
+        refuse_shared_episodes({"episode_share": 1}, "passk")
