@@ -9,16 +9,17 @@ request: OpenEnv's HTTP reset/step make a new environment per call):
 
     start   client.reset(seed=<the request's seed>, **<the row's interaction_kwargs>)
             the observation's text is the first user message, before turn 1
-    reply   client.step(<the action class with its one text field set to the model's turn>)
+    reply   client.step(<the action with its text field set to the model's turn>)
             -> the observation's text (the next user message), its reward (this turn's,
             `turn_rewards`; None counts 0) and `done`, which ends the request
     finish  client.close()
 
 OpenEnv has one `done` (no terminated / truncated split): it is kept as `env_terminated`,
 and `env_truncated` is False. Text: the action model (the class's first type argument,
-`Environment[Act, Obs, State]`) has exactly one str field besides `metadata`, the observation
-model (the second) one besides `done`, `reward` and `metadata`; anything else is refused when
-the graph is checked, with the class's file:line. A class that does not declare
+`Environment[Act, Obs, State]`) needs one required str field, every other field with a
+default (the model's turn goes there), or else the graph is refused when it is loaded, with
+the class's file:line; the observation model's text is its one str field, or all its fields
+(but done, reward, metadata) as "name: value" lines. A class that does not declare
 `SUPPORTS_CONCURRENT_SESSIONS = True` gets a server per concurrent request (OpenEnv refuses a
 second session on one), reused by later requests.
 
@@ -28,6 +29,7 @@ No torch; openenv is imported when the first request starts (it imports gradio: 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import numbers
 import threading
@@ -67,10 +69,35 @@ def is_openenv_base(origin) -> bool:
     )
 
 
-def text_field(model: type, skip: tuple[str, ...]) -> list[str]:
-    """The str fields of a pydantic model, but `skip`."""
-    fields = getattr(model, "model_fields", {})
-    return [name for name, f in fields.items() if name not in skip and f.annotation is str]
+OBSERVATION_SKIP = ("done", "reward", "metadata")
+
+
+def action_field(model: type) -> str | None:
+    """The field of the action model the model's turn goes into: its one str field, or of
+    several its one required str field when every other field has a default; None if the text
+    alone cannot make the action."""
+    fields = {k: f for k, f in getattr(model, "model_fields", {}).items() if k != "metadata"}
+    texts = [k for k, f in fields.items() if f.annotation is str]
+    required = [k for k, f in fields.items() if f.is_required()]
+    if len(texts) == 1 and set(required) <= set(texts):
+        return texts[0]
+    chosen = [k for k in texts if k in required]
+    return chosen[0] if len(chosen) == 1 and len(required) == 1 else None
+
+
+def observation_text(observation: dict, fields: list[str]) -> str:
+    """What the model reads of an observation: its one str field as it is, else every field
+    (in the model's order, the empty ones left out) as "name: value" lines."""
+    if len(fields) == 1 and isinstance(observation.get(fields[0]), str):
+        return observation[fields[0]]
+    lines = []
+    for name in fields:
+        value = observation.get(name)
+        if value is None or value == "" or value == [] or value == {}:
+            continue
+        shown = value if isinstance(value, str) else json.dumps(value, default=str)
+        lines.append(f"{name}: {shown}")
+    return "\n".join(lines)
 
 
 class OpenEnvInteraction:
@@ -84,24 +111,27 @@ class OpenEnvInteraction:
         action, observation = model_types(cls)
         fix = (
             f"declare the models: class {self.name}(Environment[MyAction, MyObservation, "
-            "State]), MyAction with one str field (the model's turn), MyObservation with one "
-            "str field (the text the model reads)"
+            "State]), MyAction with one required str field (the model's turn, its other fields "
+            "with defaults), MyObservation with the fields the model reads"
         )
         if action is None:
             raise ToolError(f'env "{label}": {self.place}: no action and observation models; {fix}')
-        self.action_field = text_field(action, ("metadata",))
-        self.observation_field = text_field(observation, ("done", "reward", "metadata"))
-        for what, model, found in (
-            ("action", action, self.action_field),
-            ("observation", observation, self.observation_field),
-        ):
-            if len(found) != 1:
-                raise ToolError(
-                    f'env "{label}": {self.place}: its {what} model {model.__name__} has '
-                    f"{len(found)} str fields ({', '.join(found) or 'none'}); an environment "
-                    f"of text needs exactly one: {fix}"
-                )
-        self.action_field, self.observation_field = self.action_field[0], self.observation_field[0]
+        self.action_field = action_field(action)
+        if self.action_field is None:
+            found = {k: f.annotation for k, f in action.model_fields.items() if k != "metadata"}
+            shown = ", ".join(f"{k}: {getattr(t, '__name__', t)}" for k, t in found.items())
+            raise ToolError(
+                f'env "{label}": {self.place}: its action model {action.__name__} '
+                f"({shown or 'no fields'}) cannot be made from the model's text: an environment "
+                f"of text needs one required str field, every other with a default: {fix}"
+            )
+        skip = OBSERVATION_SKIP
+        self.observation_fields = [k for k in observation.model_fields if k not in skip]
+        if not self.observation_fields:
+            raise ToolError(
+                f'env "{label}": {self.place}: its observation model {observation.__name__} has '
+                f"no field but done, reward and metadata: nothing for the model to read: {fix}"
+            )
         self.action, self.observation = action, observation
         self.concurrent = bool(getattr(cls, "SUPPORTS_CONCURRENT_SESSIONS", False))
         self.servers: list[LoopbackServer] = []  # started, not serving a request
@@ -185,12 +215,9 @@ class OpenEnvInteraction:
         return LoopbackServer(app).start()
 
     def _text(self, method: str, observation) -> str:
-        text = observation.get(self.observation_field) if isinstance(observation, dict) else None
-        if not isinstance(text, str):
-            raise self._bad(
-                method, f"an observation whose `{self.observation_field}` is a str", observation
-            )
-        return text
+        if not isinstance(observation, dict):
+            raise self._bad(method, "an observation of its model's fields", observation)
+        return observation_text(observation, self.observation_fields)
 
     def _bad(self, method: str, wanted: str, got) -> TypeError:
         shown = repr(got)

@@ -135,8 +135,8 @@ class TwoFields(Action):
     other: str
 
 
-class Numbers(Observation):
-    value: int = 0
+class Nothing(Observation):
+    pass
 
 
 class BadAction(Environment[TwoFields, Hint, State]):
@@ -151,17 +151,54 @@ class BadAction(Environment[TwoFields, Hint, State]):
         return State()
 
 
-class BadObservation(Environment[Guess, Numbers, State]):
+class BadObservation(Environment[Guess, Nothing, State]):
     reset, step, state = BadAction.reset, BadAction.step, BadAction.state
 
 
 def test_models_that_are_not_text_are_refused_with_the_class_and_the_fix():
-    with pytest.raises(ToolError, match=r"TwoFields has 2 str fields \(text, other\).*exactly one"):
+    with pytest.raises(ToolError, match=r"TwoFields \(text: str, other: str\) cannot be made"):
         OpenEnvInteraction(BadAction, label="envs.py:BadAction")
-    with pytest.raises(
-        ToolError, match=r"test_openenv_envs.py:\d+\): its observation model Numbers has 0 str"
-    ):
+    with pytest.raises(ToolError, match=r"test_openenv_envs.py:\d+\): its observation model "):
         OpenEnvInteraction(BadObservation, label="envs.py:BadObservation")
+
+
+class Run(Action):
+    code: str
+    timeout_s: int = 5  # a field with a default: the model's text goes to `code`
+
+
+class Ran(Observation):
+    stdout: str = ""
+    stderr: str = ""
+    exit_code: int = 0
+
+
+class Runner(Environment[Run, Ran, State]):
+    """Observations of several fields (a coding environment's): the model reads them as lines."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        return Ran(stdout="ready")
+
+    def step(self, action, timeout_s=None, **kwargs):
+        ok = action.code.strip() == "print(2 + 2)"
+        return Ran(stdout="4" if ok else "", stderr="" if ok else "SyntaxError", exit_code=1 - ok,
+                   reward=float(ok), done=ok)  # fmt: skip
+
+    @property
+    def state(self):
+        return State()
+
+
+def test_an_observation_of_several_fields_is_read_as_lines(close):
+    interaction = as_interaction(Runner)
+    assert interaction.action_field == "code"
+    info = run(interaction, close, ["print(2 +", "print(2 + 2)"])
+    users = [m["content"] for m in info["messages"] if m["role"] == "user"]
+    assert users == ["stdout: ready\nexit_code: 0", "stderr: SyntaxError\nexit_code: 1",
+                     "stdout: 4\nexit_code: 0"]  # fmt: skip
+    assert info["turn_rewards"] == [0.0, 1.0]
 
 
 class Broken(GuessGame):
