@@ -13,9 +13,10 @@ Per request, a fresh instance of the class (`Cls()`, or `Cls(**env_kwargs)`):
 
 The class is Gymnasium's API (`gymnasium.Env`, or any class with its `reset` and `step`):
 Gymnasium itself is not imported here. What the environment returns is checked where it comes
-back: an observation that is not text, a reward that is no finite number, `terminated` or
-`truncated` that are not booleans, or a `step` that does not return five values fail the
-request with the environment's file:line and what it returned.
+back: an observation that is neither text nor a dict of fields (read as "name: value"
+lines), a reward that is no finite number, `terminated` or `truncated` that are not booleans,
+or a `step` that does not return five values fail the request with the environment's
+file:line and what it returned.
 
 No torch.
 """
@@ -99,8 +100,16 @@ class EnvironmentInteraction:
             close()
 
     def _text(self, method: str, observation) -> str:
+        """The observation the model reads: a str as it is; a dict (a `spaces.Dict` of text
+        and numbers) as "name: value" lines, as an OpenEnv observation of several fields."""
+        if isinstance(observation, dict) and all(isinstance(k, str) for k in observation):
+            from flowrl.agent.openenv_envs import observation_text
+
+            return observation_text(observation, list(observation))
         if not isinstance(observation, str):
-            raise self._bad(method, "text (a str) as its observation", observation)
+            raise self._bad(
+                method, "text (a str, or a dict of fields) as its observation", observation
+            )
         return observation
 
     def _bad(self, method: str, wanted: str, got) -> TypeError:

@@ -95,7 +95,10 @@ def observation_text(observation: dict, fields: list[str]) -> str:
         value = observation.get(name)
         if value is None or value == "" or value == [] or value == {}:
             continue
-        shown = value if isinstance(value, str) else json.dumps(value, default=str)
+        if isinstance(value, str | numbers.Number):  # numpy's scalars too
+            shown = str(value)
+        else:
+            shown = json.dumps(value, default=str)
         lines.append(f"{name}: {shown}")
     return "\n".join(lines)
 

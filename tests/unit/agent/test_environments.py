@@ -96,7 +96,7 @@ class FourValues(Guess):
 @pytest.mark.parametrize(
     ("env", "said"),
     [
-        (Broken, "returned int 3; it must return text (a str) as its observation"),
+        (Broken, "returned int 3; it must return text (a str, or a dict of fields) as its observation"),
         (NaNReward, "returned float nan; it must return a finite number as its reward"),
         (FourValues, "it must return (observation, reward, terminated, truncated, info)"),
     ],
@@ -122,3 +122,25 @@ def test_the_node_metrics_count_the_environments_own_ends():
     assert metrics["env_truncated"] == pytest.approx(2 / 3)
     plain = scripted_request(["hi"], max_assistant_turns=1)
     assert "env_terminated" not in agent_metrics([plain], stats)
+
+
+class Board(Guess):
+    """Observations as a dict of fields (a `spaces.Dict`): read as "name: value" lines."""
+
+    def reset(self, *, seed=None, options=None):
+        text, info = super().reset(seed=seed, options=options)
+        return {"board": text, "tries_left": 3, "note": ""}, info
+
+    def step(self, action):
+        text, reward, terminated, truncated, info = super().step(action)
+        return {"board": text, "tries_left": 3 - self.tries}, reward, terminated, truncated, info
+
+
+def test_an_observation_of_fields_is_read_as_lines():
+    info = scripted_request(["4", "7"], interaction=Board, interaction_kwargs={"target": 7}).info()
+    users = [m["content"] for m in info["messages"] if m["role"] == "user"]
+    assert users == [
+        "board: Guess my number, 1 to 8.\ntries_left: 3",  # the empty note left out
+        "board: higher\ntries_left: 2",
+        "board: Right!\ntries_left: 1",
+    ]
