@@ -54,7 +54,9 @@ def tiny_overrides(graph, out_dir=None, scorer: str | None = VARIED_SCORER, **ex
     spec = dsl.load(graph) if isinstance(graph, str | Path) else graph
     out = [f'models.{name}.path="tiny"' for name in spec.models]
     out += [f"models.{name}.lr=0.01" for name, m in spec.models.items() if m.trainable]
-    out += [f"{key}={value}" for key, value in TINY_RUN.items()]
+    out += [f"{key}={value}" for key, value in TINY_RUN.items() if key != "run.val_size"]
+    # a graph's own smaller validation (0: off) stays: its data may hold fewer rows
+    out.append(f"run.val_size={min(TINY_RUN['run.val_size'], spec.run.val_size)}")
     out.append(f"data.max_prompt_len={CHARS_PER_TOKEN * spec.data.max_prompt_len}")
     minis = tiny_mini_batches(spec)
     for node_id, decl in spec.nodes.items():

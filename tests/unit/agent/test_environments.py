@@ -96,7 +96,7 @@ class FourValues(Guess):
 @pytest.mark.parametrize(
     ("env", "said"),
     [
-        (Broken, "returned int 3; it must return text (a str, or a dict of fields) as its observation"),
+        (Broken, "returned int 3; it must return text (a str, or a dict of fields) as its obs"),
         (NaNReward, "returned float nan; it must return a finite number as its reward"),
         (FourValues, "it must return (observation, reward, terminated, truncated, info)"),
     ],

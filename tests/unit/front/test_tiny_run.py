@@ -325,3 +325,14 @@ def test_the_summary_lists_interactions_from_every_source(tmp_path):
     metrics = [{"step": 1, "generate/interactions/reply": 1.5}]
     (line,) = lines('interaction = "judge.py:reply"', metrics)
     assert "interaction reply of [nodes.generate]: 1.50 replies per request" in line
+
+
+def test_a_graphs_smaller_validation_stays_in_the_tiny_run(tmp_path):
+    """--tiny validates on 4 prompts, fewer when the graph asks (0: off): a data source of a
+    few rows (a verifiers taskset) must not be emptied by the tiny run's hold-out."""
+    graph = ROOT / "graphs/grpo.toml"
+    for asked, expected in ((0, 0), (2, 2), (32, 4)):
+        text = graph.read_text().replace("val_size = ", f"val_size = {asked}  # was ", 1)
+        (tmp_path / "g.toml").write_text(text)
+        spec = compiler.compile_file(tmp_path / "g.toml", tiny_overrides(tmp_path / "g.toml")).spec
+        assert spec.run.val_size == expected, asked
