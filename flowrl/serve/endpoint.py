@@ -21,6 +21,7 @@ import asyncio
 import json
 import time
 import uuid
+import zlib
 from collections import Counter
 
 import attrs
@@ -58,7 +59,8 @@ class Endpoint:
             (None: what the context leaves).
         sampling: the settings of a request that gives none of its own (None: OpenAI's,
             temperature 1); with `do_sample` False every request is greedy (validation).
-        seed: the base of the seeds of requests that give none (each gets mix(seed, counter)).
+        seed: the base of the seeds of requests that give none (each gets one from its episode's
+            name and call count, or mix(seed, counter) outside an episode).
         recorder: where each call is recorded (record.py), or None.
         chat_template: a template text used instead of the tokenizer's, or None.
         base_dir: where a parser named by reference resolves.
@@ -81,6 +83,7 @@ class Endpoint:
     inflight: dict = attrs.field(factory=dict)  # episode -> {(loop, job)} sampling now
     chat: ChatTokens = attrs.field(init=False)
     calls: int = attrs.field(init=False, default=0)
+    episode_calls: Counter = attrs.field(init=False, factory=Counter)  # calls per episode
     synced_at: int = attrs.field(init=False, default=0)  # the backend's syncs at set_version
 
     def __attrs_post_init__(self):
@@ -89,6 +92,15 @@ class Endpoint:
     @property
     def tokenizer(self):
         return self.backend.tokenizer
+
+    def _call_seed(self, episode: str) -> int:
+        """The seed of a call that gives none: from the episode's name and its call count
+        (episodes run at once arrive in any order, so a global counter would make a rollout
+        depend on timing); a call of no episode counts on the endpoint's own calls."""
+        if not episode:
+            return mix(self.seed, self.calls)
+        self.episode_calls[episode] += 1
+        return mix(mix(self.seed, zlib.crc32(episode.encode())), self.episode_calls[episode])
 
     def set_version(self, version: int) -> None:
         """The policy version from now on (a step's start): a weight sync the backend takes
@@ -181,7 +193,7 @@ class Endpoint:
         limit = min(room if wanted is None else wanted, self.max_tokens or room)
         sampling = self._sampling(body)
         self.calls += 1
-        base = body.seed if body.seed is not None else mix(self.seed, self.calls)
+        base = body.seed if body.seed is not None else self._call_seed(episode)
         version = self.policy_version()  # at the call's start
         requests = [Request(ids, limit, sampling, seed=mix(base, i)) for i in range(body.n)]
         results = await self._generate(requests, episode)
@@ -222,6 +234,7 @@ class Endpoint:
     def cancel(self, episode: str) -> None:
         """End the calls of `episode` still sampling (from any thread): the engine drops them
         and each caller gets a 409. The program node calls it when an episode's time is up."""
+        self.episode_calls.pop(episode, None)  # its calls' seeds start again if reused
         for loop, job in self.inflight.pop(episode, set()):
             loop.call_soon_threadsafe(job.cancel)
 

@@ -171,3 +171,14 @@ def test_an_episode_whose_history_is_rewritten_trains_every_segment(tmp_path):
     run = run_tiny(graph, tmp_path / "runs1", **{"run.val_size": 0})
     steps = [m for m in run.metrics if "generate/episodes/ok" in m]
     assert all(m["generate/segments_dropped"] == 1.0 for m in steps)
+
+
+def test_an_agent_programs_run_repeats_whatever_order_its_calls_arrive_in(tmp_path):
+    """Calls that give no seed are seeded from their episode's name and call count, not from
+    the order the concurrent episodes' calls reach the endpoint: two runs train alike."""
+    (tmp_path / "agent.py").write_text(AGENT)
+    graph = write_graph(tmp_path, GRAPH, how='program = "agent.py:solve"', reward=RULE)
+    runs = [run_tiny(graph, tmp_path / f"runs{k}") for k in range(2)]
+    keys = ("score/mean", "update_policy/grad_norm", "generate/response_length")
+    seen = [[{k: m.get(k) for k in keys} for m in run.metrics] for run in runs]
+    assert seen[0] == seen[1]
